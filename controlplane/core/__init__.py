@@ -1,0 +1,1 @@
+"""Scheduling core: requests, block pool, KV cache manager, scheduler. No torch, no grpc."""

@@ -1,0 +1,87 @@
+"""Plain-data messages of one engine step: SchedulerOutput (the diff sent to
+every worker), ModelRunnerOutput (what the output rank returns) and
+EngineCoreOutput (what the engine hands to client streams).
+
+The wire module converts the first two to and from protobuf; nothing here
+knows about grpc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from controlplane.core.request import FinishReason, SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything a worker needs to create the request's CachedRequestState."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Non-empty only when a request with outputs is sent to workers that have
+    # never seen it (group re-formed); its tokens are recomputed.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Per-step deltas of requests the workers already hold, one column per field."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True: new_block_ids replaces the request's block list (back from preemption).
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Tokens appended since the workers last saw the request (the sampled ones).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step, for every scheduled request.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Finished or aborted since the previous step; workers drop their state.
+    finished_req_ids: set[str]
+    # Preempted this step; workers drop them from the batch but keep state.
+    preempted_req_ids: set[str]
+
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # Requests that sampled a token this step (partial prefills sample none).
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    forward_time_s: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens (and maybe the end) of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    # Message for FinishReason.ERROR (e.g. the worker group failed).
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,119 @@
+"""A request as the scheduler sees it: tokens, progress, status and stop rules.
+
+The controlplane owns every request for its whole life: the worker group only
+mirrors the parts it needs (CachedRequestState), so a request survives the
+loss of workers and can be recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is a finished state.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended, as reported to the client (mirrors kvloom.v1.FinishReason)."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+def finish_reason_of(status: RequestStatus) -> FinishReason | None:
+    return _FINISH_REASON.get(status)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Resolved sampling and stopping parameters (API defaults already applied)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Token ids that end generation unless ignore_eos (from the model's config).
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    # Extra key mixed into the first block hash so tenants do not share cache.
+    cache_salt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # prompt + output; appended in place so the scheduler never re-concatenates.
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache when first scheduled.
+    num_cached_tokens: int = -1
+    # How many of all_token_ids the workers have been sent (drives the diff).
+    num_tokens_sent: int = 0
+    num_preemptions: int = 0
+    # The token that matched a stop rule, when status is FINISHED_STOPPED.
+    stop_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)

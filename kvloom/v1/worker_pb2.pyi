@@ -1,0 +1,243 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_CURRENT: ProtocolVersion
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("protocol_version", "rank", "host", "device", "auth_token", "pid", "dist_port")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DIST_PORT_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    rank: int
+    host: str
+    device: str
+    auth_token: str
+    pid: int
+    dist_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., auth_token: _Optional[str] = ..., pid: _Optional[int] = ..., dist_port: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("rank", "world_size")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class InitDistributed(_message.Message):
+    __slots__ = ("master_addr", "master_port", "world_size", "rank", "tensor_parallel_size", "pipeline_parallel_size", "timeout_s")
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    timeout_s: float
+    def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class LoadModel(_message.Message):
+    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PP_LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    dtype: str
+    pp_layer_partition: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ProfileMemory(_message.Message):
+    __slots__ = ("block_size", "kv_cache_memory_bytes", "gpu_memory_utilization")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+    def __init__(self, block_size: _Optional[int] = ..., kv_cache_memory_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
+
+class MemoryProfile(_message.Message):
+    __slots__ = ("num_blocks", "bytes_per_block", "weights_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    bytes_per_block: int
+    weights_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., weights_bytes: _Optional[int] = ...) -> None: ...
+
+class InitKVCache(_message.Message):
+    __slots__ = ("num_blocks", "block_size")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class RequestSamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class NewRequestData(_message.Message):
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: RequestSamplingParams
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[RequestSamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class CachedRequestData(_message.Message):
+    __slots__ = ("req_ids", "resumed_from_preemption", "num_computed_tokens", "num_scheduled_tokens", "new_token_ids", "num_new_token_ids", "new_block_ids", "num_new_block_ids")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_PREEMPTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    resumed_from_preemption: _containers.RepeatedScalarFieldContainer[bool]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., resumed_from_preemption: _Optional[_Iterable[bool]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SchedulerOutput(_message.Message):
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    total_num_scheduled_tokens: int
+    finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ModelRunnerOutput(_message.Message):
+    __slots__ = ("req_ids", "sampled_token_ids", "forward_time_s")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    forward_time_s: float
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_time_s: _Optional[float] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    INIT_DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    INIT_KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    registered: RegisterReply
+    init_distributed: InitDistributed
+    load_model: LoadModel
+    profile_memory: ProfileMemory
+    init_kv_cache: InitKVCache
+    execute_model: SchedulerOutput
+    ping: Ping
+    shutdown: Shutdown
+    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("last_forward_time_s",)
+    LAST_FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    last_forward_time_s: float
+    def __init__(self, last_forward_time_s: _Optional[float] = ...) -> None: ...
+
+class WorkerError(_message.Message):
+    __slots__ = ("kind", "message")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    message: str
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RUNNER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    register: RegisterRequest
+    ack: Ack
+    memory_profile: MemoryProfile
+    model_runner_output: ModelRunnerOutput
+    error: WorkerError
+    heartbeat: Heartbeat
+    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Model implementations keyed by Hugging Face architecture name."""

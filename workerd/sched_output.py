@@ -1,0 +1,58 @@
+"""The worker's view of one step: plain dataclasses made from the protobuf
+SchedulerOutput by workerd.wire, consumed by the model runner.
+
+Mirrors controlplane.core.outputs on purpose: the two daemons share only the
+protobuf contract, never Python modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1.0 = disabled
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None  # None = the worker's default generator
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    # Non-empty only when a request is recomputed on a re-formed group.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    # True: new_block_ids replaces the block list instead of extending it.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Tokens appended since this worker last saw the request.
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    forward_time_s: float = 0.0

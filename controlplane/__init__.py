@@ -1,1 +1,1 @@
-"""kvloom controlplane: client API, scheduler, logical KV blocks, and the executor that drives workers."""
+"""kvloom controlplane: client API, scheduler, logical KV blocks, and the worker executor."""

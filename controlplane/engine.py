@@ -1,0 +1,198 @@
+"""EngineCore: the controlplane's busy loop, on its own thread.
+
+Drains the input queue (new requests, aborts, worker-group events), blocking
+only when there is nothing to run, then steps: schedule -> executor broadcast
+-> update_from_output -> hand outputs to the client streams. The scheduler is
+created when the worker group reports its KV capacity and dropped when the
+group fails; requests in flight at that moment end with an error output.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.request import FinishReason, Request, RequestStatus
+from controlplane.core.scheduler import Scheduler
+from controlplane.executor import WorkerGroupFailed
+
+logger = logging.getLogger(__name__)
+
+
+class _Kind(enum.Enum):
+    ADD = 0
+    ABORT = 1
+    GROUP_READY = 2
+    GROUP_FAILED = 3
+    STOP = 4
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        execute_model: Callable[[SchedulerOutput], ModelRunnerOutput],
+        emit: Callable[[list[EngineCoreOutput]], None],
+    ):
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self._execute_model = execute_model
+        self._emit = emit
+        self.input_queue: queue.Queue = queue.Queue()
+        self.scheduler: Scheduler | None = None
+        # Requests this engine has accepted and not yet ended, by id.
+        self._live: dict[str, Request] = {}
+        self._unavailable_reason = "worker group is starting"
+        # Aborts leave finished ids the workers must hear about even when idle.
+        self._flush_pending = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+        self.last_stats = None
+
+    # ---- thread-safe entry points ----------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.input_queue.put((_Kind.ADD, request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.input_queue.put((_Kind.ABORT, list(request_ids)))
+
+    def group_ready(self, num_gpu_blocks: int) -> None:
+        self.input_queue.put((_Kind.GROUP_READY, num_gpu_blocks))
+
+    def group_failed(self, reason: str) -> None:
+        self.input_queue.put((_Kind.GROUP_FAILED, reason))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run_busy_loop, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.input_queue.put((_Kind.STOP, None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the loop ---------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while not self._stopped:
+            self._process_input_queue()
+            if self._stopped:
+                break
+            if self._has_work():
+                self.step()
+
+    def _has_work(self) -> bool:
+        sched = self.scheduler
+        return sched is not None and (self._flush_pending or sched.has_unfinished_requests())
+
+    def _process_input_queue(self) -> None:
+        if not self._has_work():
+            self._handle(*self.input_queue.get())  # idle: block for the next input
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _handle(self, kind: _Kind, payload) -> None:
+        if kind is _Kind.ADD:
+            self._add(payload)
+        elif kind is _Kind.ABORT:
+            self._abort(payload)
+        elif kind is _Kind.GROUP_READY:
+            self.scheduler = Scheduler(self.scheduler_config, self.cache_config, payload)
+            self.last_stats = self.scheduler.make_stats()
+            logger.info("engine ready: scheduler over %d KV blocks", payload)
+        elif kind is _Kind.GROUP_FAILED:
+            self._fail_all(payload)
+        elif kind is _Kind.STOP:
+            self._fail_all("controlplane is shutting down")
+            self._stopped = True
+
+    def _add(self, request: Request) -> None:
+        if self.scheduler is None:
+            self._emit([self._error_output(request, self._unavailable_reason)])
+            return
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:
+            self._emit([self._error_output(request, str(exc))])
+            return
+        self._live[request.request_id] = request
+
+    def _abort(self, request_ids: list[str]) -> None:
+        if self.scheduler is None:
+            return
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        outputs = []
+        for req_id in aborted:
+            request = self._live.pop(req_id, None)
+            if request is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ABORT,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        num_output_tokens=request.num_output_tokens,
+                    )
+                )
+        self._flush_pending = self._flush_pending or bool(aborted)
+        if outputs:
+            self._emit(outputs)
+
+    def step(self) -> None:
+        assert self.scheduler is not None
+        scheduler_output = self.scheduler.schedule()
+        self._flush_pending = False
+        if scheduler_output.is_empty() and not (
+            scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+        ):
+            # Nothing fits right now (e.g. waiting on blocks); don't spin hot.
+            time.sleep(0.001)
+            return
+        try:
+            model_output = self._execute_model(scheduler_output)
+        except WorkerGroupFailed as exc:
+            self._fail_all(str(exc))
+            return
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.num_steps += 1
+        self.last_stats = self.scheduler.make_stats()
+        for out in outputs:
+            if out.finished:
+                self._live.pop(out.request_id, None)
+        if outputs:
+            self._emit(outputs)
+
+    def _fail_all(self, reason: str) -> None:
+        """The worker group is gone: every live request ends with an error."""
+        self._unavailable_reason = reason
+        self.scheduler = None
+        self._flush_pending = False
+        outputs = [self._error_output(r, reason) for r in self._live.values()]
+        self._live.clear()
+        if outputs:
+            logger.warning("failing %d in-flight request(s): %s", len(outputs), reason)
+            self._emit(outputs)
+
+    @staticmethod
+    def _error_output(request: Request, reason: str) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            error=reason,
+        )

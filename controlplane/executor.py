@@ -1,0 +1,405 @@
+"""The executor: owns the worker group and is the only code that talks to workers.
+
+Workers dial in (worker_service.py) and register; once world_size ranks are
+attached the executor drives the start-up handshake (init_distributed ->
+load_model -> profile_memory (min over ranks) -> init_kv_cache) and reports
+the group ready. Each engine step it serializes the SchedulerOutput once,
+writes the same bytes to every worker stream and waits for the output rank
+only. Any lost stream, silent worker, worker error or missed step deadline
+fails the whole group: pending calls raise WorkerGroupFailed at once, the
+survivors are told to shut down, and the group re-forms from registration.
+
+Threading: registration, replies and start-up run on the asyncio loop; the
+engine thread calls execute_model(), which hands bytes to the loop with
+call_soon_threadsafe and blocks on a concurrent future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
+from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.wire import model_runner_output_from_proto, scheduler_output_to_proto
+from kvloom.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = worker_pb2.PROTOCOL_VERSION_CURRENT
+
+
+class WorkerGroupFailed(RuntimeError):
+    """The worker group can no longer run steps; the message names the cause."""
+
+
+class RegistrationRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    rank: int
+    host: str
+    device: str
+    dist_port: int
+    pid: int
+    # Serialized ControlMessages for this worker's stream; None ends the stream.
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.host}, pid {self.pid})"
+
+
+class _PendingCall:
+    """A command awaiting replies from a set of ranks."""
+
+    def __init__(self, expected: set[int]):
+        self.expected = set(expected)
+        self.replies: dict[int, worker_pb2.WorkerMessage] = {}
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def add_reply(self, rank: int, msg: worker_pb2.WorkerMessage) -> None:
+        if self.future.done():
+            return
+        if msg.WhichOneof("payload") == "error":
+            err = msg.error
+            self.future.set_exception(
+                WorkerGroupFailed(f"rank {rank} failed in {err.kind}: {err.message}")
+            )
+            return
+        if rank in self.expected:
+            self.replies[rank] = msg
+            if len(self.replies) == len(self.expected):
+                self.future.set_result(self.replies)
+
+    def fail(self, exc: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+class Executor:
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        workers: WorkerGroupConfig,
+        model: ModelConfig,
+        cache: CacheConfig,
+        on_ready: Callable[[int], None],
+        on_failed: Callable[[str], None],
+    ):
+        self.parallel = parallel
+        self.cfg = workers
+        self.model = model
+        self.cache = cache
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.handles: dict[int, WorkerHandle] = {}
+        self.state = "forming"  # forming -> starting -> ready -> (failed ->) forming
+        self.failure_reason = ""
+        self.num_gpu_blocks = 0
+        self._pending: dict[int, _PendingCall] = {}
+        self._call_ids = itertools.count(1)
+        self._watchdog: asyncio.Task | None = None
+        self._startup: asyncio.Task | None = None
+        # Per-step counters for metrics and benchmarks.
+        self.last_step_bytes = 0
+        self.total_step_bytes = 0
+
+    # ---- lifecycle on the event loop -------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._watchdog = loop.create_task(self._watch_heartbeats())
+
+    async def stop(self) -> None:
+        for task in (self._watchdog, self._startup):
+            if task is not None:
+                task.cancel()
+        self._shutdown_workers("controlplane is shutting down")
+
+    def status_message(self) -> str:
+        attached = len(self.handles)
+        world = self.parallel.world_size
+        if self.state == "ready":
+            return f"ready: {world} ranks attached"
+        why = f" (last failure: {self.failure_reason})" if self.failure_reason else ""
+        return f"worker group {self.state}: {attached}/{world} ranks attached{why}"
+
+    # ---- registration (called by worker_service on the loop) -------------
+
+    def register(self, req: worker_pb2.RegisterRequest) -> WorkerHandle:
+        world = self.parallel.world_size
+        if req.protocol_version != PROTOCOL_VERSION:
+            raise RegistrationRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker speaks protocol version {req.protocol_version}, controlplane "
+                f"speaks {PROTOCOL_VERSION}: run the same kvloom release on both",
+            )
+        if self.cfg.auth_token and req.auth_token != self.cfg.auth_token:
+            raise RegistrationRefused(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing worker auth token (set --auth-token / KVLOOM_AUTH_TOKEN "
+                "to the controlplane's)",
+            )
+        if self.state != "forming":
+            raise RegistrationRefused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"all {world} ranks are already attached (group is {self.state})",
+            )
+        rank = self._pick_rank(req, world)
+        handle = WorkerHandle(
+            rank=rank, host=req.host, device=req.device, dist_port=req.dist_port, pid=req.pid
+        )
+        self.handles[rank] = handle
+        logger.info(
+            "worker registered: %s device=%s (%d/%d ranks)",
+            handle.describe(), req.device, len(self.handles), world,
+        )
+        if len(self.handles) == world:
+            self.state = "starting"
+            assert self._loop is not None
+            self._startup = self._loop.create_task(self._start_group())
+        return handle
+
+    def _pick_rank(self, req: worker_pb2.RegisterRequest, world: int) -> int:
+        if req.HasField("rank"):
+            if req.rank >= world:
+                raise RegistrationRefused(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"rank {req.rank} is out of range: world size is {world} "
+                    f"(tensor_parallel_size {self.parallel.tensor_parallel_size} x "
+                    f"pipeline_parallel_size {self.parallel.pipeline_parallel_size})",
+                )
+            if req.rank in self.handles:
+                taken = self.handles[req.rank]
+                raise RegistrationRefused(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"rank {req.rank} is already taken by {taken.describe()}",
+                )
+            return req.rank
+        # Auto ranks must not steal a rank an explicitly-ranked worker may claim,
+        # but with mixed modes the lowest free rank is the only sane choice.
+        return min(r for r in range(world) if r not in self.handles)
+
+    def on_message(self, handle: WorkerHandle, msg: worker_pb2.WorkerMessage) -> None:
+        handle.last_seen = time.monotonic()
+        if msg.call_id == 0:
+            return  # heartbeat
+        call = self._pending.get(msg.call_id)
+        if call is not None:
+            call.add_reply(handle.rank, msg)
+            if call.future.done():
+                self._pending.pop(msg.call_id, None)
+
+    def on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
+        if self.handles.get(handle.rank) is not handle:
+            return  # a worker we already let go
+        self.fail_group(f"worker {handle.describe()} disconnected: {reason}")
+
+    # ---- failure ---------------------------------------------------------
+
+    def fail_group(self, reason: str) -> None:
+        """Fail every pending call, stop the survivors, re-open registration (loop thread)."""
+        if self.state == "forming" and not self.handles:
+            return
+        logger.error("worker group failed: %s", reason)
+        was_live = self.state in ("starting", "ready")
+        self.failure_reason = reason
+        self.state = "forming"
+        exc = WorkerGroupFailed(reason)
+        for call in self._pending.values():
+            call.fail(exc)
+        self._pending.clear()
+        if self._startup is not None and not self._startup.done():
+            self._startup.cancel()
+        self._shutdown_workers(reason)
+        if was_live:
+            self._on_failed(reason)
+
+    def _shutdown_workers(self, reason: str) -> None:
+        data = worker_pb2.ControlMessage(shutdown=worker_pb2.Shutdown(reason=reason))
+        raw = data.SerializeToString()
+        for handle in self.handles.values():
+            handle.outbox.put_nowait(raw)
+            handle.outbox.put_nowait(None)
+        self.handles = {}
+
+    async def _watch_heartbeats(self) -> None:
+        period = max(0.2, self.cfg.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for handle in list(self.handles.values()):
+                silent = now - handle.last_seen
+                if silent > self.cfg.heartbeat_timeout_s:
+                    self.fail_group(
+                        f"worker {handle.describe()} sent nothing for {silent:.1f} s "
+                        f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:.0f} s)"
+                    )
+                    break
+
+    # ---- calls -----------------------------------------------------------
+
+    def _send(self, command: worker_pb2.ControlMessage, expected: set[int]) -> _PendingCall:
+        """Register a pending call and write one serialized copy to every stream (loop thread)."""
+        call_id = next(self._call_ids)
+        command.call_id = call_id
+        call = _PendingCall(expected)
+        self._pending[call_id] = call
+        raw = command.SerializeToString()
+        self.last_step_bytes = len(raw)
+        for handle in self.handles.values():
+            handle.outbox.put_nowait(raw)
+        return call
+
+    async def _call_all(self, command: worker_pb2.ControlMessage, timeout: float, what: str):
+        call = self._send(command, set(self.handles))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(call.future), timeout)
+        except TimeoutError:
+            missing = sorted(call.expected - set(call.replies))
+            raise WorkerGroupFailed(
+                f"{what} timed out after {timeout:.0f} s waiting for rank(s) {missing}"
+            ) from None
+
+    async def _start_group(self) -> None:
+        try:
+            await self._run_startup()
+        except WorkerGroupFailed as exc:
+            self.fail_group(str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any start-up bug must fail the group, loudly
+            logger.exception("worker group start-up crashed")
+            self.fail_group(f"start-up failed: {exc}")
+
+    async def _run_startup(self) -> None:
+        par, cfg = self.parallel, self.cfg
+        t0 = time.monotonic()
+        await self._init_distributed()
+        logger.info("group formed: world size %d (%.1f s)", par.world_size, time.monotonic() - t0)
+
+        load = worker_pb2.ControlMessage(
+            load_model=worker_pb2.LoadModel(
+                model_path=self.model.worker_model_path,
+                dtype=self.model.dtype,
+                pp_layer_partition=list(par.pp_layer_partition),
+                seed=self.model.seed,
+            )
+        )
+        t0 = time.monotonic()
+        await self._call_all(load, cfg.startup_timeout_s, "load_model")
+        logger.info("model loaded on all ranks in %.1f s", time.monotonic() - t0)
+
+        num_blocks = await self._profile_memory()
+        init = worker_pb2.ControlMessage(
+            init_kv_cache=worker_pb2.InitKVCache(
+                num_blocks=num_blocks, block_size=self.cache.block_size
+            )
+        )
+        await self._call_all(init, cfg.startup_timeout_s, "init_kv_cache")
+        self.num_gpu_blocks = num_blocks
+        self.state = "ready"
+        self.failure_reason = ""
+        logger.info("worker group ready: %d KV blocks of %d tokens", num_blocks,
+                    self.cache.block_size)
+        self._on_ready(num_blocks)
+
+    async def _init_distributed(self) -> None:
+        """Tell every rank where rank 0's store is; they must meet concurrently."""
+        par = self.parallel
+        master = self.handles[0]
+        call_id = next(self._call_ids)
+        call = _PendingCall(set(self.handles))
+        self._pending[call_id] = call
+        for rank, handle in self.handles.items():
+            # The one per-rank command: it carries the rank itself.
+            msg = worker_pb2.ControlMessage(
+                call_id=call_id,
+                init_distributed=worker_pb2.InitDistributed(
+                    master_addr=master.host,
+                    master_port=master.dist_port,
+                    world_size=par.world_size,
+                    rank=rank,
+                    tensor_parallel_size=par.tensor_parallel_size,
+                    pipeline_parallel_size=par.pipeline_parallel_size,
+                    timeout_s=self.cfg.distributed_timeout_s,
+                ),
+            )
+            handle.outbox.put_nowait(msg.SerializeToString())
+        # The store timeout fires first on the workers, with their own message.
+        timeout = self.cfg.distributed_timeout_s + 30
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(call.future), timeout)
+        except TimeoutError:
+            missing = sorted(call.expected - set(call.replies))
+            raise WorkerGroupFailed(
+                f"init_distributed timed out after {timeout:.0f} s waiting for rank(s) {missing}"
+            ) from None
+
+    async def _profile_memory(self) -> int:
+        profile = worker_pb2.ControlMessage(
+            profile_memory=worker_pb2.ProfileMemory(
+                block_size=self.cache.block_size,
+                kv_cache_memory_bytes=self.cache.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.cache.gpu_memory_utilization,
+            )
+        )
+        replies = await self._call_all(profile, self.cfg.startup_timeout_s, "profile_memory")
+        per_rank = {rank: r.memory_profile.num_blocks for rank, r in replies.items()}
+        num_blocks = min(per_rank.values())
+        logger.info("KV capacity per rank (blocks): %s -> using %d", per_rank, num_blocks)
+        if self.cache.num_gpu_blocks_override:
+            num_blocks = self.cache.num_gpu_blocks_override
+            logger.info("KV blocks overridden to %d", num_blocks)
+        if num_blocks < 1:
+            raise WorkerGroupFailed(f"no KV cache block fits on some rank: {per_rank}")
+        return num_blocks
+
+    # ---- step (engine thread) -------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Broadcast one step and wait for the output rank's reply (engine thread)."""
+        if self.state != "ready" or self._loop is None:
+            raise WorkerGroupFailed(self.status_message())
+        command = worker_pb2.ControlMessage(execute_model=scheduler_output_to_proto(so))
+        box: list[_PendingCall] = []
+        ready = concurrent.futures.Future()
+
+        def send() -> None:
+            try:
+                if self.state != "ready":
+                    raise WorkerGroupFailed(self.status_message())
+                box.append(self._send(command, {self.parallel.output_rank}))
+                ready.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - handed to the engine thread
+                ready.set_exception(exc)
+
+        self._loop.call_soon_threadsafe(send)
+        ready.result()
+        call = box[0]
+        self.total_step_bytes += self.last_step_bytes
+        try:
+            replies = call.future.result(timeout=self.cfg.step_timeout_s)
+        except concurrent.futures.TimeoutError:
+            reason = (
+                f"output rank {self.parallel.output_rank} missed the step deadline "
+                f"({self.cfg.step_timeout_s:.0f} s)"
+            )
+            self._loop.call_soon_threadsafe(self.fail_group, reason)
+            raise WorkerGroupFailed(reason) from None
+        reply = replies[self.parallel.output_rank]
+        return model_runner_output_from_proto(reply.model_runner_output)

@@ -1,0 +1,148 @@
+"""Wires the controlplane together and runs it until SIGINT/SIGTERM.
+
+One asyncio loop serves two gRPC servers — the client API (Generation,
+health, reflection) and the worker port (WorkerControl) — while EngineCore
+runs on its own thread. Health has two names: "" is live as soon as the
+process answers; "kvloom.v1.Generation" is SERVING only while the worker
+group is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controlplane.api_server import GenerationService
+from controlplane.config import ControlPlaneConfig
+from controlplane.engine import EngineCore
+from controlplane.executor import Executor
+from controlplane.model_info import ModelInfo, load_tokenizer
+from controlplane.output_router import OutputRouter
+from controlplane.worker_service import SERVICE_NAME as WORKER_SERVICE
+from controlplane.worker_service import WorkerControlService
+from kvloom.v1 import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def grpc_options(config: ControlPlaneConfig) -> list[tuple[str, int]]:
+    size = config.server.max_message_bytes
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+        # Long-lived streams (workers, slow generations) must survive idle NATs
+        # and notice dead peers: ping every 20 s, give up after 10 s.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class ControlPlane:
+    def __init__(self, config: ControlPlaneConfig, model_info: ModelInfo):
+        self.config = config
+        self.model_info = model_info
+        self.health = health.aio.HealthServicer()
+        self.router = OutputRouter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.engine = EngineCore(
+            config.scheduler, config.cache, execute_model=self._execute_model, emit=self._emit
+        )
+        self.executor = Executor(
+            config.parallel,
+            config.workers,
+            config.model,
+            config.cache,
+            on_ready=self._on_group_ready,
+            on_failed=self._on_group_failed,
+        )
+
+    # Called on the engine thread.
+    def _execute_model(self, scheduler_output):
+        return self.executor.execute_model(scheduler_output)
+
+    def _emit(self, outputs) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.router.dispatch, outputs)
+
+    # Called on the loop.
+    def _on_group_ready(self, num_blocks: int) -> None:
+        self.engine.group_ready(num_blocks)
+        asyncio.ensure_future(self.health.set(GENERATION_SERVICE, SERVING))
+
+    def _on_group_failed(self, reason: str) -> None:
+        self.engine.group_failed(reason)
+        asyncio.ensure_future(self.health.set(GENERATION_SERVICE, NOT_SERVING))
+
+    def not_ready_reason(self) -> str | None:
+        return None if self.executor.state == "ready" else self.executor.status_message()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        cfg = self.config.server
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model.model)
+        options = grpc_options(self.config)
+
+        api = grpc.aio.server(options=options)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationService(
+                self.config,
+                self.model_info,
+                tokenizer,
+                self.engine,
+                self.router,
+                readiness=self.not_ready_reason,
+                num_ranks_attached=lambda: len(self.executor.handles),
+            ),
+            api,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, api)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), api
+        )
+        client_port = api.add_insecure_port(f"{cfg.host}:{cfg.port}")
+
+        workers = grpc.aio.server(options=options)
+        workers.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
+        worker_port = workers.add_insecure_port(f"{cfg.host}:{cfg.worker_port}")
+
+        await self.health.set("", SERVING)
+        await self.health.set(GENERATION_SERVICE, NOT_SERVING)
+        self.engine.start()
+        self.executor.start(self._loop)
+        await api.start()
+        await workers.start()
+        logger.info(
+            "controlplane serving %s on %s:%d (API), workers on %s:%d (%s), world size %d",
+            self.config.model.served_model_name, cfg.host, client_port, cfg.host, worker_port,
+            WORKER_SERVICE, self.config.parallel.world_size,
+        )
+        await stop.wait()
+        logger.info("controlplane shutting down")
+        await self.health.enter_graceful_shutdown()
+        await self.executor.stop()
+        await asyncio.to_thread(self.engine.shutdown)
+        await api.stop(grace=2.0)
+        await workers.stop(grace=1.0)
+
+
+def run(config: ControlPlaneConfig, model_info: ModelInfo) -> None:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await ControlPlane(config, model_info).run(stop)
+
+    asyncio.run(main())

@@ -1,0 +1,46 @@
+"""Fixtures that start real daemons as OS processes on loopback.
+
+Every cluster is torn down (SIGTERM, then SIGKILL) when its fixture ends,
+whether or not the test passed.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvloom.launcher import Cluster, ClusterSpec
+
+
+class _Tee(io.TextIOBase):
+    """Keeps the daemons' logs for the failure report and mirrors them to stderr."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.lines.append(s)
+        sys.stderr.write(s)
+        return len(s)
+
+
+@contextmanager
+def running_cluster(
+    model_dir: str, *, tp: int = 1, pp: int = 1, args: tuple[str, ...] = (), timeout: float = 240
+) -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        model=model_dir,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        worker_threads=1,
+        controlplane_args=args,
+    )
+    cluster = Cluster(spec, log_sink=_Tee())
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout=timeout)
+        yield cluster
+    finally:
+        cluster.stop(grace=5.0)

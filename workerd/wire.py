@@ -1,0 +1,91 @@
+"""Protobuf -> plain dataclasses at the worker's edge.
+
+The model runner only sees workerd.sched_output types; this module unpacks the
+columnar CachedRequestData (flat token/block lists plus per-request counts)
+and packs the output rank's ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+from kvloom.v1 import worker_pb2
+from workerd.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+
+def _split(flat, counts) -> list[list[int]]:
+    out: list[list[int]] = []
+    start = 0
+    for n in counts:
+        out.append(list(flat[start : start + n]))
+        start += n
+    if start != len(flat):
+        raise ValueError(f"column counts sum to {start}, but {len(flat)} values were sent")
+    return out
+
+
+def _sampling_params_from_proto(msg: worker_pb2.RequestSamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOutput:
+    num_scheduled: dict[str, int] = {}
+    new_reqs = []
+    for pb in msg.scheduled_new_reqs:
+        new_reqs.append(
+            NewRequestData(
+                req_id=pb.req_id,
+                prompt_token_ids=list(pb.prompt_token_ids),
+                output_token_ids=list(pb.output_token_ids),
+                sampling_params=_sampling_params_from_proto(pb.sampling_params),
+                block_ids=list(pb.block_ids),
+                num_computed_tokens=pb.num_computed_tokens,
+            )
+        )
+        num_scheduled[pb.req_id] = pb.num_scheduled_tokens
+
+    pc = msg.scheduled_cached_reqs
+    req_ids = list(pc.req_ids)
+    columns = (
+        pc.resumed_from_preemption,
+        pc.num_computed_tokens,
+        pc.num_scheduled_tokens,
+        pc.num_new_token_ids,
+        pc.num_new_block_ids,
+    )
+    if any(len(col) != len(req_ids) for col in columns):
+        raise ValueError("CachedRequestData columns differ in length")
+    cached = CachedRequestData(
+        req_ids=req_ids,
+        resumed_from_preemption=list(pc.resumed_from_preemption),
+        new_token_ids=_split(pc.new_token_ids, pc.num_new_token_ids),
+        new_block_ids=_split(pc.new_block_ids, pc.num_new_block_ids),
+        num_computed_tokens=list(pc.num_computed_tokens),
+    )
+    num_scheduled.update(zip(req_ids, pc.num_scheduled_tokens, strict=True))
+    return SchedulerOutput(
+        step_id=msg.step_id,
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids),
+        preempted_req_ids=set(msg.preempted_req_ids),
+    )
+
+
+def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
+    return worker_pb2.ModelRunnerOutput(
+        req_ids=out.req_ids,
+        sampled_token_ids=out.sampled_token_ids,
+        forward_time_s=out.forward_time_s,
+    )

@@ -1,0 +1,161 @@
+"""The worker: executes the controlplane's commands on this rank.
+
+Commands arrive as a closed protobuf oneof and are dispatched through an
+explicit table; there is no getattr on names that came over the network.
+Each handler returns the reply to send, or None when this rank stays silent
+(execute_model on every rank but the output rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvloom.v1 import worker_pb2
+from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CommandError(Exception):
+    """A command that cannot be carried out; reported to the controlplane."""
+
+
+def resolve_device(spec: str, rank: int) -> torch.device:
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda":
+        # One process per GPU: ranks on a node take the GPUs in order.
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device(spec)
+
+
+class Worker:
+    def __init__(self, device_spec: str = "auto"):
+        self.device_spec = device_spec
+        self.ps = None
+        self.runner = None
+        self.last_forward_time_s = 0.0
+        self._handlers: dict[str, Callable] = {
+            "init_distributed": self.init_distributed,
+            "load_model": self.load_model,
+            "profile_memory": self.profile_memory,
+            "init_kv_cache": self.init_kv_cache,
+            "execute_model": self.execute_model,
+            "ping": self.ping,
+        }
+
+    def handle(self, msg: worker_pb2.ControlMessage) -> worker_pb2.WorkerMessage | None:
+        kind = msg.WhichOneof("command")
+        handler = self._handlers.get(kind or "")
+        if handler is None:
+            return _error(msg.call_id, "dispatch", f"unknown command {kind!r}")
+        try:
+            reply = handler(getattr(msg, kind))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the controlplane
+            logger.exception("%s failed", kind)
+            return _error(msg.call_id, kind, f"{type(exc).__name__}: {exc}")
+        if reply is None:
+            return None
+        reply.call_id = msg.call_id
+        return reply
+
+    # ---- handlers --------------------------------------------------------
+
+    def init_distributed(self, cmd: worker_pb2.InitDistributed) -> worker_pb2.WorkerMessage:
+        from workerd.distributed import init_parallel_state
+
+        device = resolve_device(self.device_spec, cmd.rank)
+        t0 = time.monotonic()
+        self.ps = init_parallel_state(
+            rank=cmd.rank,
+            world_size=cmd.world_size,
+            tp_size=cmd.tensor_parallel_size,
+            pp_size=cmd.pipeline_parallel_size,
+            master_addr=cmd.master_addr,
+            master_port=cmd.master_port,
+            timeout_s=cmd.timeout_s,
+            device=device,
+        )
+        logger.info(
+            "joined group: rank %d/%d (tp %d/%d, pp %d/%d) on %s in %.1f s",
+            self.ps.rank, self.ps.world_size, self.ps.tp_rank, self.ps.tp_size,
+            self.ps.pp_rank, self.ps.pp_size, device, time.monotonic() - t0,
+        )
+        return _ack()
+
+    def load_model(self, cmd: worker_pb2.LoadModel) -> worker_pb2.WorkerMessage:
+        from workerd.model_runner import ModelRunner
+
+        if self.ps is None:
+            raise CommandError("load_model before init_distributed")
+        if cmd.dtype not in _DTYPES:
+            raise CommandError(f"unsupported dtype {cmd.dtype!r}; use one of {sorted(_DTYPES)}")
+        t0 = time.monotonic()
+        self.runner = ModelRunner(
+            self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition)
+        )
+        self.runner.load_model()
+        logger.info(
+            "model loaded from %s: %.1f MiB of weights on this rank in %.1f s",
+            cmd.model_path, self.runner.weights_bytes() / 2**20, time.monotonic() - t0,
+        )
+        return _ack()
+
+    def profile_memory(self, cmd: worker_pb2.ProfileMemory) -> worker_pb2.WorkerMessage:
+        runner = self._require_runner()
+        num_blocks, bytes_per_block = runner.profile_num_blocks(
+            cmd.block_size, cmd.kv_cache_memory_bytes, cmd.gpu_memory_utilization
+        )
+        logger.info("KV capacity: %d blocks of %d bytes", num_blocks, bytes_per_block)
+        return worker_pb2.WorkerMessage(
+            memory_profile=worker_pb2.MemoryProfile(
+                num_blocks=num_blocks,
+                bytes_per_block=bytes_per_block,
+                weights_bytes=runner.weights_bytes(),
+            )
+        )
+
+    def init_kv_cache(self, cmd: worker_pb2.InitKVCache) -> worker_pb2.WorkerMessage:
+        self._require_runner().init_kv_cache(cmd.num_blocks, cmd.block_size)
+        logger.info("KV cache allocated: %d blocks x %d tokens", cmd.num_blocks, cmd.block_size)
+        return _ack()
+
+    def execute_model(self, cmd: worker_pb2.SchedulerOutput) -> worker_pb2.WorkerMessage | None:
+        runner = self._require_runner()
+        t0 = time.perf_counter()
+        output = runner.execute_model(scheduler_output_from_proto(cmd))
+        self.last_forward_time_s = time.perf_counter() - t0
+        if output is None:
+            return None
+        return worker_pb2.WorkerMessage(model_runner_output=model_runner_output_to_proto(output))
+
+    def ping(self, cmd: worker_pb2.Ping) -> worker_pb2.WorkerMessage:
+        return _ack()
+
+    def _require_runner(self):
+        if self.runner is None:
+            raise CommandError("the model is not loaded yet")
+        return self.runner
+
+    def close(self) -> None:
+        if self.ps is not None:
+            from workerd.distributed import destroy_parallel_state
+
+            destroy_parallel_state(self.ps)
+            self.ps = None
+
+
+def _ack() -> worker_pb2.WorkerMessage:
+    return worker_pb2.WorkerMessage(ack=worker_pb2.Ack())
+
+
+def _error(call_id: int, kind: str, message: str) -> worker_pb2.WorkerMessage:
+    return worker_pb2.WorkerMessage(
+        call_id=call_id, error=worker_pb2.WorkerError(kind=kind, message=message)
+    )

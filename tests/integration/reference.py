@@ -24,9 +24,9 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
         pad_token_id=0,
     )
     with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
         out = model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            generation_config=config,
+            ids, attention_mask=torch.ones_like(ids), generation_config=config
         )
     new = out[0, len(prompt_ids) :].tolist()
     assert len(new) == max_new_tokens, "reference stopped early; EOS was not disabled"

@@ -1,0 +1,317 @@
+"""ModelRunner: executes one SchedulerOutput on this rank's model shard.
+
+The worker hands every step's SchedulerOutput (already converted from
+protobuf by workerd.wire) to execute_model, which
+  1. folds the diff into per-request state and the persistent input batch
+     (_update_states),
+  2. lays the scheduled tokens out request by request and builds input ids,
+     positions, slot mapping and AttentionMetadata (_prepare_inputs),
+  3. runs the shard: non-first pipeline stages receive hidden states from the
+     previous stage, non-last stages send theirs on and stop there,
+  4. on the last stage computes logits for requests whose context is complete
+     and, on the output rank only, samples one token each.
+Sampled tokens are not appended here: they come back through the next
+diff's new_token_ids on every rank, which keeps all ranks' state identical.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workerd import distributed, models
+from workerd.attn_metadata import AttentionMetadata
+from workerd.distributed import IntermediateTensors, ParallelState
+from workerd.input_batch import CachedRequestState, InputBatch
+from workerd.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    cpu_kv_cache_budget,
+    cuda_kv_cache_budget,
+    num_blocks_for_budget,
+)
+from workerd.sampler import Sampler, SamplingMetadata
+from workerd.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """Model inputs of one step, on the runner's device."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    # [num_sampled] rows of the hidden states whose logits are sampled.
+    logits_indices: torch.Tensor
+    # Requests that sample this step, in logits_indices order.
+    sample_states: list[CachedRequestState]
+
+
+class ModelRunner:
+    """One rank's model shard, KV cache and request mirror.
+
+    Life cycle, driven by the worker's command table: load_model ->
+    profile_num_blocks -> init_kv_cache (with the group's minimum) -> one
+    execute_model per step.
+    """
+
+    def __init__(
+        self,
+        ps: ParallelState,
+        model_path: str,
+        dtype: torch.dtype,
+        seed: int,
+        pp_layer_partition: tuple[int, ...] | list[int] = (),
+        *,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        self.ps = ps
+        self.model_path = model_path
+        self.dtype = dtype
+        self.pp_layer_partition = tuple(pp_layer_partition)
+        # Size of the profiling forward: the largest step the scheduler sends.
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.device = torch.device(ps.device)
+        # A private generator keeps unseeded sampling reproducible from
+        # LoadModel.seed without touching torch's global RNG.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.sampler = Sampler(self.generator)
+        self.model: Any = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch()
+
+    # ---- start-up -------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = models.get_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
+
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def profile_num_blocks(
+        self, block_size: int, kv_cache_memory_bytes: int, gpu_memory_utilization: float
+    ) -> tuple[int, int]:
+        """(num_blocks, bytes_per_block) this rank can hold."""
+        block_bytes = bytes_per_block(self.model, block_size, self.dtype)
+        if kv_cache_memory_bytes > 0:
+            budget = kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = cuda_kv_cache_budget(
+                self.device, gpu_memory_utilization, lambda: self._profile_run(block_size)
+            )
+        else:
+            budget = cpu_kv_cache_budget()
+        return num_blocks_for_budget(budget, block_bytes), block_bytes
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.model, num_blocks, block_size, self.dtype, self.device
+        )
+        self.block_size = block_size
+
+    # ---- one step -------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], []) if self.ps.is_output_rank else None
+        if not self.kv_caches:
+            raise RuntimeError("execute_model before init_kv_cache")
+        inputs = self._prepare_inputs(scheduler_output)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self._forward(inputs)
+            if hidden is None:
+                return None
+            if not inputs.sample_states:
+                # Only partial prefill chunks: nothing to sample, but every
+                # last-stage rank takes the same branch, so no collective hangs.
+                return self._output([], [], start)
+            # compute_logits may gather vocab shards: every last-stage TP rank calls it.
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if not self.ps.is_output_rank:
+                return None
+            states = inputs.sample_states
+            metadata = SamplingMetadata.from_params(
+                [s.sampling_params for s in states],
+                [s.generator_for_next_token() for s in states],
+                self.device,
+            )
+            sampled = self.sampler(logits, metadata).tolist()
+        return self._output([s.req_id for s in states], sampled, start)
+
+    def _output(
+        self, req_ids: list[str], sampled: list[int], start: float
+    ) -> ModelRunnerOutput | None:
+        if not self.ps.is_output_rank:
+            return None
+        return ModelRunnerOutput(req_ids, sampled, time.perf_counter() - start)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Runs this stage; returns the last stage's hidden states, None elsewhere."""
+        ps = self.ps
+        intermediate = None
+        if not ps.is_first_pp_rank:
+            intermediate = distributed.recv_intermediate(
+                inputs.positions.numel(), self.model.hidden_size, self.dtype, ps
+            )
+        out = self.model.forward(
+            inputs.input_ids if ps.is_first_pp_rank else None,
+            inputs.positions,
+            self.kv_caches,
+            inputs.attn_metadata,
+            intermediate,
+        )
+        if not ps.is_last_pp_rank:
+            distributed.send_intermediate(out, ps)
+            return None
+        return out
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # The batch holds exactly this step's requests: preempted ones and
+        # running ones the scheduler skipped leave it but keep their state.
+        for req_id in batch.req_ids:
+            if req_id in so.preempted_req_ids or so.num_scheduled_tokens.get(req_id, 0) == 0:
+                batch.remove_request(req_id)
+
+        for new in so.scheduled_new_reqs:
+            # A re-formed group may resend a request: the new data wins.
+            batch.remove_request(new.req_id)
+            state = CachedRequestState.from_new_request(new, self.device)
+            self.requests[new.req_id] = state
+            if so.num_scheduled_tokens.get(new.req_id, 0) > 0:
+                batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise KeyError(f"cached request {req_id!r} is unknown to this worker")
+            state.append_token_ids(cached.new_token_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            if resumed:
+                state.block_ids = list(new_block_ids)
+            else:
+                state.block_ids.extend(new_block_ids)
+            if req_id not in batch:
+                if so.num_scheduled_tokens.get(req_id, 0) > 0:
+                    batch.add_request(state)
+            elif resumed:
+                # Only if the preemption never reached this rank; the resume
+                # still defines the block list, so replace the row too.
+                batch.set_block_ids(req_id, state.block_ids)
+            else:
+                batch.append_block_ids(req_id, new_block_ids)
+        batch.condense()
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        states = self.input_batch.states()
+        num_reqs = len(states)
+        block_size = self.block_size
+        query_lens = [so.num_scheduled_tokens[s.req_id] for s in states]
+        starts = [s.num_computed_tokens for s in states]
+
+        input_ids: list[int] = []
+        logits_indices: list[int] = []
+        sample_states: list[CachedRequestState] = []
+        num_tokens = 0
+        for state, start, n in zip(states, starts, query_lens, strict=True):
+            end = start + n
+            if end > state.num_tokens:
+                raise ValueError(
+                    f"request {state.req_id!r}: {n} tokens scheduled from {start} "
+                    f"but it holds only {state.num_tokens}"
+                )
+            input_ids.extend(state.all_token_ids[start:end])
+            num_tokens += n
+            # A partial prefill chunk ends before the context does: no sample.
+            if end == state.num_tokens:
+                logits_indices.append(num_tokens - 1)
+                sample_states.append(state)
+
+        q = torch.tensor(query_lens, dtype=torch.int64)
+        start_t = torch.tensor(starts, dtype=torch.int64)
+        query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=query_start_loc[1:])
+        req_idx = torch.repeat_interleave(torch.arange(num_reqs), q)
+        positions = start_t[req_idx] + torch.arange(num_tokens) - query_start_loc[req_idx]
+        block_table = self.input_batch.block_table.view(num_reqs)
+        block_idx = positions // block_size
+        num_blocks = torch.tensor(self.input_batch.block_table.num_blocks[:num_reqs])
+        if bool((block_idx >= num_blocks[req_idx]).any()):
+            bad = states[int(req_idx[block_idx >= num_blocks[req_idx]][0])].req_id
+            raise ValueError(f"request {bad!r} has no KV block for a scheduled position")
+        slot_mapping = block_table[req_idx, block_idx] * block_size + positions % block_size
+        seq_lens = start_t + q
+        seq_lens_cpu = [s + n for s, n in zip(starts, query_lens, strict=True)]
+
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=query_start_loc.to(dev),
+            seq_lens=seq_lens.to(dev),
+            block_table=block_table.to(dev),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens_cpu, default=0),
+            block_size=block_size,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            attn_metadata=attn_metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sample_states=sample_states,
+        )
+
+    # ---- profiling --------------------------------------------------------
+
+    def _profile_run(self, block_size: int) -> None:
+        """One forward of max_num_batched_tokens tokens, for the activation peak.
+
+        No pipeline traffic: non-first stages feed zeros instead of receiving,
+        so each rank can profile on its own.
+        """
+        n = self.max_num_batched_tokens
+        num_blocks = math.ceil(n / block_size)
+        dev = self.device
+        caches = allocate_kv_caches(self.model, num_blocks, block_size, self.dtype, dev)
+        md = AttentionMetadata(
+            num_reqs=1,
+            num_actual_tokens=n,
+            slot_mapping=torch.arange(n, device=dev),
+            query_start_loc=torch.tensor([0, n], device=dev),
+            seq_lens=torch.tensor([n], device=dev),
+            block_table=torch.arange(num_blocks, device=dev).unsqueeze(0),
+            max_query_len=n,
+            max_seq_len=n,
+            block_size=block_size,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+        )
+        input_ids, intermediate = torch.zeros(n, dtype=torch.int64, device=dev), None
+        if not self.ps.is_first_pp_rank:
+            zeros = torch.zeros(n, self.model.hidden_size, dtype=self.dtype, device=dev)
+            input_ids, intermediate = None, IntermediateTensors(zeros, zeros.clone())
+        positions = torch.arange(n, device=dev)
+        with torch.inference_mode():
+            out = self.model.forward(input_ids, positions, caches, md, intermediate)
+            if self.ps.is_last_pp_rank:
+                self.model.compute_logits(out[-min(n, 256) :])
+        del caches, out

@@ -1,0 +1,249 @@
+"""Serving benchmark: N concurrent Generate streams through the public gRPC API.
+
+Against a running cluster:
+    python benchmarks/serving.py --server 127.0.0.1:50051 --num-requests 64 \\
+        --concurrency 8 --prompt-len 128 --max-tokens 64 --json out.json
+
+Or launching local clusters one layout (TPxPP) after another and printing one
+combined table:
+    python benchmarks/serving.py --launch --layouts 1x1,2x1,1x2 --num-requests 32
+
+Prompts are random token ids below the served vocab size (from GetModelInfo),
+seeded, EOS ids excluded, or the lines of --dataset sent as text. Requests
+use ignore_eos by default so every one produces exactly --max-tokens tokens
+and layouts are compared on equal work. Reported: duration, request and
+output-token throughput, TTFT, TPOT (per output token after the first) and
+inter-token latency (gaps between streamed messages), median and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvloom import launcher
+from kvloom.client import AsyncKvloomClient, KvloomError, default_server
+
+
+@dataclass
+class RequestRecord:
+    prompt_len: int
+    start: float = 0.0
+    first_token: float | None = None
+    end: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def run_request(client, prompt, args, record: RequestRecord) -> None:
+    record.start = last = time.perf_counter()
+    try:
+        async for chunk in client.generate(
+            prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+            ignore_eos=args.ignore_eos, seed=args.seed,
+        ):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if record.first_token is None:
+                    record.first_token = now
+                else:
+                    record.itl.append(now - last)
+                last = now
+                record.output_tokens += len(chunk.token_ids)
+    except KvloomError as exc:
+        record.error = str(exc)
+    record.end = time.perf_counter()
+
+
+async def benchmark(server: str, args) -> dict:
+    async with AsyncKvloomClient(server) as client:
+        prompts = await make_prompts(client, args)
+        for prompt in prompts[: args.warmup]:
+            await run_request(client, prompt, args, RequestRecord(len(prompt)))
+        limit = asyncio.Semaphore(args.concurrency)
+        records = [RequestRecord(len(p)) for p in prompts]
+
+        async def one(prompt, record):
+            async with limit:
+                await run_request(client, prompt, args, record)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(p, r) for p, r in zip(prompts, records, strict=True)))
+        duration = time.perf_counter() - started
+        server_info = asdict(await client.server_info())
+    return {"metrics": summarize(records, duration), "server_info": server_info}
+
+
+async def make_prompts(client, args) -> list:
+    if args.dataset:
+        lines = [ln.strip() for ln in Path(args.dataset).read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise SystemExit(f"{args.dataset}: no prompts")
+        return [lines[i % len(lines)] for i in range(args.num_requests)]
+    info = await client.model_info()
+    excluded = set(info.eos_token_ids)
+    rng = random.Random(args.seed)
+    prompts = []
+    for _ in range(args.num_requests):
+        ids = []
+        while len(ids) < args.prompt_len:
+            token = rng.randrange(info.vocab_size)
+            if token not in excluded:
+                ids.append(token)
+        prompts.append(ids)
+    return prompts
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); 0.0 for no data."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(records: list[RequestRecord], duration: float) -> dict:
+    ok = [r for r in records if not r.error and r.first_token is not None]
+    ttft = [r.first_token - r.start for r in ok]
+    tpot = [(r.end - r.first_token) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [gap for r in ok for gap in r.itl]
+    output_tokens = sum(r.output_tokens for r in ok)
+    ms = 1000.0
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "input_tokens": sum(r.prompt_len for r in ok),
+        "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": output_tokens / duration if duration else 0.0,
+        "ttft_ms_median": statistics.median(ttft) * ms if ttft else 0.0,
+        "ttft_ms_p99": percentile(ttft, 99) * ms,
+        "tpot_ms_median": statistics.median(tpot) * ms if tpot else 0.0,
+        "tpot_ms_p99": percentile(tpot, 99) * ms,
+        "itl_ms_median": statistics.median(itl) * ms if itl else 0.0,
+        "itl_ms_p99": percentile(itl, 99) * ms,
+    }
+
+
+TABLE_ROWS = [
+    ("requests (ok/total)", lambda m: f"{m['completed']}/{m['requests']}"),
+    ("duration (s)", lambda m: f"{m['duration_s']:.2f}"),
+    ("output tokens/s", lambda m: f"{m['output_throughput']:.1f}"),
+    ("requests/s", lambda m: f"{m['request_throughput']:.2f}"),
+    ("TTFT median (ms)", lambda m: f"{m['ttft_ms_median']:.1f}"),
+    ("TTFT p99 (ms)", lambda m: f"{m['ttft_ms_p99']:.1f}"),
+    ("TPOT median (ms)", lambda m: f"{m['tpot_ms_median']:.1f}"),
+    ("TPOT p99 (ms)", lambda m: f"{m['tpot_ms_p99']:.1f}"),
+    ("ITL median (ms)", lambda m: f"{m['itl_ms_median']:.1f}"),
+    ("ITL p99 (ms)", lambda m: f"{m['itl_ms_p99']:.1f}"),
+]
+
+
+def format_table(runs: list[dict]) -> str:
+    """One column per run, one row per metric."""
+    header = ["metric", *(run["name"] for run in runs)]
+    rows = [header] + [[label, *(fmt(run["metrics"]) for run in runs)] for label, fmt in TABLE_ROWS]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """"1x1,2x1,1x2" -> [(tp, pp), ...]."""
+    layouts = []
+    for item in text.split(","):
+        tp, _, pp = item.strip().lower().partition("x")
+        if not (tp.isdigit() and pp.isdigit()) or int(tp) < 1 or int(pp) < 1:
+            raise argparse.ArgumentTypeError(f"bad layout {item!r}: expected TPxPP like 2x1")
+        layouts.append((int(tp), int(pp)))
+    return layouts
+
+
+def run_launched(args) -> list[dict]:
+    if args.model is None:
+        from kvloom.default_model import default_model_dir
+
+        args.model = default_model_dir()
+    runs = []
+    for tp, pp in args.layouts:
+        spec = launcher.ClusterSpec(
+            model=args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            controlplane_args=tuple(args.controlplane_args),
+        )
+        sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
+        cluster = launcher.Cluster(spec, log_sink=sink)
+        print(f"== layout tp={tp} pp={pp}: starting", file=sys.stderr)
+        try:
+            cluster.start()
+            cluster.wait_ready(args.ready_timeout)
+            result = asyncio.run(benchmark(cluster.api_address, args))
+        finally:
+            cluster.stop()
+        runs.append({"name": f"tp{tp} pp{pp}", "tp": tp, "pp": pp, **result})
+    return runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", default=default_server())
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--dataset", help="text file, one prompt per line (sent as text)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="requests run before timing")
+    parser.add_argument("--json", type=Path, help="write results here")
+    launch = parser.add_argument_group("launch local clusters (kvloom.launcher)")
+    launch.add_argument("--launch", action="store_true")
+    launch.add_argument("--model", help="checkpoint dir; default: the embedded SmolLM2-135M")
+    launch.add_argument("--tp", type=int, default=1)
+    launch.add_argument("--pp", type=int, default=1)
+    launch.add_argument("--layouts", type=parse_layouts, help="e.g. 1x1,2x1,1x2 (TPxPP)")
+    launch.add_argument("--ready-timeout", type=float, default=600.0)
+    launch.add_argument("--logs", action="store_true", help="show the daemons' logs")
+    launch.add_argument("controlplane_args", nargs="*", help="after --: controlplane flags")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.launch:
+            args.layouts = args.layouts or [(args.tp, args.pp)]
+            runs = run_launched(args)
+        else:
+            runs = [{"name": args.server, **asyncio.run(benchmark(args.server, args))}]
+    except (KvloomError, launcher.ClusterError) as exc:
+        print(f"serving benchmark: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(runs))
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("json",)}
+        payload = {"config": json.loads(json.dumps(config, default=str)), "runs": runs}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0 if all(run["metrics"]["failed"] == 0 for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

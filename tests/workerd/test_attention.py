@@ -1,0 +1,159 @@
+"""The paged attention op against a naive per-request reference, plus the
+rotary and RMSNorm building blocks against transformers' own functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import build_attn_metadata
+from workerd.layers.attention import paged_attention
+from workerd.layers.layernorm import RMSNorm
+from workerd.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 24
+
+
+def _naive(q, ctx_k, ctx_v, scale):
+    """q [n, H, D] are the last n positions of a context ctx_k/ctx_v [s, Hkv, D]."""
+    n, s = q.shape[0], ctx_k.shape[0]
+    rep = NUM_HEADS // NUM_KV_HEADS
+    k = ctx_k.repeat_interleave(rep, dim=1)
+    v = ctx_v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(s - n, s)[:, None]
+    scores = scores.masked_fill(torch.arange(s)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode_only", "prefill_only"])
+def test_paged_attention_matches_naive(case):
+    g = torch.Generator().manual_seed(0)
+    computed, scheduled = {
+        "mixed": ([0, 9, 3, 14], [6, 1, 5, 1]),
+        "decode_only": ([4, 11, 0], [1, 1, 1]),
+        "prefill_only": ([0, 0], [7, 13]),
+    }[case]
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    tables, used = [], 0
+    for c, n in zip(computed, scheduled, strict=True):
+        nb = -(-(c + n) // BLOCK_SIZE)
+        tables.append(perm[used : used + nb])
+        used += nb
+    md, _ = build_attn_metadata(computed, scheduled, tables, BLOCK_SIZE)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    # Logical contexts: the cached prefix is whatever is in the cache already.
+    contexts = []
+    for c, blocks in zip(computed, tables, strict=True):
+        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c)]
+        flat = cache.flatten(1, 2)
+        contexts.append((flat[0][slots].clone(), flat[1][slots].clone()))
+    t = sum(scheduled)
+    q = torch.randn(t, NUM_HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention(q, k, v, cache, md, scale)
+    assert out.shape == (t, NUM_HEADS * HEAD_DIM)
+
+    off = 0
+    for (ck, cv), n in zip(contexts, scheduled, strict=True):
+        sl = slice(off, off + n)
+        ref = _naive(q[sl], torch.cat([ck, k[sl]]), torch.cat([cv, v[sl]]), scale)
+        torch.testing.assert_close(out[sl], ref, atol=1e-5, rtol=1e-5)
+        off += n
+    # The new K/V landed in their slots.
+    flat = cache.flatten(1, 2)
+    torch.testing.assert_close(flat[0][md.slot_mapping], k)
+    torch.testing.assert_close(flat[1][md.slot_mapping], v)
+
+
+def test_padding_tokens_beyond_actual_are_ignored():
+    g = torch.Generator().manual_seed(1)
+    md, _ = build_attn_metadata([2, 0], [1, 3], [[1], [0]], BLOCK_SIZE)
+    cache = torch.zeros(2, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    q = torch.randn(6, NUM_HEADS, HEAD_DIM, generator=g)  # 4 actual + 2 padding tokens
+    k = torch.randn(6, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(6, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    ref = paged_attention(q[:4], k[:4], v[:4], cache.clone(), md, 0.3)
+    out = paged_attention(q, k, v, cache, md, 0.3)
+    assert out.shape[0] == 6
+    torch.testing.assert_close(out[:4], ref)
+
+
+def test_no_cache_prefill_matches_naive():
+    g = torch.Generator().manual_seed(2)
+    md, _ = build_attn_metadata([0, 0, 0], [3, 8, 1], [[0], [1, 2], [3]], BLOCK_SIZE)
+    q = torch.randn(12, NUM_HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(12, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(12, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    out = paged_attention(q, k, v, None, md, 0.5)
+    for sl in (slice(0, 3), slice(3, 11), slice(11, 12)):
+        torch.testing.assert_close(out[sl], _naive(q[sl], k[sl], v[sl], 0.5))
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 100000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rotary_matches_hf(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_parameters=dict(rope),
+    )
+    if rope["rope_type"] == "default":
+        hf_inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+    else:
+        hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    torch.testing.assert_close(compute_inv_freq(16, rope, 1024), hf_inv)
+
+    positions = torch.tensor([700, 3, 0, 41, 42, 1000])  # arbitrary, not 0..n
+    rot = RotaryEmbedding(16, rope, 1024)
+    cos, sin = rot(positions)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g)
+    freqs = positions[:, None].float() * hf_inv[None]
+    emb = torch.cat((freqs, freqs), -1)
+    hq, hk = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None]
+    )
+    torch.testing.assert_close(apply_rotary(q, cos, sin), hq[0].transpose(0, 1))
+    torch.testing.assert_close(apply_rotary(k, cos, sin), hk[0].transpose(0, 1))
+
+
+def test_unknown_rope_type_is_refused():
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        compute_inv_freq(16, {"rope_type": "yarn", "rope_theta": 1e4}, 128)
+
+
+def test_rmsnorm_fused_residual_matches_hf():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    x, res = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g)
+    ours, hf = RMSNorm(32, 1e-5), LlamaRMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        w = torch.randn(32, generator=g)
+        ours.weight.copy_(w)
+        hf.weight.copy_(w)
+    torch.testing.assert_close(ours(x), hf(x))
+    normed, new_res = ours(x, res)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(normed, hf(x + res))

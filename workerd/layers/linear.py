@@ -1,0 +1,90 @@
+"""Tensor-parallel linear layers (Megatron style, as in vLLM).
+
+ColumnParallelLinear splits the output features across TP ranks (q/k/v,
+gate/up); RowParallelLinear splits the input features and all-reduces the
+partial sums (o_proj, down_proj). A column layer followed by a row layer needs
+exactly one all-reduce.
+
+Every weight carries a `shard` attribute, (dim, start, end) into the full
+checkpoint tensor, so the loader can read just this rank's slice from disk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workerd.distributed import ParallelState, tp_all_reduce
+
+
+def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
+    """Record which slice of the checkpoint tensor `param` holds. `end - start` may
+    be smaller than param.shape[dim] (padded vocab rows); the rest stays zero."""
+    param.shard = (dim, start, end)
+    return param
+
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    # torch.empty: weights come from the checkpoint, initialising them is wasted work.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (output features) split into num_shards pieces; this
+    rank holds piece shard_index. Defaults to one piece per TP rank; K/V
+    projections with fewer KV heads than TP ranks pass num_shards=num_kv_heads so
+    that several ranks hold (replicate) the same piece."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        ps: ParallelState,
+        bias: bool = False,
+        num_shards: int | None = None,
+        shard_index: int | None = None,
+    ):
+        super().__init__()
+        num_shards = ps.tp_size if num_shards is None else num_shards
+        shard_index = ps.tp_rank if shard_index is None else shard_index
+        if output_size % num_shards:
+            raise ValueError(f"output_size {output_size} not divisible into {num_shards} shards")
+        self.input_size = input_size
+        self.output_size_per_partition = output_size // num_shards
+        start = shard_index * self.output_size_per_partition
+        end = start + self.output_size_per_partition
+        self.weight = set_shard(
+            _empty_param(self.output_size_per_partition, input_size), 0, start, end
+        )
+        self.bias = (
+            set_shard(_empty_param(self.output_size_per_partition), 0, start, end) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) + b with W's columns (input features)
+    split across TP ranks; x arrives already split (output of a column layer)."""
+
+    def __init__(self, input_size: int, output_size: int, ps: ParallelState, bias: bool = False):
+        super().__init__()
+        if input_size % ps.tp_size:
+            raise ValueError(f"input_size {input_size} not divisible by tp_size {ps.tp_size}")
+        self.ps = ps
+        self.input_size_per_partition = input_size // ps.tp_size
+        start = ps.tp_rank * self.input_size_per_partition
+        self.weight = set_shard(
+            _empty_param(output_size, self.input_size_per_partition),
+            1,
+            start,
+            start + self.input_size_per_partition,
+        )
+        # Bias is replicated and added once, after the reduction.
+        self.bias = _empty_param(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight), self.ps)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,243 @@
+"""Llama-family causal LM (LlamaForCausalLM; Mistral-style configs share it),
+written against workerd's paged KV cache and TP/PP layout rather than
+transformers' forward.
+
+One instance is one rank's shard: this PP stage's decoder layers
+[start_layer, end_layer), each with this TP rank's heads and MLP columns.
+The first stage owns the vocab-parallel embedding; the last owns the final
+norm and LM head. Non-last stages return IntermediateTensors for the next stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workerd.attn_metadata import AttentionMetadata
+from workerd.distributed import IntermediateTensors, ParallelState
+from workerd.layers.attention import PagedAttentionPlan, build_plan, paged_attention
+from workerd.layers.layernorm import RMSNorm
+from workerd.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workerd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from workerd.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+
+def pp_layer_range(
+    num_layers: int, pp_size: int, pp_rank: int, partition: tuple[int, ...] = ()
+) -> tuple[int, int]:
+    """[start, end) layers of one PP stage. Default split follows vLLM: even, with
+    the remainder given one layer each to the stages just before the last (the
+    last stage already carries the final norm + LM head)."""
+    if partition:
+        if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
+            raise ValueError(
+                f"pp_layer_partition {tuple(partition)} must have pp_size={pp_size} positive "
+                f"entries summing to num_hidden_layers={num_layers}"
+            )
+        sizes = list(partition)
+    else:
+        if num_layers < pp_size:
+            raise ValueError(f"num_hidden_layers {num_layers} < pp_size {pp_size}")
+        sizes = [num_layers // pp_size] * pp_size
+        for i in range(1, num_layers % pp_size + 1):
+            sizes[-i - 1] += 1
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def tp_head_layout(
+    num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int
+) -> tuple[int, int, int]:
+    """(query heads per rank, KV heads per rank, index of this rank's first KV head
+    shard in units of num_kv_heads_local). With fewer KV heads than ranks each
+    KV head is replicated on tp_size // num_kv_heads consecutive ranks, which are
+    exactly the ranks whose query heads use it."""
+    if num_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}"
+        )
+    if num_kv_heads % tp_size == 0:
+        return num_heads // tp_size, num_kv_heads // tp_size, tp_rank
+    if tp_size % num_kv_heads == 0:
+        return num_heads // tp_size, 1, tp_rank * num_kv_heads // tp_size
+    raise ValueError(
+        f"num_key_value_heads={num_kv_heads} neither divisible by nor a divisor of "
+        f"tensor_parallel_size={tp_size}"
+    )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, ps: ParallelState):
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.num_heads, self.num_kv_heads, kv_shard = tp_head_layout(
+            total_heads, total_kv, ps.tp_size, ps.tp_rank
+        )
+        bias = getattr(config, "attention_bias", False)
+        kv_out = total_kv * self.head_dim
+        self.q_proj = ColumnParallelLinear(hidden, total_heads * self.head_dim, ps, bias)
+        num_kv_shards = total_kv // self.num_kv_heads
+        self.k_proj = ColumnParallelLinear(hidden, kv_out, ps, bias, num_kv_shards, kv_shard)
+        self.v_proj = ColumnParallelLinear(hidden, kv_out, ps, bias, num_kv_shards, kv_shard)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, ps, bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        md: AttentionMetadata,
+        plan: PagedAttentionPlan,
+    ) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, md, self.scale, plan)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, ps: ParallelState):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        bias = getattr(config, "mlp_bias", False)
+        h, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = ColumnParallelLinear(h, inter, ps, bias)
+        self.up_proj = ColumnParallelLinear(h, inter, ps, bias)
+        self.down_proj = RowParallelLinear(inter, h, ps, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, ps: ParallelState):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ps)
+        self.mlp = LlamaMLP(config, ps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states, residual, cos, sin, kv_cache, md, plan):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, md, plan)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, ps: ParallelState, pp_layer_partition: tuple[int, ...] = ()):
+        super().__init__()
+        self.config = config
+        self.ps = ps
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.start_layer, self.end_layer = pp_layer_range(
+            config.num_hidden_layers, ps.pp_size, ps.pp_rank, tuple(pp_layer_partition)
+        )
+        self.num_local_layers = self.end_layer - self.start_layer
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, ps) for _ in range(self.num_local_layers)
+        )
+        attn = self.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, rope_parameters(config), config.max_position_embeddings
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, self.hidden_size, ps)
+            if ps.is_first_pp_rank
+            else None
+        )
+        self.norm = self.lm_head = None
+        if ps.is_last_pp_rank:
+            self.norm = RMSNorm(self.hidden_size, config.rms_norm_eps)
+            self.lm_head = ParallelLMHead(config.vocab_size, self.hidden_size, ps)
+            if self.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.ps.is_first_pp_rank:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states = intermediate_tensors.hidden_states
+            residual = intermediate_tensors.residual
+        plan = build_plan(attn_metadata, positions.shape[0])
+        cos, sin = self.rotary_emb(positions)
+        for i, layer in enumerate(self.layers):
+            kv_cache = kv_caches[i] if kv_caches else None
+            hidden_states, residual = layer(
+                hidden_states, residual, cos, sin, kv_cache, attn_metadata, plan
+            )
+        if not self.ps.is_last_pp_rank:
+            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def hf_weight_map(self) -> dict[str, list[nn.Parameter]]:
+        """Checkpoint tensor name -> this rank's parameters filled from it (a
+        tied embedding may feed both the embedding and the LM head)."""
+        m: dict[str, list[nn.Parameter]] = {}
+
+        def add(name: str, param: nn.Parameter) -> None:
+            if all(p is not param for p in m.get(name, [])):
+                m.setdefault(name, []).append(param)
+
+        if self.embed_tokens is not None:
+            add("model.embed_tokens.weight", self.embed_tokens.weight)
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{self.start_layer + i}."
+            for name, param in layer.named_parameters():
+                add(prefix + name, param)
+        if self.norm is not None:
+            add("model.norm.weight", self.norm.weight)
+            head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+            add(head, self.lm_head.weight)
+        return m
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral's checkpoint layout and math are Llama's; sliding-window attention
+    (absent from Mistral >= v0.2 configs) is not implemented and refused."""
+
+    def __init__(self, config, ps: ParallelState, pp_layer_partition: tuple[int, ...] = ()):
+        if getattr(config, "sliding_window", None):
+            raise ValueError("MistralForCausalLM with sliding_window is not supported")
+        super().__init__(config, ps, pp_layer_partition)
+
+
+def get_model(
+    model_path: str, ps: ParallelState, dtype: torch.dtype, pp_layer_partition: tuple[int, ...] = ()
+) -> LlamaForCausalLM:
+    """Build this rank's shard of the checkpoint at model_path and load its weights
+    (same as workerd.models.get_model: the class comes from config.json)."""
+    from workerd.model_loader import load_model
+
+    return load_model(model_path, ps, dtype, pp_layer_partition)

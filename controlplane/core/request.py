@@ -87,6 +87,9 @@ class Request:
     num_preemptions: int = 0
     # The token that matched a stop rule, when status is FINISHED_STOPPED.
     stop_token_id: int | None = None
+    # Chained hashes of the full blocks of all_token_ids, extended incrementally
+    # by kv_cache_utils so every full block is hashed exactly once.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -35,8 +35,11 @@ class FakeWorker:
 
     def _register_msg(self):
         req = worker_pb2.RegisterRequest(
-            protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT, host="127.0.0.1",
-            device="cpu", dist_port=1234, pid=1,
+            protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
+            host="127.0.0.1",
+            device="cpu",
+            dist_port=1234,
+            pid=1,
         )
         if self.rank is not None:
             req.rank = self.rank
@@ -121,14 +124,19 @@ class Harness:
 
 def _step(req_ids):
     return SchedulerOutput(
-        step_id=1, scheduled_new_reqs=[],
+        step_id=1,
+        scheduled_new_reqs=[],
         scheduled_cached_reqs=CachedRequestData(
-            req_ids=list(req_ids), resumed_from_preemption=[False] * len(req_ids),
-            new_token_ids=[[1]] * len(req_ids), new_block_ids=[[]] * len(req_ids),
+            req_ids=list(req_ids),
+            resumed_from_preemption=[False] * len(req_ids),
+            new_token_ids=[[1]] * len(req_ids),
+            new_block_ids=[[]] * len(req_ids),
             num_computed_tokens=[5] * len(req_ids),
         ),
         num_scheduled_tokens=dict.fromkeys(req_ids, 1),
-        total_num_scheduled_tokens=len(req_ids), finished_req_ids=set(), preempted_req_ids=set(),
+        total_num_scheduled_tokens=len(req_ids),
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
     )
 
 

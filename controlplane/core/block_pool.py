@@ -1,0 +1,176 @@
+"""The logical KV block pool: which block ids are free, shared or cached.
+
+Block ids are the same on every worker rank; a worker only learns them through
+SchedulerOutput.block_ids. The pool keeps
+
+* a ref count per block (one per request using it; prefix hits share blocks),
+* a hash -> block map of full blocks whose KV can be reused (prefix cache),
+* an LRU queue of free blocks. A freed block keeps its hash and stays in the
+  cache map while it sits in the queue; it is evicted only when the queue hands
+  it out as a fresh block, so recently freed prefixes remain reusable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    """One logical block. prev_free/next_free link it into the free queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set only while the block is full and registered in the cache map.
+        self.block_hash: bytes | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        hashed = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, least recently freed first.
+
+    A hand-rolled list (not a deque) because a prefix hit must pull a cached
+    block out of the middle of the queue in O(1). Sentinel head/tail nodes
+    keep every link operation branch-free.
+    """
+
+    __slots__ = ("head", "tail", "num_free_blocks")
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.head = KVCacheBlock(-1)
+        self.tail = KVCacheBlock(-1)
+        self.num_free_blocks = len(blocks)
+        prev = self.head
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = self.tail
+        self.tail.prev_free = prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self.head.next_free
+        if block is self.tail:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, {self.num_free_blocks} left")
+        out = []
+        block = self.head.next_free
+        for _ in range(n):
+            out.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        self.head.next_free = block
+        block.prev_free = self.head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self.tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self.tail
+        self.tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self.head.next_free
+        while block is not self.tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Owns every KVCacheBlock: allocation, sharing, freeing and the hash map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take n blocks from the LRU end, evicting their cached hashes."""
+        blocks = self.free_block_queue.popleft_n(n)
+        cache = self.cached_block_hash_to_block
+        for block in blocks:
+            if block.block_hash is not None:
+                del cache[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Share blocks found by a prefix hit; a free one leaves the queue."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; the first given is evicted first."""
+        queue = self.free_block_queue
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                queue.append(block)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a just-filled block. If another block already holds the same
+        content (two requests computed one prefix at once) the first stays the
+        cached copy and this one is freed as a plain block later."""
+        if block.block_hash is not None:
+            return
+        cache = self.cached_block_hash_to_block
+        if block_hash not in cache:
+            cache[block_hash] = block
+            block.block_hash = block_hash
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (new workers hold no KV). Only when no block
+        is in use, since a used block's KV would stay valid for its owner."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True

@@ -1,0 +1,193 @@
+"""Per-request view of the block pool, used by the Scheduler every step.
+
+The scheduler asks two questions: "which prompt blocks are already cached?"
+(get_computed_blocks, on admission) and "give this request room for N more
+tokens" (allocate_slots, every time it is scheduled). The answer to the second
+is the list of new blocks, whose ids go into the SchedulerOutput diff, or None
+when the pool is out of blocks and the scheduler must preempt.
+"""
+
+from __future__ import annotations
+
+from controlplane.core.block_pool import BlockPool, KVCacheBlock
+from controlplane.core.kv_cache_utils import update_block_hashes
+from controlplane.core.request import Request
+
+_NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # req_id -> blocks in token order (shared prefix blocks first).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks are already registered in the cache
+        # map, so each full block is hashed and registered once.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Cumulative token counts over admissions (new and resumed requests).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- queries ---------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(req_id, [])
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+    # -- prefix cache ----------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, as (blocks, num_computed_tokens).
+
+        At most num_tokens - 1 tokens are reported computed: the last token must
+        run through the model to produce logits for the next sample, so a fully
+        cached prompt still recomputes its last block.
+        """
+        if not self.enable_caching:
+            return [], 0
+        block_size = self.block_size
+        hashes = update_block_hashes(request, block_size)
+        max_hit_blocks = (request.num_tokens - 1) // block_size
+        lookup = self.block_pool.cached_block_hash_to_block.get
+        blocks: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * block_size
+
+    # -- allocation ------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | tuple[KVCacheBlock, ...] | None:
+        """Make room for num_new_tokens after the computed ones.
+
+        new_computed_blocks / num_new_computed_tokens come from
+        get_computed_blocks when a waiting request is admitted; passing them
+        (even empty) records the admission in the prefix-cache stats. Returns
+        the newly allocated blocks (possibly empty), or None with nothing
+        changed when the pool cannot supply them.
+        """
+        req_id = request.request_id
+        block_size = self.block_size
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_after = num_computed + num_new_tokens
+        req_blocks = self.req_to_blocks.get(req_id)
+        num_have = len(req_blocks) if req_blocks is not None else 0
+        if new_computed_blocks:
+            num_have += len(new_computed_blocks)
+        num_new_blocks = (num_tokens_after + block_size - 1) // block_size - num_have
+
+        if num_new_blocks <= 0 and new_computed_blocks is None and req_blocks is not None:
+            # Hot path: a decode step inside an already allocated block.
+            if (
+                self.enable_caching
+                and num_tokens_after // block_size > self.num_cached_blocks[req_id]
+            ):
+                self.cache_full_blocks(request, num_tokens_after)
+            return _NO_BLOCKS
+        return self._allocate_slow(request, num_new_blocks, num_tokens_after, new_computed_blocks)
+
+    def _allocate_slow(
+        self,
+        request: Request,
+        num_new_blocks: int,
+        num_tokens_after: int,
+        new_computed_blocks: list[KVCacheBlock] | None,
+    ) -> list[KVCacheBlock] | None:
+        pool = self.block_pool
+        computed = new_computed_blocks or []
+        # A cached block that is free still counts as free until we touch it.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[req_id] = []
+            self.num_cached_blocks[req_id] = 0
+        if computed:
+            pool.touch(computed)
+            req_blocks.extend(computed)
+            # Hit blocks are cached already; skip re-registering them.
+            self.num_cached_blocks[req_id] = len(req_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        req_blocks.extend(new_blocks)
+        if new_computed_blocks is not None and self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed) * self.block_size
+        if self.enable_caching:
+            self.cache_full_blocks(request, num_tokens_after)
+        return new_blocks
+
+    def cache_full_blocks(self, request: Request, num_tokens_after: int) -> None:
+        """Register the blocks that are full once this step's tokens are computed.
+
+        Only blocks whose tokens are all known (num_tokens) can be hashed. They
+        are registered before the step runs, as in vLLM. A request admitted
+        later in the same step may hit them: it is in the same batch, and
+        workers scatter the whole batch's K/V into the cache before attention
+        reads it (workerd/layers/attention.py), so the hit reads written KV. A
+        request taken back out of the step undoes this (uncache_blocks_after).
+        """
+        block_size = self.block_size
+        req_id = request.request_id
+        num_full = min(num_tokens_after, request.num_tokens) // block_size
+        start = self.num_cached_blocks[req_id]
+        if num_full <= start:
+            return
+        hashes = update_block_hashes(request, block_size)
+        req_blocks = self.req_to_blocks[req_id]
+        cache_full_block = self.block_pool.cache_full_block
+        for i in range(start, num_full):
+            cache_full_block(req_blocks[i], hashes[i])
+        self.num_cached_blocks[req_id] = num_full
+
+    def uncache_blocks_after(self, request: Request, num_computed_tokens: int) -> None:
+        """Forget hashes registered for blocks whose KV will not be written
+        after all (the request was taken back out of the step that filled
+        them), so no later prefix hit reads them."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if not blocks or not self.enable_caching:
+            return
+        first = num_computed_tokens // self.block_size
+        end = self.num_cached_blocks[req_id]
+        for block in blocks[first:end]:
+            self.block_pool.uncache_block(block)
+        self.num_cached_blocks[req_id] = min(first, end)
+
+    # -- release ---------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks. Tail blocks go to the free queue first
+        so they are evicted before the (more likely shared) prefix blocks."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        self.num_cached_blocks.pop(req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,21 @@
+"""A snapshot of scheduler state for metrics (Prometheus) and logs, built by
+Scheduler.make_stats() once per step; plain data, cheap to build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    # Fraction of KV blocks in use (0..1); free cached blocks count as free.
+    kv_cache_usage: float = 0.0
+    # Cumulative token counts: tokens looked up on admission, tokens found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # Cumulative count of preemptions by recompute.
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0

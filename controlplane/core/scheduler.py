@@ -1,0 +1,525 @@
+"""The Scheduler: decides, every step, which requests compute how many tokens.
+
+EngineCore calls schedule() to get a SchedulerOutput (the diff every worker
+applies to its own request state), sends it to the worker group, then feeds the
+output rank's ModelRunnerOutput to update_from_output(), which appends sampled
+tokens, applies stop rules, frees finished requests and returns one
+EngineCoreOutput per request that advanced.
+
+Policy (vLLM V1): one token budget per step is spent on running requests first
+(decodes and unfinished prefill chunks alike), then on waiting requests in
+policy order. When the block pool runs dry a running request is preempted by
+recompute: its blocks are freed and it goes back to the head of the waiting
+queue, to be recomputed later (mostly from the prefix cache).
+
+Priority convention (as vLLM): a SMALLER Request.priority value is served
+first; ties go to the earlier arrival. The preemption victim is the request
+with the largest (priority, arrival_time), i.e. the least important and newest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.kv_cache_manager import KVCacheManager
+from controlplane.core.kv_cache_utils import cdiv
+from controlplane.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from controlplane.core.request import Request, RequestStatus, finish_reason_of
+from controlplane.core.sched_stats import SchedulerStats
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class FCFSRequestQueue:
+    """Waiting requests in arrival order; preempted ones re-enter at the head."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def prepend_many(self, requests: list[Request]) -> None:
+        self._queue.extendleft(reversed(requests))
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove_ids(self, req_ids: set[str]) -> None:
+        self._queue = deque(r for r in self._queue if r.request_id not in req_ids)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityRequestQueue:
+    """Waiting requests by (priority, arrival_time); a preempted request simply
+    re-enters at its rank, which puts it ahead of later equal-priority ones."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        # Tie-breaker so the heap never compares Request objects.
+        self._seq = itertools.count()
+
+    def push(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_time, next(self._seq), request)
+        heapq.heappush(self._heap, entry)
+
+    prepend = push
+
+    def prepend_many(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.push(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove_ids(self, req_ids: set[str]) -> None:
+        self._heap = [e for e in self._heap if e[3].request_id not in req_ids]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap))
+
+
+RequestQueue = FCFSRequestQueue | PriorityRequestQueue
+
+
+def create_request_queue(policy: str) -> RequestQueue:
+    return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int
+    ) -> None:
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): next step tells workers.
+        self.finished_req_ids: set[str] = set()
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # -- request lifecycle ----------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        req_id = request.request_id
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} already exists")
+        num_prompt = request.num_prompt_tokens
+        max_tokens = request.max_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {req_id!r} has an empty prompt")
+        if max_tokens < 1:
+            raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt ({num_prompt} tokens) + max_tokens "
+                f"({max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        # The last sampled token is never fed back, so it needs no KV slot.
+        blocks_needed = cdiv(num_prompt + max_tokens - 1, self.block_size)
+        if blocks_needed > self.num_gpu_blocks:
+            raise ValueError(
+                f"request {req_id!r} needs {blocks_needed} KV blocks but the pool "
+                f"has only {self.num_gpu_blocks}; it could never be scheduled"
+            )
+        cfg = self.scheduler_config
+        if not cfg.enable_chunked_prefill and num_prompt + max_tokens - 1 > (
+            cfg.max_num_batched_tokens
+        ):
+            # Without chunking a (re)computed sequence must fit one step's budget.
+            raise ValueError(
+                f"request {req_id!r}: prompt + max_tokens exceeds max_num_batched_tokens "
+                f"({cfg.max_num_batched_tokens}) and chunked prefill is disabled"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[req_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> list[str]:
+        """End requests from outside (abort, error). Their blocks are freed now;
+        the workers learn it from the next step's finished_req_ids."""
+        if not finished_status.is_finished:
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished: list[str] = []
+        was_running = False
+        out_of_waiting: set[str] = set()
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                was_running = True
+            else:
+                out_of_waiting.add(req_id)
+            request.status = finished_status
+            self._free_request(request)
+            finished.append(req_id)
+        if was_running:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        if out_of_waiting:
+            self.waiting.remove_ids(out_of_waiting)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    # -- one step: schedule ---------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """One step's plan as a diff. num_computed_tokens advances here, as in
+        vLLM: tokens count as computed once the step carrying them is sent."""
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+        budget = self.scheduler_config.max_num_batched_tokens
+        budget = self._schedule_running(budget, cached, num_scheduled, preempted)
+        # As vLLM: admitting while preempting would just thrash the pool.
+        if not preempted:
+            self._schedule_waiting(budget, new_reqs, cached, num_scheduled)
+        self.step_id += 1
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        total = sum(num_scheduled.values())
+        return SchedulerOutput(
+            self.step_id, new_reqs, cached, num_scheduled, total, finished, preempted
+        )
+
+    def _schedule_running(
+        self,
+        budget: int,
+        cached: CachedRequestData,
+        num_scheduled: dict[str, int],
+        preempted: set[str],
+    ) -> int:
+        """Decodes and unfinished prefills, in running order. The diff columns
+        are filled in the same pass: at 1k requests a second pass shows up."""
+        running = self.running
+        kv = self.kv_cache_manager
+        allocate = kv.allocate_slots
+        # The common case, a decode inside an allocated block, is decided here
+        # without a call (allocate_slots' own fast path, inlined for 1k reqs).
+        req_to_blocks = kv.req_to_blocks
+        num_cached_blocks = kv.num_cached_blocks
+        caching = kv.enable_caching
+        block_size = self.block_size
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        c_ids = cached.req_ids
+        c_resumed = cached.resumed_from_preemption
+        c_tokens = cached.new_token_ids
+        c_blocks = cached.new_block_ids
+        c_computed = cached.num_computed_tokens
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            all_ids = request.all_token_ids
+            num_all = len(all_ids)
+            num_new = num_all - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                i += 1
+                continue
+            req_id = request.request_id
+            num_after = num_computed + num_new
+            if num_after <= len(req_to_blocks[req_id]) * block_size:
+                if caching and num_after // block_size > num_cached_blocks[req_id]:
+                    kv.cache_full_blocks(request, num_after)
+                new_block_ids = []
+            else:
+                new_blocks = allocate(request, num_new)
+                if new_blocks is None:
+                    new_blocks, budget, i = self._make_room(
+                        request, num_new, i, budget, cached, num_scheduled, preempted
+                    )
+                    if new_blocks is None:
+                        break
+                new_block_ids = [b.block_id for b in new_blocks]
+            c_ids.append(req_id)
+            c_resumed.append(False)
+            c_tokens.append(all_ids[request.num_tokens_sent :])
+            c_blocks.append(new_block_ids)
+            c_computed.append(num_computed)
+            request.num_tokens_sent = num_all
+            request.num_computed_tokens = num_computed + num_new
+            num_scheduled[req_id] = num_new
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _make_room(
+        self,
+        request: Request,
+        num_new: int,
+        i: int,
+        budget: int,
+        cached: CachedRequestData,
+        num_scheduled: dict[str, int],
+        preempted: set[str],
+    ) -> tuple[list | None, int, int]:
+        """Preempt victims until request's blocks fit or request itself is the
+        victim. Returns (new blocks or None, budget, index of request)."""
+        while True:
+            victim, victim_idx = self._pop_victim()
+            if victim_idx < i:
+                # Priority mode may pick a request scheduled earlier this step.
+                budget += self._unschedule(victim, cached, num_scheduled)
+                i -= 1
+            self._preempt(victim, preempted)
+            if victim is request:
+                return None, budget, i
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, budget, i
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+        num_scheduled: dict[str, int],
+    ) -> None:
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        threshold = cfg.long_prefill_token_threshold
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            request = waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                break
+            waiting.pop()
+            running.append(request)
+            request.status = _RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self._emit_admitted(request, num_hit, new_reqs, cached)
+            request.num_computed_tokens = num_hit + num_new
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+    def _emit_admitted(
+        self,
+        request: Request,
+        num_computed: int,
+        new_reqs: list[NewRequestData],
+        cached: CachedRequestData,
+    ) -> None:
+        """Full data for workers that never saw the request; for one back from
+        preemption (workers kept its state) the unsent tokens and the
+        replacement block list."""
+        req_id = request.request_id
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        all_ids = request.all_token_ids
+        if request.num_tokens_sent == 0:
+            new_reqs.append(
+                NewRequestData(
+                    req_id,
+                    request.prompt_token_ids,
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                    block_ids,
+                    num_computed,
+                )
+            )
+        else:
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(True)
+            cached.new_token_ids.append(all_ids[request.num_tokens_sent :])
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_computed)
+        request.num_tokens_sent = len(all_ids)
+
+    def _pop_victim(self) -> tuple[Request, int]:
+        running = self.running
+        if self.scheduler_config.policy == "priority":
+            idx = max(
+                range(len(running)),
+                key=lambda j: (running[j].priority, running[j].arrival_time),
+            )
+            return running.pop(idx), idx
+        return running.pop(), len(running)
+
+    def _unschedule(
+        self, request: Request, cached: CachedRequestData, num_scheduled: dict[str, int]
+    ) -> int:
+        """Take back a request scheduled earlier in this step: its diff entry,
+        its progress, and any block it registered for tokens now never computed."""
+        req_id = request.request_id
+        j = cached.req_ids.index(req_id)
+        request.num_tokens_sent -= len(cached.new_token_ids[j])
+        num_computed = cached.num_computed_tokens[j]
+        for column in (
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_token_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        ):
+            del column[j]
+        self.kv_cache_manager.uncache_blocks_after(request, num_computed)
+        return num_scheduled.pop(req_id)
+
+    def _preempt(self, request: Request, preempted: set[str]) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        preempted.add(request.request_id)
+
+    # -- one step: results ----------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens and apply stop rules. Requests that sampled
+        nothing (partial prefill chunks) produce no output."""
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        scheduled = scheduler_output.num_scheduled_tokens
+        max_model_len = self.max_model_len
+        any_finished = False
+        for req_id, token_id in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            request = requests.get(req_id)
+            # Aborted or preempted after this output was scheduled: drop the token.
+            if request is None or request.status is not _RUNNING or req_id not in scheduled:
+                continue
+            output_ids = request.output_token_ids
+            output_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            num_output = len(output_ids)
+            params = request.sampling_params
+            status = None
+            stop_token_id = None
+            if num_output >= params.min_tokens:
+                if not params.ignore_eos and token_id in request.eos_token_ids:
+                    status = _STOPPED
+                elif token_id in params.stop_token_ids:
+                    status = _STOPPED
+                    stop_token_id = token_id
+            if status is None and (
+                num_output >= params.max_tokens or len(request.all_token_ids) >= max_model_len
+            ):
+                status = _LENGTH
+            finish_reason = None
+            if status is not None:
+                request.status = status
+                request.stop_token_id = stop_token_id
+                finish_reason = finish_reason_of(status)
+                self._free_request(request)
+                any_finished = True
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [token_id],
+                    finish_reason,
+                    stop_token_id,
+                    len(request.prompt_token_ids),
+                    num_output,
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    # -- failover and metrics ---------------------------------------------
+
+    def reset_for_recompute(self) -> None:
+        """The worker group was replaced and holds no request state or KV:
+        every request goes back to waiting and is sent again as new."""
+        kv = self.kv_cache_manager
+        for request in self.running:
+            kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.num_preemptions += 1
+        for request in self.waiting:
+            request.num_tokens_sent = 0
+        for request in self.running:
+            request.num_tokens_sent = 0
+        self.waiting.prepend_many(self.running)
+        self.running = []
+        kv.reset_prefix_cache()
+        self.finished_req_ids = set()
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_free_blocks=kv.get_num_free_blocks(),
+            num_total_blocks=kv.num_total_blocks,
+        )

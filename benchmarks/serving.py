@@ -48,8 +48,11 @@ async def run_request(client, prompt, args, record: RequestRecord) -> None:
     record.start = last = time.perf_counter()
     try:
         async for chunk in client.generate(
-            prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-            ignore_eos=args.ignore_eos, seed=args.seed,
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
         ):
             now = time.perf_counter()
             if chunk.token_ids:
@@ -159,15 +162,19 @@ def format_table(runs: list[dict]) -> str:
     header = ["metric", *(run["name"] for run in runs)]
     rows = [header] + [[label, *(fmt(run["metrics"]) for run in runs)] for label, fmt in TABLE_ROWS]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
-    """"1x1,2x1,1x2" -> [(tp, pp), ...]."""
+    """ "1x1,2x1,1x2" -> [(tp, pp), ...]."""
     layouts = []
     for item in text.split(","):
         tp, _, pp = item.strip().lower().partition("x")
@@ -185,7 +192,9 @@ def run_launched(args) -> list[dict]:
     runs = []
     for tp, pp in args.layouts:
         spec = launcher.ClusterSpec(
-            model=args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+            model=args.model,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             controlplane_args=tuple(args.controlplane_args),
         )
         sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115

@@ -3,7 +3,8 @@
 Generate validates the request, hands a Request to the engine, and turns the
 engine's outputs for it into response messages with incrementally detokenized
 text. A client that goes away (cancel, deadline) aborts its request so its KV
-blocks are freed at the next step.
+blocks are freed at the next step; with metrics on, every abort is counted by
+its source.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         router: OutputRouter,
         readiness: Callable[[], str | None],
         num_ranks_attached: Callable[[], int],
+        metrics=None,
     ):
         self.config = config
         self.model_info = model_info
@@ -48,6 +50,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Returns None when ready, else why not (for UNAVAILABLE messages).
         self._not_ready_reason = readiness
         self._num_ranks_attached = num_ranks_attached
+        self.metrics = metrics
         self.limits = Limits(
             vocab_size=model_info.vocab_size, max_model_len=config.scheduler.max_model_len
         )
@@ -90,6 +93,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.router.unregister(request_id)
             if not finished:
                 self.engine.abort_requests([request_id])
+                if self.metrics is not None:
+                    remaining = context.time_remaining()
+                    expired = remaining is not None and remaining <= 0
+                    self.metrics.request_aborted("deadline" if expired else "client_cancel")
 
     def _response(
         self, request_id: str, out: EngineCoreOutput, detok
@@ -110,6 +117,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         live = [r for r in request.request_ids if r in self.router]
         if live:
             self.engine.abort_requests(live)
+            if self.metrics is not None:
+                self.metrics.request_aborted("abort_call", len(live))
         return generation_pb2.AbortResponse(num_aborted=len(live))
 
     async def GetModelInfo(self, request, context):

@@ -2,9 +2,11 @@
 
 Drains the input queue (new requests, aborts, worker-group events), blocking
 only when there is nothing to run, then steps: schedule -> executor broadcast
--> update_from_output -> hand outputs to the client streams. The scheduler is
-created when the worker group reports its KV capacity and dropped when the
-group fails; requests in flight at that moment end with an error output.
+-> update_from_output -> hand outputs to the client streams, together with a
+StepRecord (timestamps and counts only; metrics are observed on the loop).
+The scheduler is created when the worker group reports its KV capacity and
+dropped when the group fails; requests in flight at that moment end with an
+error output.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, Sched
 from controlplane.core.request import FinishReason, Request, RequestStatus
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor import WorkerGroupFailed
+from controlplane.metrics_records import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         execute_model: Callable[[SchedulerOutput], ModelRunnerOutput],
-        emit: Callable[[list[EngineCoreOutput]], None],
+        emit: Callable[[list[EngineCoreOutput], StepRecord | None], None],
     ):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -56,6 +59,8 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self.num_steps = 0
         self.last_stats = None
+        # Bumped per new scheduler, so metrics can tell its counters restarted.
+        self.generation = 0
 
     # ---- thread-safe entry points ----------------------------------------
 
@@ -111,6 +116,7 @@ class EngineCore:
             self._abort(payload)
         elif kind is _Kind.GROUP_READY:
             self.scheduler = Scheduler(self.scheduler_config, self.cache_config, payload)
+            self.generation += 1
             self.last_stats = self.scheduler.make_stats()
             logger.info("engine ready: scheduler over %d KV blocks", payload)
         elif kind is _Kind.GROUP_FAILED:
@@ -121,12 +127,12 @@ class EngineCore:
 
     def _add(self, request: Request) -> None:
         if self.scheduler is None:
-            self._emit([self._error_output(request, self._unavailable_reason)])
+            self._emit([self._error_output(request, self._unavailable_reason)], None)
             return
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:
-            self._emit([self._error_output(request, str(exc))])
+            self._emit([self._error_output(request, str(exc))], None)
             return
         self._live[request.request_id] = request
 
@@ -149,11 +155,13 @@ class EngineCore:
                 )
         self._flush_pending = self._flush_pending or bool(aborted)
         if outputs:
-            self._emit(outputs)
+            self._emit(outputs, None)
 
     def step(self) -> None:
         assert self.scheduler is not None
+        t_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        t_scheduled = time.monotonic()
         self._flush_pending = False
         if scheduler_output.is_empty() and not (
             scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
@@ -166,14 +174,24 @@ class EngineCore:
         except WorkerGroupFailed as exc:
             self._fail_all(str(exc))
             return
+        t_executed = time.monotonic()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
-        self.last_stats = self.scheduler.make_stats()
+        self.last_stats = stats = self.scheduler.make_stats()
+        t_end = time.monotonic()
+        # Only timestamps and counts here; histograms are observed on the loop.
+        live = self._live
+        record = StepRecord(
+            self.generation, t_start, t_scheduled, t_executed, t_end,
+            scheduler_output.total_num_scheduled_tokens,
+            [(n.req_id, live[n.req_id].arrival_time)
+             for n in scheduler_output.scheduled_new_reqs if n.req_id in live],
+            model_output.forward_time_s, stats,
+        )
         for out in outputs:
             if out.finished:
-                self._live.pop(out.request_id, None)
-        if outputs:
-            self._emit(outputs)
+                live.pop(out.request_id, None)
+        self._emit(outputs, record)
 
     def _fail_all(self, reason: str) -> None:
         """The worker group is gone: every live request ends with an error."""
@@ -184,7 +202,7 @@ class EngineCore:
         self._live.clear()
         if outputs:
             logger.warning("failing %d in-flight request(s): %s", len(outputs), reason)
-            self._emit(outputs)
+            self._emit(outputs, None)
 
     @staticmethod
     def _error_output(request: Request, reason: str) -> EngineCoreOutput:

@@ -57,6 +57,8 @@ class WorkerHandle:
     # Serialized ControlMessages for this worker's stream; None ends the stream.
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
+    # From the rank's heartbeats, for the controlplane's /metrics.
+    last_forward_time_s: float = 0.0
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.host}, pid {self.pid})"
@@ -117,6 +119,10 @@ class Executor:
         # Per-step counters for metrics and benchmarks.
         self.last_step_bytes = 0
         self.total_step_bytes = 0
+        # Broadcast -> output rank reply of the latest step (engine thread).
+        self.last_round_trip_s = 0.0
+        # Group failures by reason (metrics.FAILURE_REASONS), read at scrape time.
+        self.failure_counts: dict[str, int] = {}
 
     # ---- lifecycle on the event loop -------------------------------------
 
@@ -197,25 +203,38 @@ class Executor:
     def on_message(self, handle: WorkerHandle, msg: worker_pb2.WorkerMessage) -> None:
         handle.last_seen = time.monotonic()
         if msg.call_id == 0:
-            return  # heartbeat
+            if msg.WhichOneof("payload") == "heartbeat":
+                handle.last_forward_time_s = msg.heartbeat.last_forward_time_s
+            return
         call = self._pending.get(msg.call_id)
         if call is not None:
             call.add_reply(handle.rank, msg)
             if call.future.done():
                 self._pending.pop(msg.call_id, None)
+        if msg.WhichOneof("payload") == "error":
+            # The step (or start-up) already failed through the pending call;
+            # the group is failed too, or it would stay "ready" with no engine.
+            err = msg.error
+            self.fail_group(f"rank {handle.rank} failed in {err.kind}: {err.message}")
 
     def on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
         if self.handles.get(handle.rank) is not handle:
             return  # a worker we already let go
-        self.fail_group(f"worker {handle.describe()} disconnected: {reason}")
+        self.fail_group(f"worker {handle.describe()} disconnected: {reason}", "disconnected")
 
     # ---- failure ---------------------------------------------------------
 
-    def fail_group(self, reason: str) -> None:
-        """Fail every pending call, stop the survivors, re-open registration (loop thread)."""
+    def fail_group(self, reason: str, kind: str | None = None) -> None:
+        """Fail every pending call, stop the survivors, re-open registration (loop thread).
+
+        kind is the metrics label; by default a failure while starting is
+        "startup" and one while serving is "worker_error".
+        """
         if self.state == "forming" and not self.handles:
             return
-        logger.error("worker group failed: %s", reason)
+        kind = kind or ("startup" if self.state == "starting" else "worker_error")
+        self.failure_counts[kind] = self.failure_counts.get(kind, 0) + 1
+        logger.error("worker group failed (%s): %s", kind, reason)
         was_live = self.state in ("starting", "ready")
         self.failure_reason = reason
         self.state = "forming"
@@ -247,7 +266,8 @@ class Executor:
                 if silent > self.cfg.heartbeat_timeout_s:
                     self.fail_group(
                         f"worker {handle.describe()} sent nothing for {silent:.1f} s "
-                        f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:.0f} s)"
+                        f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:.0f} s)",
+                        "heartbeat_timeout",
                     )
                     break
 
@@ -360,8 +380,11 @@ class Executor:
         )
         replies = await self._call_all(profile, self.cfg.startup_timeout_s, "profile_memory")
         per_rank = {rank: r.memory_profile.num_blocks for rank, r in replies.items()}
+        weights = {rank: round(r.memory_profile.weights_bytes / 2**20, 1)
+                   for rank, r in sorted(replies.items())}
         num_blocks = min(per_rank.values())
-        logger.info("KV capacity per rank (blocks): %s -> using %d", per_rank, num_blocks)
+        logger.info("KV capacity per rank (blocks): %s -> using %d; weights per rank (MiB): %s",
+                    per_rank, num_blocks, weights)
         if self.cache.num_gpu_blocks_override:
             num_blocks = self.cache.num_gpu_blocks_override
             logger.info("KV blocks overridden to %d", num_blocks)
@@ -388,6 +411,7 @@ class Executor:
             except Exception as exc:  # noqa: BLE001 - handed to the engine thread
                 ready.set_exception(exc)
 
+        t_send = time.perf_counter()
         self._loop.call_soon_threadsafe(send)
         ready.result()
         call = box[0]
@@ -399,7 +423,8 @@ class Executor:
                 f"output rank {self.parallel.output_rank} missed the step deadline "
                 f"({self.cfg.step_timeout_s:.0f} s)"
             )
-            self._loop.call_soon_threadsafe(self.fail_group, reason)
+            self._loop.call_soon_threadsafe(self.fail_group, reason, "step_timeout")
             raise WorkerGroupFailed(reason) from None
+        self.last_round_trip_s = time.perf_counter() - t_send
         reply = replies[self.parallel.output_rank]
         return model_runner_output_from_proto(reply.model_runner_output)

@@ -4,7 +4,8 @@ One asyncio loop serves two gRPC servers — the client API (Generation,
 health, reflection) and the worker port (WorkerControl) — while EngineCore
 runs on its own thread. Health has two names: "" is live as soon as the
 process answers; "kvloom.v1.Generation" is SERVING only while the worker
-group is ready.
+group is ready. With --metrics-port, Prometheus metrics are served on a
+thread of their own (controlplane/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from controlplane.api_server import GenerationService
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine import EngineCore
 from controlplane.executor import Executor
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.metrics_grpc import GrpcMetricsInterceptor
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.output_router import OutputRouter
 from controlplane.worker_service import SERVICE_NAME as WORKER_SERVICE
@@ -67,16 +70,35 @@ class ControlPlane:
             on_ready=self._on_group_ready,
             on_failed=self._on_group_failed,
         )
+        self.metrics: ControlPlaneMetrics | None = None
+        if config.server.metrics_port:
+            self.metrics = ControlPlaneMetrics(config, self.engine, self.executor)
 
     # Called on the engine thread.
     def _execute_model(self, scheduler_output):
         return self.executor.execute_model(scheduler_output)
 
-    def _emit(self, outputs) -> None:
+    def _emit(self, outputs, record=None) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self.router.dispatch, outputs)
+        if self.metrics is None:
+            if outputs:
+                self._loop.call_soon_threadsafe(self.router.dispatch, outputs)
+            return
+        if record is not None:
+            # Still on the engine thread, before the next step overwrites them.
+            record.round_trip_s = self.executor.last_round_trip_s
+            record.step_bytes = self.executor.last_step_bytes
+        self._loop.call_soon_threadsafe(self._dispatch, outputs, record)
 
     # Called on the loop.
+    def _dispatch(self, outputs, record) -> None:
+        if outputs:
+            self.router.dispatch(outputs)
+        try:
+            self.metrics.observe(outputs, record)
+        except Exception:  # noqa: BLE001 - a metrics bug must never stop serving
+            logger.exception("metrics observation failed")
+
     def _on_group_ready(self, num_blocks: int) -> None:
         self.engine.group_ready(num_blocks)
         asyncio.ensure_future(self.health.set(GENERATION_SERVICE, SERVING))
@@ -94,7 +116,11 @@ class ControlPlane:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model.model)
         options = grpc_options(self.config)
 
-        api = grpc.aio.server(options=options)
+        interceptors = []
+        if self.metrics is not None:
+            interceptors.append(GrpcMetricsInterceptor(self.metrics.grpc_request))
+            self.metrics.serve(cfg.host, cfg.metrics_port)
+        api = grpc.aio.server(options=options, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(
                 self.config,
@@ -104,6 +130,7 @@ class ControlPlane:
                 self.router,
                 readiness=self.not_ready_reason,
                 num_ranks_attached=lambda: len(self.executor.handles),
+                metrics=self.metrics,
             ),
             api,
         )
@@ -135,6 +162,8 @@ class ControlPlane:
         await asyncio.to_thread(self.engine.shutdown)
         await api.stop(grace=2.0)
         await workers.stop(grace=1.0)
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def run(config: ControlPlaneConfig, model_info: ModelInfo) -> None:

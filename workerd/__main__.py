@@ -2,6 +2,7 @@
 
 Exit codes: 0 when the controlplane asked the worker to stop, 1 when the
 stream broke or a start-up step failed, 2 when registration was refused.
+With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def build_parser() -> EnvArgumentParser:
                    help="torch intra-op threads; 0 = torch's default")
     p.add_argument("--connect-timeout", type=float, default=120.0)
     p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve this rank's Prometheus /metrics on this port; 0 = off")
+    p.add_argument("--metrics-host", default="0.0.0.0",
+                   help="address the metrics endpoint binds (Prometheus scrapes it remotely)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -60,6 +65,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args) -> int:
+    metrics = None
+    if args.metrics_port:
+        from workerd.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics()
+        metrics.serve(args.metrics_host, args.metrics_port)
+    try:
+        return _serve(args, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _serve(args, metrics) -> int:
     conn = ControlplaneConnection(args.controlplane)
     try:
         conn.connect(args.connect_timeout)
@@ -82,6 +101,8 @@ def run(args) -> int:
         return 1
     logger.info("registered with %s as rank %d of %d", args.controlplane, reply.rank,
                 reply.world_size)
+    if metrics is not None:
+        metrics.registered(reply.rank)
     worker = Worker(args.device)
     busy = threading.Event()
     conn.start_reader(busy)
@@ -93,6 +114,8 @@ def run(args) -> int:
             busy.clear()
             if out is not None:
                 conn.send(out)
+            if metrics is not None:
+                metrics.after_command(msg, out, worker)  # after the reply is on its way
     except KeyboardInterrupt:
         logger.info("interrupted")
         return 0

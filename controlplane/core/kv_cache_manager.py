@@ -58,7 +58,9 @@ class KVCacheManager:
         run through the model to produce logits for the next sample, so a fully
         cached prompt still recomputes its last block.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need logits at every prompt position, so a request
+            # asking for them computes its whole prompt instead of reusing KV.
             return [], 0
         block_size = self.block_size
         hashes = update_block_hashes(request, block_size)

@@ -62,11 +62,33 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Raw-logit log-probabilities at one position (see worker.proto)."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    req_id: str
+    # Prompt position of positions[0]; position 0 never has a logprob.
+    start_position: int
+    positions: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     # Requests that sampled a token this step (partial prefills sample none).
     req_ids: list[str]
     sampled_token_ids: list[int]
     forward_time_s: float = 0.0
+    # Aligned with req_ids when any request asked for logprobs, else empty;
+    # None entries for requests that did not ask.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -81,6 +103,12 @@ class EngineCoreOutput:
     num_output_tokens: int = 0
     # Message for FinishReason.ERROR (e.g. the worker group failed).
     error: str | None = None
+    # One entry per new token when the request asked for logprobs.
+    new_logprobs: list[TokenLogprobs] | None = None
+    # Prompt logprobs computed this step (prefill chunks), when asked for.
+    prompt_logprobs: PromptLogprobs | None = None
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -61,6 +61,16 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Top-N logprobs per output / prompt token; None = not requested.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Stop strings are matched on detokenized text by the API edge, not here.
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(slots=True, eq=False)

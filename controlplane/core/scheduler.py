@@ -32,6 +32,7 @@ from controlplane.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 from controlplane.core.request import Request, RequestStatus, finish_reason_of
@@ -446,8 +447,9 @@ class Scheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         max_model_len = self.max_model_len
         any_finished = False
-        for req_id, token_id in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        logprobs = model_runner_output.logprobs
+        for i, (req_id, token_id) in enumerate(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
         ):
             request = requests.get(req_id)
             # Aborted or preempted after this output was scheduled: drop the token.
@@ -477,19 +479,43 @@ class Scheduler:
                 finish_reason = finish_reason_of(status)
                 self._free_request(request)
                 any_finished = True
-            outputs.append(
-                EngineCoreOutput(
-                    req_id,
-                    [token_id],
-                    finish_reason,
-                    stop_token_id,
-                    len(request.prompt_token_ids),
-                    num_output,
-                )
+            out = EngineCoreOutput(
+                req_id,
+                [token_id],
+                finish_reason,
+                stop_token_id,
+                len(request.prompt_token_ids),
+                num_output,
             )
+            if logprobs and logprobs[i] is not None:
+                out.new_logprobs = [logprobs[i]]
+            out.num_cached_tokens = max(request.num_cached_tokens, 0)
+            outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if model_runner_output.prompt_logprobs:
+            self._attach_prompt_logprobs(model_runner_output.prompt_logprobs, outputs)
         return outputs
+
+    def _attach_prompt_logprobs(
+        self, chunks: list[PromptLogprobs], outputs: list[EngineCoreOutput]
+    ) -> None:
+        """Prompt logprobs arrive per prefill chunk, also for chunks that sampled
+        nothing; those get an output of their own with no new tokens."""
+        by_id = {out.request_id: out for out in outputs}
+        for chunk in chunks:
+            out = by_id.get(chunk.req_id)
+            if out is None:
+                request = self.requests.get(chunk.req_id)
+                if request is None:
+                    continue
+                out = EngineCoreOutput(
+                    chunk.req_id, [], num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+                outputs.append(out)
+                by_id[chunk.req_id] = out
+            out.prompt_logprobs = chunk
 
     # -- failover and metrics ---------------------------------------------
 

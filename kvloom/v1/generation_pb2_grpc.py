@@ -55,6 +55,16 @@ class GenerationStub:
                 request_serializer=kvloom_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=kvloom_dot_v1_dot_generation__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/kvloom.v1.Generation/Tokenize',
+                request_serializer=kvloom_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kvloom_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/kvloom.v1.Generation/Detokenize',
+                request_serializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -91,6 +101,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenize turns text, or chat messages through the model's chat template,
+        into token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Detokenize turns token ids into text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +138,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=kvloom_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
                     response_serializer=kvloom_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=kvloom_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=kvloom_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +259,60 @@ class Generation:
             '/kvloom.v1.Generation/GetServerInfo',
             kvloom_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
             kvloom_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloom.v1.Generation/Tokenize',
+            kvloom_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            kvloom_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloom.v1.Generation/Detokenize',
+            kvloom_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            kvloom_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

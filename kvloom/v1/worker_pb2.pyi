@@ -99,16 +99,32 @@ class InitKVCache(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class RequestSamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "min_tokens", "min_tokens_stop_ids")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logprobs: int
+    prompt_logprobs: int
+    min_tokens: int
+    min_tokens_stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
@@ -164,15 +180,41 @@ class SchedulerOutput(_message.Message):
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "rank", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    rank: int
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("req_id", "start_position", "positions")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    start_position: int
+    positions: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, req_id: _Optional[str] = ..., start_position: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("req_ids", "sampled_token_ids", "forward_time_s")
+    __slots__ = ("req_ids", "sampled_token_ids", "forward_time_s", "logprobs", "prompt_logprobs")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_time_s: float
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_time_s: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ()

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--worker-port", type=int, default=50052, help="port workers dial")
     srv.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0 = off")
     srv.add_argument("--auth-token", default="", help="shared secret workers must present")
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="requests allowed to wait beyond --max-num-seqs before new ones "
+                          "get RESOURCE_EXHAUSTED")
+    srv.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024,
+                     help="largest gRPC message accepted or sent")
     srv.add_argument("--step-timeout", type=float, default=60.0,
                      help="seconds before a step with no reply fails the worker group")
     srv.add_argument("--heartbeat-timeout", type=float, default=30.0)
@@ -127,7 +132,8 @@ def build_config(args: argparse.Namespace, p: argparse.ArgumentParser):
         ),
         server=ServerConfig(
             host=args.host, port=args.port, worker_port=args.worker_port,
-            metrics_port=args.metrics_port,
+            metrics_port=args.metrics_port, max_message_bytes=args.max_message_bytes,
+            max_waiting_requests=args.max_waiting_requests,
         ),
     )
     return config, info

@@ -84,6 +84,8 @@ class ServerConfig:
     metrics_port: int = 0
     # Largest gRPC message accepted or sent, bytes.
     max_message_bytes: int = 64 * 1024 * 1024
+    # Requests beyond max_num_seqs that may wait; more get RESOURCE_EXHAUSTED.
+    max_waiting_requests: int = 1024
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ error output.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import queue
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from controlplane.core.request import FinishReason, Request, RequestStatus
+from controlplane.core.request import FinishReason, Request, RequestStatus, finish_reason_of
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor import WorkerGroupFailed
 from controlplane.metrics_records import StepRecord
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 class _Kind(enum.Enum):
     ADD = 0
-    ABORT = 1
+    FINISH = 1
     GROUP_READY = 2
     GROUP_FAILED = 3
     STOP = 4
@@ -68,7 +69,11 @@ class EngineCore:
         self.input_queue.put((_Kind.ADD, request))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.input_queue.put((_Kind.ABORT, list(request_ids)))
+        self.input_queue.put((_Kind.FINISH, (list(request_ids), RequestStatus.FINISHED_ABORTED)))
+
+    def stop_requests(self, request_ids: Iterable[str]) -> None:
+        """End requests that met a stop rule outside the engine (stop strings)."""
+        self.input_queue.put((_Kind.FINISH, (list(request_ids), RequestStatus.FINISHED_STOPPED)))
 
     def group_ready(self, num_gpu_blocks: int) -> None:
         self.input_queue.put((_Kind.GROUP_READY, num_gpu_blocks))
@@ -112,13 +117,17 @@ class EngineCore:
     def _handle(self, kind: _Kind, payload) -> None:
         if kind is _Kind.ADD:
             self._add(payload)
-        elif kind is _Kind.ABORT:
-            self._abort(payload)
+        elif kind is _Kind.FINISH:
+            self._finish(*payload)
         elif kind is _Kind.GROUP_READY:
             self.scheduler = Scheduler(self.scheduler_config, self.cache_config, payload)
             self.generation += 1
             self.last_stats = self.scheduler.make_stats()
             logger.info("engine ready: scheduler over %d KV blocks", payload)
+            # Start-up garbage (model info, tokenizer, protobuf pools) is long
+            # lived: freeze it so full collections during steps skip it.
+            gc.collect()
+            gc.freeze()
         elif kind is _Kind.GROUP_FAILED:
             self._fail_all(payload)
         elif kind is _Kind.STOP:
@@ -132,28 +141,31 @@ class EngineCore:
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:
-            self._emit([self._error_output(request, str(exc))], None)
+            # The API edge validates first; this is the scheduler's last word
+            # (e.g. a request that needs more KV blocks than the pool has).
+            self._emit([self._error_output(request, str(exc), "INVALID_ARGUMENT")], None)
             return
         self._live[request.request_id] = request
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         if self.scheduler is None:
             return
-        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        finished = self.scheduler.finish_requests(request_ids, status)
         outputs = []
-        for req_id in aborted:
+        for req_id in finished:
             request = self._live.pop(req_id, None)
             if request is not None:
                 outputs.append(
                     EngineCoreOutput(
                         request_id=req_id,
                         new_token_ids=[],
-                        finish_reason=FinishReason.ABORT,
+                        finish_reason=finish_reason_of(status),
                         num_prompt_tokens=request.num_prompt_tokens,
                         num_output_tokens=request.num_output_tokens,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
                     )
                 )
-        self._flush_pending = self._flush_pending or bool(aborted)
+        self._flush_pending = self._flush_pending or bool(finished)
         if outputs:
             self._emit(outputs, None)
 
@@ -205,7 +217,9 @@ class EngineCore:
             self._emit(outputs, None)
 
     @staticmethod
-    def _error_output(request: Request, reason: str) -> EngineCoreOutput:
+    def _error_output(
+        request: Request, reason: str, code: str = "UNAVAILABLE"
+    ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=[],
@@ -213,4 +227,5 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             error=reason,
+            error_code=code,
         )

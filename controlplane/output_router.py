@@ -26,10 +26,14 @@ class OutputRouter:
     def __len__(self) -> int:
         return len(self._queues)
 
-    def register(self, request_id: str) -> asyncio.Queue[EngineCoreOutput]:
+    def register(
+        self, request_id: str, queue: asyncio.Queue[EngineCoreOutput] | None = None
+    ) -> asyncio.Queue[EngineCoreOutput]:
+        """Route request_id's outputs to `queue` (a new one when None); the n
+        samples of one Generate call share a queue."""
         if request_id in self._queues:
             raise DuplicateRequestId(request_id)
-        q: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        q: asyncio.Queue[EngineCoreOutput] = asyncio.Queue() if queue is None else queue
         self._queues[request_id] = q
         return q
 

@@ -9,19 +9,36 @@ calls dominate the cost at a thousand requests per step.
 
 from __future__ import annotations
 
-from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from controlplane.core.request import SamplingParams
 from kvloom.v1 import worker_pb2
 
 
 def _sampling_params_to_proto(
-    params: SamplingParams, out: worker_pb2.RequestSamplingParams
+    params: SamplingParams,
+    min_tokens_stop_ids: tuple[int, ...],
+    out: worker_pb2.RequestSamplingParams,
 ) -> None:
     out.temperature = params.temperature
     out.top_p = params.top_p
     out.top_k = params.top_k
     if params.seed is not None:
         out.seed = params.seed
+    out.min_p = params.min_p
+    out.repetition_penalty = params.repetition_penalty
+    out.presence_penalty = params.presence_penalty
+    out.frequency_penalty = params.frequency_penalty
+    if params.logprobs is not None:
+        out.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        out.prompt_logprobs = params.prompt_logprobs
+    out.min_tokens = params.min_tokens
+    out.min_tokens_stop_ids.extend(min_tokens_stop_ids)
 
 
 def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput:
@@ -41,7 +58,9 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             num_computed_tokens=new_req.num_computed_tokens,
             num_scheduled_tokens=num_scheduled[new_req.req_id],
         )
-        _sampling_params_to_proto(new_req.sampling_params, pb.sampling_params)
+        _sampling_params_to_proto(
+            new_req.sampling_params, new_req.min_tokens_stop_ids, pb.sampling_params
+        )
 
     cached = so.scheduled_cached_reqs
     if cached.req_ids:
@@ -57,9 +76,29 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
     return msg
 
 
+def _token_logprobs(pb: worker_pb2.TokenLogprobs) -> TokenLogprobs | None:
+    # Ranks are 1-based: rank 0 is the empty entry of a request that did not ask.
+    if pb.rank == 0:
+        return None
+    return TokenLogprobs(pb.logprob, pb.rank, list(pb.top_token_ids), list(pb.top_logprobs))
+
+
 def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
+    out = ModelRunnerOutput(
         req_ids=list(msg.req_ids),
         sampled_token_ids=list(msg.sampled_token_ids),
         forward_time_s=msg.forward_time_s,
     )
+    # Empty unless some request asked, which keeps the common step cheap.
+    if msg.logprobs:
+        if len(msg.logprobs) != len(out.req_ids):
+            raise ValueError(
+                f"{len(msg.logprobs)} logprobs entries for {len(out.req_ids)} sampled requests"
+            )
+        out.logprobs = [_token_logprobs(pb) for pb in msg.logprobs]
+    for chunk in msg.prompt_logprobs:
+        positions = [_token_logprobs(pb) for pb in chunk.positions]
+        if any(p is None for p in positions):
+            raise ValueError(f"prompt logprobs of {chunk.req_id!r} have an empty position")
+        out.prompt_logprobs.append(PromptLogprobs(chunk.req_id, chunk.start_position, positions))
+    return out

@@ -25,6 +25,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # EOS ids (unless ignore_eos) plus stop_token_ids: the worker masks them
+    # while the request has fewer than min_tokens outputs. Empty when
+    # min_tokens is 0; EOS lives on the Request, not on SamplingParams.
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -103,6 +107,8 @@ class EngineCoreOutput:
     num_output_tokens: int = 0
     # Message for FinishReason.ERROR (e.g. the worker group failed).
     error: str | None = None
+    # gRPC status name the API edge reports for `error`.
+    error_code: str = "UNAVAILABLE"
     # One entry per new token when the request asked for logprobs.
     new_logprobs: list[TokenLogprobs] | None = None
     # Prompt logprobs computed this step (prefill chunks), when asked for.

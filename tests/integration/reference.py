@@ -11,6 +11,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 @functools.lru_cache(maxsize=2)
 def _hf_model(model_dir: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # generate() falls back to the checkpoint's generation config for unset
+    # fields; clear its EOS so the reference never stops early (ignore_eos).
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 

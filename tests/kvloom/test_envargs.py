@@ -36,4 +36,19 @@ def test_flag_beats_env(monkeypatch):
 def test_bad_env_value_is_reported(monkeypatch):
     monkeypatch.setenv("KVLOOM_MAX_NUM_SEQS", "many")
     with pytest.raises(SystemExit, match="KVLOOM_MAX_NUM_SEQS"):
-        _parser()
+        _parser().parse_args(["--controlplane", "x:1"])
+
+
+def test_daemon_flags_in_argument_groups_read_env(monkeypatch):
+    from controlplane.__main__ import build_parser as controlplane_parser
+    from workerd.__main__ import build_parser as workerd_parser
+
+    monkeypatch.setenv("KVLOOM_PIPELINE_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("KVLOOM_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("KVLOOM_AUTH_TOKEN", "tok")
+    monkeypatch.setenv("KVLOOM_CONTROLPLANE", "cp:50052")
+    cp = controlplane_parser().parse_args([])
+    assert (cp.pipeline_parallel_size, cp.enable_prefix_caching, cp.auth_token) == (2, False, "tok")
+    assert "[env KVLOOM_MAX_NUM_SEQS]" in " ".join(controlplane_parser().format_help().split())
+    wd = workerd_parser().parse_args([])
+    assert (wd.controlplane, wd.auth_token) == ("cp:50052", "tok")

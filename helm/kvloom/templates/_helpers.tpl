@@ -1,0 +1,141 @@
+{{/* Names. fullname is the release-scoped prefix of every object. */}}
+{{- define "kvloom.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvloom.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "kvloom.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "kvloom.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* The controlplane Service: clients and workers dial this name. */}}
+{{- define "kvloom.controlplaneService" -}}
+{{- include "kvloom.fullname" . }}
+{{- end }}
+
+{{/* The workers' headless Service; pod DNS is <pod>.<this>.<ns>.svc.<domain>. */}}
+{{- define "kvloom.workersService" -}}
+{{- printf "%s-workers" (include "kvloom.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvloom.workersStatefulSet" -}}
+{{- printf "%s-workerd" (include "kvloom.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvloom.worldSize" -}}
+{{- mul (int .Values.parallel.tensorParallelSize) (int .Values.parallel.pipelineParallelSize) }}
+{{- end }}
+
+{{- define "kvloom.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "kvloom.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvloom.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvloom.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvloom.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "kvloom.authSecretName" -}}
+{{- default (printf "%s-auth" (include "kvloom.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "kvloom.modelClaimName" -}}
+{{- default (printf "%s-model" (include "kvloom.fullname" .)) .Values.model.volume.existingClaim }}
+{{- end }}
+
+{{/*
+Where the default model is converted to when an init container converts it:
+on the model volume if there is one (converted once, shared by every pod),
+else a per-pod emptyDir (each pod converts its own, to the same path).
+Empty when nothing is converted (the image carries the model, or model.path
+names a checkpoint).
+*/}}
+{{- define "kvloom.cacheDir" -}}
+{{- if .Values.model.convertDefaultModel.enabled }}
+{{- if .Values.model.volume.enabled }}
+{{- printf "%s/kvloom-cache" (trimSuffix "/" .Values.model.volume.mountPath) }}
+{{- else }}
+{{- print "/var/cache/kvloom" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Env every kvloom container gets: the shared secret and the model cache. */}}
+{{- define "kvloom.commonEnv" -}}
+- name: KVLOOM_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvloom.authSecretName" . }}
+      key: {{ .Values.auth.existingSecretKey | default "token" }}
+{{- with include "kvloom.cacheDir" . }}
+- name: KVLOOM_CACHE_DIR
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes for the model: the PVC and/or the conversion cache. */}}
+{{- define "kvloom.modelVolumes" -}}
+{{- if .Values.model.volume.enabled }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ include "kvloom.modelClaimName" . }}
+{{- end }}
+{{- if and .Values.model.convertDefaultModel.enabled (not .Values.model.volume.enabled) }}
+- name: model-cache
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{/* Mounts matching kvloom.modelVolumes; "readOnly" is a bool argument. */}}
+{{- define "kvloom.modelMounts" -}}
+{{- $ctx := index . 0 }}
+{{- $readOnly := index . 1 }}
+{{- if $ctx.Values.model.volume.enabled }}
+- name: model
+  mountPath: {{ $ctx.Values.model.volume.mountPath }}
+  readOnly: {{ $readOnly }}
+{{- end }}
+{{- if and $ctx.Values.model.convertDefaultModel.enabled (not $ctx.Values.model.volume.enabled) }}
+- name: model-cache
+  mountPath: /var/cache/kvloom
+{{- end }}
+{{- end }}
+
+{{/*
+The init container that converts the default model (for images built with
+PRECONVERT_MODEL=0). Converting is idempotent and locked, so every pod can
+run it: the first does the work, the others find the finished directory.
+*/}}
+{{- define "kvloom.convertInitContainer" -}}
+{{- if .Values.model.convertDefaultModel.enabled }}
+- name: convert-default-model
+  image: {{ include "kvloom.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["python", "-m", "kvloom.default_model"]
+  env:
+    - name: KVLOOM_CACHE_DIR
+      value: {{ include "kvloom.cacheDir" . | quote }}
+  {{- with .Values.model.convertDefaultModel.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    {{- include "kvloom.modelMounts" (list . false) | trim | nindent 4 }}
+{{- end }}
+{{- end }}

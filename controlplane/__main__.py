@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests allowed to wait beyond --max-num-seqs before new ones "
                           "get RESOURCE_EXHAUSTED")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish after SIGTERM")
     srv.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024,
                      help="largest gRPC message accepted or sent")
     srv.add_argument("--step-timeout", type=float, default=60.0,
@@ -134,6 +136,7 @@ def build_config(args: argparse.Namespace, p: argparse.ArgumentParser):
             host=args.host, port=args.port, worker_port=args.worker_port,
             metrics_port=args.metrics_port, max_message_bytes=args.max_message_bytes,
             max_waiting_requests=args.max_waiting_requests,
+            drain_timeout_s=args.drain_timeout,
         ),
     )
     return config, info

@@ -86,6 +86,8 @@ class ServerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
     # Requests beyond max_num_seqs that may wait; more get RESOURCE_EXHAUSTED.
     max_waiting_requests: int = 1024
+    # On SIGTERM, in-flight requests get this long to finish before shutdown.
+    drain_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,10 @@ class Executor:
         self._call_ids = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
         self._startup: asyncio.Task | None = None
+        # Readiness: when a step or canary last completed, and whether a step
+        # is on the wire right now (a long step is progress, not silence).
+        self.last_success = 0.0
+        self.step_in_flight = False
         # Per-step counters for metrics and benchmarks.
         self.last_step_bytes = 0
         self.total_step_bytes = 0
@@ -333,6 +337,7 @@ class Executor:
         await self._call_all(init, cfg.startup_timeout_s, "init_kv_cache")
         self.num_gpu_blocks = num_blocks
         self.state = "ready"
+        self.last_success = time.monotonic()
         self.failure_reason = ""
         logger.info("worker group ready: %d KV blocks of %d tokens", num_blocks,
                     self.cache.block_size)
@@ -392,6 +397,20 @@ class Executor:
             raise WorkerGroupFailed(f"no KV cache block fits on some rank: {per_rank}")
         return num_blocks
 
+    async def canary(self, timeout_s: float) -> None:
+        """Ping every rank through its command queue; a rank that does not answer
+        in time (its main thread is stuck) fails the group."""
+        if self.state != "ready":
+            return
+        try:
+            await self._call_all(worker_pb2.ControlMessage(ping=worker_pb2.Ping()), timeout_s,
+                                 "canary")
+        except WorkerGroupFailed as exc:
+            if self.state == "ready":
+                self.fail_group(str(exc), "heartbeat_timeout")
+            return
+        self.last_success = time.monotonic()
+
     # ---- step (engine thread) -------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -399,23 +418,35 @@ class Executor:
         if self.state != "ready" or self._loop is None:
             raise WorkerGroupFailed(self.status_message())
         command = worker_pb2.ControlMessage(execute_model=scheduler_output_to_proto(so))
-        box: list[_PendingCall] = []
-        ready = concurrent.futures.Future()
+        self.step_in_flight = True
+        try:
+            t_send = time.perf_counter()
+            call = self._send_from_engine_thread(command)
+            self.total_step_bytes += self.last_step_bytes
+            reply = self._wait_for_output_rank(call)
+            self.last_round_trip_s = time.perf_counter() - t_send
+        finally:
+            self.step_in_flight = False
+        self.last_success = time.monotonic()
+        return model_runner_output_from_proto(reply.model_runner_output)
+
+    def _send_from_engine_thread(self, command: worker_pb2.ControlMessage) -> _PendingCall:
+        """Hand the command to the loop, which owns the streams; return its pending call."""
+        assert self._loop is not None
+        sent: concurrent.futures.Future = concurrent.futures.Future()
 
         def send() -> None:
             try:
                 if self.state != "ready":
                     raise WorkerGroupFailed(self.status_message())
-                box.append(self._send(command, {self.parallel.output_rank}))
-                ready.set_result(None)
+                sent.set_result(self._send(command, {self.parallel.output_rank}))
             except Exception as exc:  # noqa: BLE001 - handed to the engine thread
-                ready.set_exception(exc)
+                sent.set_exception(exc)
 
-        t_send = time.perf_counter()
         self._loop.call_soon_threadsafe(send)
-        ready.result()
-        call = box[0]
-        self.total_step_bytes += self.last_step_bytes
+        return sent.result()
+
+    def _wait_for_output_rank(self, call: _PendingCall) -> worker_pb2.WorkerMessage:
         try:
             replies = call.future.result(timeout=self.cfg.step_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -423,8 +454,7 @@ class Executor:
                 f"output rank {self.parallel.output_rank} missed the step deadline "
                 f"({self.cfg.step_timeout_s:.0f} s)"
             )
+            assert self._loop is not None
             self._loop.call_soon_threadsafe(self.fail_group, reason, "step_timeout")
             raise WorkerGroupFailed(reason) from None
-        self.last_round_trip_s = time.perf_counter() - t_send
-        reply = replies[self.parallel.output_rank]
-        return model_runner_output_from_proto(reply.model_runner_output)
+        return replies[self.parallel.output_rank]

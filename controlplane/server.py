@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +27,7 @@ from controlplane.metrics import ControlPlaneMetrics
 from controlplane.metrics_grpc import GrpcMetricsInterceptor
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.output_router import OutputRouter
+from controlplane.readiness import Readiness
 from controlplane.worker_service import SERVICE_NAME as WORKER_SERVICE
 from controlplane.worker_service import WorkerControlService
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
@@ -70,6 +72,9 @@ class ControlPlane:
             on_ready=self._on_group_ready,
             on_failed=self._on_group_failed,
         )
+        self.readiness = Readiness(
+            self.executor, self._set_serving, canary_timeout_s=config.workers.step_timeout_s
+        )
         self.metrics: ControlPlaneMetrics | None = None
         if config.server.metrics_port:
             self.metrics = ControlPlaneMetrics(config, self.engine, self.executor)
@@ -101,14 +106,27 @@ class ControlPlane:
 
     def _on_group_ready(self, num_blocks: int) -> None:
         self.engine.group_ready(num_blocks)
-        asyncio.ensure_future(self.health.set(GENERATION_SERVICE, SERVING))
+        asyncio.ensure_future(self.readiness.refresh())
 
     def _on_group_failed(self, reason: str) -> None:
         self.engine.group_failed(reason)
-        asyncio.ensure_future(self.health.set(GENERATION_SERVICE, NOT_SERVING))
+        asyncio.ensure_future(self.readiness.refresh())
+
+    async def _set_serving(self, serving: bool) -> None:
+        await self.health.set(GENERATION_SERVICE, SERVING if serving else NOT_SERVING)
 
     def not_ready_reason(self) -> str | None:
-        return None if self.executor.state == "ready" else self.executor.status_message()
+        return self.readiness.reason()
+
+    async def _drain(self) -> None:
+        """Refuse new requests, let in-flight ones finish (bounded), then stop."""
+        self.readiness.draining = True
+        await self.readiness.refresh()
+        deadline = time.monotonic() + self.config.server.drain_timeout_s
+        if len(self.router):
+            logger.info("draining %d in-flight request(s)", len(self.router))
+        while len(self.router) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
@@ -155,8 +173,11 @@ class ControlPlane:
             self.config.model.served_model_name, cfg.host, client_port, cfg.host, worker_port,
             WORKER_SERVICE, self.config.parallel.world_size,
         )
+        self.readiness.start()
         await stop.wait()
         logger.info("controlplane shutting down")
+        await self._drain()
+        await self.readiness.stop()
         await self.health.enter_graceful_shutdown()
         await self.executor.stop()
         await asyncio.to_thread(self.engine.shutdown)

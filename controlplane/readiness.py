@@ -1,0 +1,77 @@
+"""Readiness: is the cluster able to serve right now, and can it prove it?
+
+Ready means every rank is attached, the group finished start-up, and a step
+or a canary round trip through every rank's command queue completed within
+the last `window_s` seconds (a step still on the wire counts as progress: its
+own deadline covers it). When idle, a canary is sent every `interval_s`, so a
+rank whose main thread hangs is found even without traffic. Draining (on
+SIGTERM) is never ready. The grpc health status of kvloom.v1.Generation
+follows this verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from controlplane.executor import Executor
+
+logger = logging.getLogger(__name__)
+
+
+class Readiness:
+    def __init__(
+        self,
+        executor: Executor,
+        set_serving: Callable[[bool], Awaitable[None]],
+        interval_s: float = 2.0,
+        window_s: float = 10.0,
+        canary_timeout_s: float = 30.0,
+    ):
+        self.executor = executor
+        self._set_serving = set_serving
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.canary_timeout_s = canary_timeout_s
+        self.draining = False
+        self._serving: bool | None = None
+        self._task: asyncio.Task | None = None
+
+    def reason(self) -> str | None:
+        """None when ready, else why not (used in UNAVAILABLE messages)."""
+        if self.draining:
+            return "draining: the controlplane is shutting down"
+        ex = self.executor
+        if ex.state != "ready":
+            return ex.status_message()
+        if ex.step_in_flight:
+            return None
+        age = time.monotonic() - ex.last_success
+        if age > self.window_s:
+            return f"no step or canary completed in the last {age:.0f} s"
+        return None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def refresh(self) -> None:
+        """Publish the current verdict to the health service if it changed."""
+        serving = self.reason() is None
+        if serving != self._serving:
+            self._serving = serving
+            await self._set_serving(serving)
+
+    async def _run(self) -> None:
+        while True:
+            ex = self.executor
+            idle_for = time.monotonic() - ex.last_success
+            if ex.state == "ready" and not ex.step_in_flight and idle_for > self.interval_s:
+                await ex.canary(self.canary_timeout_s)
+            await self.refresh()
+            await asyncio.sleep(self.interval_s)

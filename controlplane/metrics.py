@@ -36,6 +36,7 @@ from controlplane.metrics_records import (
     StepRecord,
     TimingBatch,
 )
+from kvloom.metrics_http import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class ControlPlaneMetrics:
         self.registry = CollectorRegistry()
         self._timeline = RequestTimeline()
         self._deltas = CounterDeltas()
-        self._http = None
+        self._endpoint = MetricsEndpoint(self.registry)
         self.last_output_forward_s = 0.0
         self._build(config)
         self.registry.register(_ScrapeCollector(self, engine, executor))
@@ -200,15 +201,10 @@ class ControlPlaneMetrics:
     # ---- exposition ------------------------------------------------------
 
     def serve(self, host: str, port: int) -> None:
-        self._http, _ = prometheus_client.start_http_server(port, addr=host,
-                                                            registry=self.registry)
-        logger.info("metrics on http://%s:%d/metrics", host, port)
+        self._endpoint.serve(host, port)
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        self._endpoint.close()
 
 
 class _ScrapeCollector:

@@ -22,6 +22,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from kvloom.metrics_http import MetricsEndpoint
 from kvloom.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class WorkerMetrics:
         self.weights_bytes = 0
         self.kv_blocks = 0
         self.kv_block_bytes = 0
-        self._http = None
+        self._endpoint = MetricsEndpoint(self.registry)
         self._forward = Histogram(
             "kvloom_workerd_forward_time_seconds",
             "This rank's execute_model time per step (inputs, forward, sampling).",
@@ -103,15 +104,10 @@ class WorkerMetrics:
         return "rss", resident_bytes()
 
     def serve(self, host: str, port: int) -> None:
-        self._http, _ = prometheus_client.start_http_server(port, addr=host,
-                                                            registry=self.registry)
-        logger.info("metrics on http://%s:%d/metrics", host, port)
+        self._endpoint.serve(host, port)
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
+        self._endpoint.close()
 
 
 class _StateCollector:

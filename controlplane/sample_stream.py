@@ -61,6 +61,9 @@ class SampleStream:
         self._pending_text: list[str] = []
         self._pending_logprobs: list[pb.Logprob] = []
         self._prompt_logprobs: list[pb.Logprob] = []
+        # Next prompt position without a logprob: a re-formed worker group
+        # recomputes the prompt and may send positions again.
+        self._next_prompt_pos = 1
         self._sent_first = False
         self._num_output_tokens = 0
         self._cached_tokens = 0
@@ -158,8 +161,10 @@ class SampleStream:
 
     def _convert_prompt(self, chunk: PromptLogprobs) -> list[pb.Logprob]:
         ids = self._prompt_ids
-        return [
-            self._convert(ids[chunk.start_position + j], lp)
-            for j, lp in enumerate(chunk.positions)
-            if chunk.start_position + j < len(ids)
-        ]
+        out = []
+        for j, lp in enumerate(chunk.positions):
+            pos = chunk.start_position + j
+            if self._next_prompt_pos <= pos < len(ids):
+                out.append(self._convert(ids[pos], lp))
+                self._next_prompt_pos = pos + 1
+        return out

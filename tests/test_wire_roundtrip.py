@@ -1,5 +1,7 @@
-"""The SchedulerOutput diff survives controlplane.wire -> bytes -> workerd.wire intact,
-and its decode-step size does not grow with sequence length."""
+"""The SchedulerOutput diff survives controlplane.wire -> bytes -> workerd.wire intact
+(every sampling knob included), its decode-step size does not grow with
+sequence length, and ModelRunnerOutput logprobs come back with "did not ask"
+as None."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from controlplane.core.outputs import SchedulerOutput as CpOutput
 from controlplane.core.request import SamplingParams as CpParams
 from controlplane.wire import model_runner_output_from_proto, scheduler_output_to_proto
 from kvloom.v1 import worker_pb2
-from workerd.sched_output import ModelRunnerOutput
+from tests.controlplane.core.helpers import EOS, make_request, make_scheduler
+from workerd.sched_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
 
@@ -110,3 +113,110 @@ def test_model_runner_output_roundtrip():
     back = model_runner_output_from_proto(model_runner_output_to_proto(out))
     assert back.req_ids == ["a", "b"] and back.sampled_token_ids == [3, 4]
     assert back.forward_time_s == pytest.approx(0.25)
+
+
+KNOBS = CpParams(
+    temperature=0.7,
+    min_p=0.05,
+    repetition_penalty=1.2,
+    presence_penalty=-0.5,
+    frequency_penalty=0.25,
+    logprobs=0,
+    prompt_logprobs=3,
+    min_tokens=4,
+    stop_token_ids=(9, 5),
+)
+
+
+def test_every_sampling_knob_crosses_the_wire():
+    so = _step(1)
+    so.scheduled_new_reqs[0].sampling_params = KNOBS
+    so.scheduled_new_reqs[0].min_tokens_stop_ids = (2, 5, 9)
+    raw = scheduler_output_to_proto(so).SerializeToString()
+    back = scheduler_output_from_proto(worker_pb2.SchedulerOutput.FromString(raw))
+    p = back.scheduled_new_reqs[0].sampling_params
+    assert p.min_p == pytest.approx(0.05) and p.repetition_penalty == pytest.approx(1.2)
+    assert p.presence_penalty == pytest.approx(-0.5)
+    assert p.frequency_penalty == pytest.approx(0.25)
+    # logprobs=0 is "the sampled token only", not "off".
+    assert (p.logprobs, p.prompt_logprobs, p.min_tokens) == (0, 3, 4)
+    assert p.min_tokens_stop_ids == (2, 5, 9)
+    # Defaults mean off on the worker too.
+    d = scheduler_output_from_proto(scheduler_output_to_proto(_step(1)))
+    d = d.scheduled_new_reqs[0].sampling_params
+    assert (d.logprobs, d.prompt_logprobs, d.min_tokens, d.min_tokens_stop_ids) == (
+        None,
+        None,
+        0,
+        (),
+    )
+    assert d.repetition_penalty == 1.0 and not d.uses_penalties and d.min_p == 0.0
+
+
+@pytest.mark.parametrize(
+    ("ignore_eos", "min_tokens", "expected"),
+    [(False, 3, [EOS, 5, 9]), (True, 3, [5, 9]), (False, 0, [])],
+)
+def test_scheduler_sends_stop_ids_masked_until_min_tokens(ignore_eos, min_tokens, expected):
+    sched = make_scheduler()
+    sched.add_request(
+        make_request(
+            6, req_id="m", min_tokens=min_tokens, ignore_eos=ignore_eos, stop_token_ids=(9, 5)
+        )
+    )
+    so = sched.schedule()
+    back = scheduler_output_from_proto(scheduler_output_to_proto(so))
+    (new,) = back.scheduled_new_reqs
+    assert list(new.sampling_params.min_tokens_stop_ids) == expected
+    assert new.sampling_params.min_tokens == min_tokens
+
+
+def _lp(logprob: float, rank: int, top: int) -> TokenLogprobs:
+    return TokenLogprobs(logprob, rank, list(range(top)), [-0.5 * i for i in range(top)])
+
+
+def test_model_runner_output_logprobs_roundtrip():
+    out = ModelRunnerOutput(
+        req_ids=["a", "b", "c"],
+        sampled_token_ids=[3, 4, 5],
+        logprobs=[_lp(-1.5, 2, 3), None, _lp(-0.25, 1, 0)],
+        prompt_logprobs=[
+            PromptLogprobs("p", 1, [_lp(-2.0, 7, 2), _lp(-0.5, 1, 2)]),
+            PromptLogprobs("c", 6, [_lp(-3.0, 40, 0)]),
+        ],
+    )
+    raw = model_runner_output_to_proto(out).SerializeToString()
+    back = model_runner_output_from_proto(worker_pb2.ModelRunnerOutput.FromString(raw))
+    a, none, c = back.logprobs
+    assert none is None
+    assert (a.logprob, a.rank, a.top_token_ids, a.top_logprobs) == (
+        -1.5,
+        2,
+        [0, 1, 2],
+        [0, -0.5, -1],
+    )
+    assert (c.logprob, c.rank, c.top_token_ids, c.top_logprobs) == (-0.25, 1, [], [])
+    p, q = back.prompt_logprobs
+    assert (p.req_id, p.start_position, q.req_id, q.start_position) == ("p", 1, "c", 6)
+    assert [(e.logprob, e.rank, e.top_token_ids) for e in p.positions] == [
+        (-2.0, 7, [0, 1]),
+        (-0.5, 1, [0, 1]),
+    ]
+    assert q.positions[0].rank == 40
+
+
+def test_output_without_logprobs_costs_nothing_extra():
+    plain = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[3])
+    msg = model_runner_output_to_proto(plain)
+    assert not msg.logprobs and not msg.prompt_logprobs
+    back = model_runner_output_from_proto(msg)
+    assert back.logprobs == [] and back.prompt_logprobs == []
+
+
+def test_logprobs_misaligned_with_req_ids_are_rejected():
+    msg = model_runner_output_to_proto(
+        ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[1, 2], logprobs=[None, None])
+    )
+    del msg.logprobs[1]
+    with pytest.raises(ValueError, match="logprobs entries"):
+        model_runner_output_from_proto(msg)

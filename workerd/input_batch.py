@@ -45,6 +45,9 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     # prompt + outputs, appended in place: new tokens cost O(new), not O(len).
     all_token_ids: list[int] = field(default_factory=list)
+    # First prompt position whose logprob has not been returned yet. Prompt
+    # chunks recomputed after preemption do not return them twice.
+    prompt_logprobs_from: int = 1
 
     @classmethod
     def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -59,6 +62,8 @@ class CachedRequestState:
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
             all_token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            # A request that already has outputs finished its prompt before.
+            prompt_logprobs_from=len(new.prompt_token_ids) if new.output_token_ids else 1,
         )
 
     @property

@@ -9,7 +9,9 @@ protobuf by workerd.wire) to execute_model, which
   3. runs the shard: non-first pipeline stages receive hidden states from the
      previous stage, non-last stages send theirs on and stop there,
   4. on the last stage computes logits for requests whose context is complete
-     and, on the output rank only, samples one token each.
+     (plus every prompt position of requests that asked for prompt logprobs)
+     and, on the output rank only, samples one token each and takes the
+     logprobs that were asked for (workerd.logprobs).
 Sampled tokens are not appended here: they come back through the next
 diff's new_token_ids on every rank, which keeps all ranks' state identical.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +35,12 @@ from workerd.kv_cache import (
     cpu_kv_cache_budget,
     cuda_kv_cache_budget,
     num_blocks_for_budget,
+)
+from workerd.logprobs import (
+    PromptLogprobsTarget,
+    compute_token_logprobs,
+    prompt_logprobs,
+    prompt_target,
 )
 from workerd.sampler import Sampler, SamplingMetadata
 from workerd.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -49,6 +57,10 @@ class StepInputs:
     logits_indices: torch.Tensor
     # Requests that sample this step, in logits_indices order.
     sample_states: list[CachedRequestState]
+    # Hidden-state rows whose logits predict prompt_targets' tokens, in order;
+    # empty unless a request asked for prompt logprobs.
+    prompt_logits_indices: list[int] = field(default_factory=list)
+    prompt_targets: list[PromptLogprobsTarget] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -125,34 +137,69 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("execute_model before init_kv_cache")
         inputs = self._prepare_inputs(scheduler_output)
+        # Every rank advances the same way, so all agree on next step's rows.
+        for target in inputs.prompt_targets:
+            state = self.requests[target.req_id]
+            state.prompt_logprobs_from = target.start_position + len(target.token_ids)
         start = time.perf_counter()
         with torch.inference_mode():
             hidden = self._forward(inputs)
             if hidden is None:
                 return None
-            if not inputs.sample_states:
+            num_sample = len(inputs.sample_states)
+            if num_sample == 0 and not inputs.prompt_targets:
                 # Only partial prefill chunks: nothing to sample, but every
                 # last-stage rank takes the same branch, so no collective hangs.
-                return self._output([], [], start)
-            # compute_logits may gather vocab shards: every last-stage TP rank calls it.
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            if not self.ps.is_output_rank:
-                return None
-            states = inputs.sample_states
-            metadata = SamplingMetadata.from_params(
-                [s.sampling_params for s in states],
-                [s.generator_for_next_token() for s in states],
-                self.device,
-            )
-            sampled = self.sampler(logits, metadata).tolist()
-        return self._output([s.req_id for s in states], sampled, start)
+                out = ModelRunnerOutput([], []) if self.ps.is_output_rank else None
+            else:
+                indices = inputs.logits_indices
+                if inputs.prompt_targets:
+                    extra = torch.tensor(inputs.prompt_logits_indices, device=indices.device)
+                    indices = torch.cat([indices, extra])
+                # compute_logits may gather vocab shards: every last-stage TP rank calls it.
+                logits = self.model.compute_logits(hidden[indices])
+                if not self.ps.is_output_rank:
+                    return None
+                out = self._sample(logits[:num_sample], inputs.sample_states)
+                if inputs.prompt_targets:
+                    out.prompt_logprobs = prompt_logprobs(
+                        logits[num_sample:], inputs.prompt_targets
+                    )
+        if out is not None:
+            out.forward_time_s = time.perf_counter() - start
+        return out
 
-    def _output(
-        self, req_ids: list[str], sampled: list[int], start: float
-    ) -> ModelRunnerOutput | None:
-        if not self.ps.is_output_rank:
-            return None
-        return ModelRunnerOutput(req_ids, sampled, time.perf_counter() - start)
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+        if not states:
+            return ModelRunnerOutput([], [])
+        params = [s.sampling_params for s in states]
+        # Output lists are sliced only for rows that read them (penalties,
+        # min_tokens): the common batch copies no token lists at all.
+        output_token_ids = None
+        if any(p.uses_penalties or p.min_tokens > 0 for p in params):
+            output_token_ids = [
+                s.output_token_ids if p.uses_penalties or p.min_tokens > 0 else ()
+                for s, p in zip(states, params, strict=True)
+            ]
+        metadata = SamplingMetadata.from_params(
+            params,
+            [s.generator_for_next_token() for s in states],
+            self.device,
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=output_token_ids,
+        )
+        sampled = self.sampler(logits, metadata)
+        out = ModelRunnerOutput([s.req_id for s in states], sampled.tolist())
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            entries = compute_token_logprobs(
+                logits[idx], sampled[idx], [params[i].logprobs for i in rows]
+            )
+            out.logprobs = [None] * len(states)
+            for i, entry in zip(rows, entries, strict=True):
+                out.logprobs[i] = entry
+        return out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Runs this stage; returns the last stage's hidden states, None elsewhere."""
@@ -227,6 +274,8 @@ class ModelRunner:
         input_ids: list[int] = []
         logits_indices: list[int] = []
         sample_states: list[CachedRequestState] = []
+        prompt_indices: list[int] = []
+        prompt_targets: list[PromptLogprobsTarget] = []
         num_tokens = 0
         for state, start, n in zip(states, starts, query_lens, strict=True):
             end = start + n
@@ -236,6 +285,13 @@ class ModelRunner:
                     f"but it holds only {state.num_tokens}"
                 )
             input_ids.extend(state.all_token_ids[start:end])
+            if state.sampling_params.prompt_logprobs is not None:
+                target = prompt_target(state, start, end)
+                if target is not None:
+                    # The logits at position p - 1 predict prompt token p.
+                    first = num_tokens + target.start_position - 1 - start
+                    prompt_indices.extend(range(first, first + len(target.token_ids)))
+                    prompt_targets.append(target)
             num_tokens += n
             # A partial prefill chunk ends before the context does: no sample.
             if end == state.num_tokens:
@@ -278,6 +334,8 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sample_states=sample_states,
+            prompt_logits_indices=prompt_indices,
+            prompt_targets=prompt_targets,
         )
 
     # ---- profiling --------------------------------------------------------

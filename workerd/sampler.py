@@ -1,13 +1,16 @@
 """Sampler: turns the last stage's logits into one token id per sampling request.
 
 Runs on the output rank only, after ModelRunner has computed logits for the
-requests whose context is complete this step. Greedy rows (temperature 0) take
-the exact argmax of the raw logits; the others are scaled by temperature,
-filtered by top-k then top-p, and drawn with the exponential-race trick
-(argmax(p / q), q ~ Exp(1)), which is an exact categorical draw that needs one
-noise row per request. That is what makes seeded requests batch-independent:
-a seeded row's noise comes from its own generator, unseeded rows share one
-batched draw from the worker's default generator.
+requests whose context is complete this step. The order follows vLLM: the
+min_tokens mask and the repetition/presence/frequency penalties edit the raw
+logits (workerd.penalties); greedy rows (temperature 0) then take the exact
+argmax; the others are scaled by temperature, filtered by top-k, top-p, then
+min-p, and drawn with the exponential-race trick (argmax(p / q), q ~ Exp(1)),
+which is an exact categorical draw that needs one noise row per request. That
+is what makes seeded requests batch-independent: a seeded row's noise comes
+from its own generator, unseeded rows share one batched draw from the
+worker's default generator. The input logits are never modified, so the
+runner can take logprobs of the raw logits afterwards (workerd.logprobs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workerd.penalties import PenaltyMetadata, apply_penalties, min_tokens_index
 from workerd.sched_output import SamplingParams
 
 # Temperatures below this are greedy: dividing by them would overflow.
@@ -35,6 +39,10 @@ class SamplingMetadata:
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    min_p: torch.Tensor | None = None  # [n] float32, None when no sampled row uses it
+    penalties: PenaltyMetadata | None = None
+    # (row, token id) pairs to mask to -inf: min_tokens not reached yet.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -42,12 +50,17 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         device: torch.device | str = "cpu",
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingMetadata:
+        """Token lists are read only for rows that use penalties (both) or
+        min_tokens (the output count); other rows may pass empty ones."""
         temps = [p.temperature if p.temperature >= _SAMPLING_EPS else 0.0 for p in params]
         top_ks = [max(p.top_k, 0) for p in params]
         top_ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
+        min_ps = [p.min_p if 0.0 < p.min_p <= 1.0 else 0.0 for p in params]
         sampled = [t > 0.0 for t in temps]
-        return cls(
+        md = cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
             top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
@@ -56,6 +69,18 @@ class SamplingMetadata:
             any_top_k=any(k > 0 and s for k, s in zip(top_ks, sampled, strict=True)),
             any_top_p=any(p < 1.0 and s for p, s in zip(top_ps, sampled, strict=True)),
         )
+        if any(m > 0.0 and s for m, s in zip(min_ps, sampled, strict=True)):
+            md.min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+        needs_tokens = any(p.uses_penalties or p.min_tokens > 0 for p in params)
+        if needs_tokens:
+            if output_token_ids is None:
+                raise ValueError("penalties and min_tokens need the requests' output tokens")
+            prompts = prompt_token_ids if prompt_token_ids is not None else [()] * len(params)
+            md.penalties = PenaltyMetadata.build(params, prompts, output_token_ids, device)
+            md.min_tokens_mask = min_tokens_index(
+                params, [len(t) for t in output_token_ids], device
+            )
+        return md
 
 
 def apply_top_k_top_p(
@@ -86,6 +111,14 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * the row's top probability
+    (transformers' MinPLogitsWarper); min_p 0 keeps the whole row."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 class Sampler:
     """Samples one token per logits row according to SamplingMetadata."""
 
@@ -95,7 +128,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits: [n, vocab]; returns [n] int64 token ids on logits' device."""
-        logits = logits.float()
+        logits = self._apply_logits_processors(logits.float(), metadata)
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy
@@ -108,12 +141,30 @@ class Sampler:
                 metadata.top_k[rows] if metadata.any_top_k else None,
                 metadata.top_p[rows] if metadata.any_top_p else None,
             )
+        if metadata.min_p is not None:
+            scaled = apply_min_p(scaled, metadata.min_p[rows])
         probs = scaled.softmax(dim=-1)
         noise = self._exponential_noise(probs, row_list, metadata.generators)
         sampled = (probs / noise).argmax(dim=-1)
         out = greedy.clone()
         out[rows] = sampled
         return out
+
+    @staticmethod
+    def _apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """min_tokens mask then penalties, on a copy: the caller's raw logits
+        stay intact for logprobs. A batch that uses neither skips the copy."""
+        if metadata.penalties is None and metadata.min_tokens_mask is None:
+            return logits
+        logits = logits.clone()
+        if metadata.min_tokens_mask is not None:
+            rows, tokens = metadata.min_tokens_mask
+            # An id past this model's vocabulary cannot be sampled anyway.
+            in_vocab = tokens < logits.shape[-1]
+            logits[rows[in_vocab], tokens[in_vocab]] = float("-inf")
+        if metadata.penalties is not None:
+            apply_penalties(logits, metadata.penalties)
+        return logits
 
     def _exponential_noise(
         self,

@@ -16,6 +16,24 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0 = disabled
     top_k: int = 0  # 0 = disabled
     seed: int | None = None  # None = the worker's default generator
+    min_p: float = 0.0  # 0 = disabled
+    repetition_penalty: float = 1.0  # 1.0 = disabled; prompt + output tokens
+    presence_penalty: float = 0.0  # 0 = disabled; output tokens only
+    frequency_penalty: float = 0.0  # 0 = disabled; output tokens only
+    # Top-N candidates per output / prompt token; None = not requested.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # While fewer than min_tokens outputs exist, these ids cannot be sampled.
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass(slots=True)
@@ -52,7 +70,29 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """log_softmax of the raw logits at one position (see worker.proto)."""
+
+    logprob: float
+    rank: int  # 1-based
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    req_id: str
+    # Prompt position of positions[0]; position 0 never has a logprob.
+    start_position: int
+    positions: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     forward_time_s: float = 0.0
+    # Aligned with req_ids when any sampling request asked for logprobs (None
+    # for those that did not), empty otherwise.
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

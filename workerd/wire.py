@@ -14,6 +14,7 @@ from workerd.sched_output import (
     NewRequestData,
     SamplingParams,
     SchedulerOutput,
+    TokenLogprobs,
 )
 
 
@@ -34,6 +35,14 @@ def _sampling_params_from_proto(msg: worker_pb2.RequestSamplingParams) -> Sampli
         top_p=msg.top_p,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        min_tokens=msg.min_tokens,
+        min_tokens_stop_ids=tuple(msg.min_tokens_stop_ids),
     )
 
 
@@ -83,9 +92,28 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
     )
 
 
+def _fill_token_logprobs(entry: TokenLogprobs | None, pb: worker_pb2.TokenLogprobs) -> None:
+    # A request that did not ask stays an empty message: rank 0, which no
+    # real entry has (ranks are 1-based), tells the controlplane "None".
+    if entry is None:
+        return
+    pb.logprob = entry.logprob
+    pb.rank = entry.rank
+    pb.top_token_ids.extend(entry.top_token_ids)
+    pb.top_logprobs.extend(entry.top_logprobs)
+
+
 def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunnerOutput:
-    return worker_pb2.ModelRunnerOutput(
+    msg = worker_pb2.ModelRunnerOutput(
         req_ids=out.req_ids,
         sampled_token_ids=out.sampled_token_ids,
         forward_time_s=out.forward_time_s,
     )
+    # The common step asks for no logprobs: both loops are skipped entirely.
+    for entry in out.logprobs:
+        _fill_token_logprobs(entry, msg.logprobs.add())
+    for chunk in out.prompt_logprobs:
+        pb = msg.prompt_logprobs.add(req_id=chunk.req_id, start_position=chunk.start_position)
+        for entry in chunk.positions:
+            _fill_token_logprobs(entry, pb.positions.add())
+    return msg

@@ -186,3 +186,37 @@ def test_reflection_lists_the_services(cluster):
 
     names = _run(scenario())
     assert {"kvloom.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_logprobs_match_transformers(cluster, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [21, 22, 23, 24, 25]
+
+    async def scenario(stub):
+        req = greedy_request(prompt, max_tokens=6, logprobs=3, prompt_logprobs=2)
+        return await collect(stub, req)
+
+    messages = _run(_with_stub(cluster.api_address, scenario))
+    tokens = tokens_of(messages)
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    prompt_lps = list(messages[0].prompt_info.prompt_logprobs)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0], dim=-1)
+    assert len(logprobs) == len(tokens) == 6
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == token and lp.rank == 1  # greedy picks the top token
+        assert lp.logprob == pytest.approx(row[token].item(), abs=1e-4)
+        top = torch.topk(row, 3)
+        assert [t.token_id for t in lp.top] == top.indices.tolist()
+        assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert [p.token_id for p in prompt_lps] == prompt[1:]
+    for pos, p in enumerate(prompt_lps, start=1):
+        row = ref[pos - 1]
+        assert p.logprob == pytest.approx(row[prompt[pos]].item(), abs=1e-4)
+        assert p.rank == 1 + int((row > row[prompt[pos]]).sum())
+        assert len(p.top) == 2

@@ -154,6 +154,8 @@ TABLE_ROWS = [
     ("TPOT p99 (ms)", lambda m: f"{m['tpot_ms_p99']:.1f}"),
     ("ITL median (ms)", lambda m: f"{m['itl_ms_median']:.1f}"),
     ("ITL p99 (ms)", lambda m: f"{m['itl_ms_p99']:.1f}"),
+    ("steps", lambda m: str(m.get("steps", "-"))),
+    ("bytes/step/rank", lambda m: f"{m.get('bytes_per_step_per_rank', 0):.0f}"),
 ]
 
 
@@ -171,6 +173,25 @@ def format_table(runs: list[dict]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def step_bytes(metrics_url: str) -> dict:
+    """Steps run and SchedulerOutput bytes per step, from the controlplane's
+    /metrics. Every rank receives the same bytes: the step is serialized once
+    and written to each worker stream."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0]
+        if base in ("kvloom_step_broadcast_bytes_sum", "kvloom_step_broadcast_bytes_count"):
+            values[base] = float(value)
+    steps = values.get("kvloom_step_broadcast_bytes_count", 0.0)
+    total = values.get("kvloom_step_broadcast_bytes_sum", 0.0)
+    return {"steps": int(steps), "bytes_per_step_per_rank": total / steps if steps else 0.0}
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -204,6 +225,7 @@ def run_launched(args) -> list[dict]:
             cluster.start()
             cluster.wait_ready(args.ready_timeout)
             result = asyncio.run(benchmark(cluster.api_address, args))
+            result["metrics"].update(step_bytes(cluster.metrics_address))
         finally:
             cluster.stop()
         runs.append({"name": f"tp{tp} pp{pp}", "tp": tp, "pp": pp, **result})

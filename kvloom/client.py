@@ -1,25 +1,55 @@
 """Client library for the controlplane's public gRPC API (kvloom.v1.Generation).
 
 `KvloomClient` (blocking) and `AsyncKvloomClient` (grpc.aio) wrap the generated
-stubs so callers deal in plain dataclasses: a Generate stream becomes an
-iterator of `GenerateChunk`, `generate_text` collects it into a
-`GenerateResult`, and every grpc.RpcError surfaces as a `KvloomError` carrying
-the status code, the details and the server address. Health checks use the
-standard grpc.health.v1 service the controlplane serves ("" = live,
-"kvloom.v1.Generation" = ready to generate).
+stubs so callers deal in plain dataclasses (kvloom.api): a Generate stream
+becomes an iterator of `GenerateChunk`, `generate_text` collects it into one
+`GenerateResult` per sample, and every grpc.RpcError surfaces as a
+`KvloomError` carrying the status code, the details and the server address.
+Arguments are checked when generate() is called, before anything is sent;
+closing a stream early (break, exception, task cancellation) cancels the call,
+which makes the server abort the request and free its KV blocks. Health checks
+use the standard grpc.health.v1 service ("" = live, "kvloom.v1.Generation" =
+ready to generate).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvloom.api import (
+    ChatTurn,
+    Finish,
+    GenerateChunk,
+    GenerateResult,
+    InvalidArgument,
+    KvloomError,
+    Logprob,
+    ModelInfo,
+    Prompt,
+    PromptInfo,
+    ServerInfo,
+    Tokenized,
+    TopLogprob,
+    build_detokenize_request,
+    build_request,
+    build_tokenize_request,
+    chunk_from_pb,
+    model_info_from_pb,
+    server_info_from_pb,
+)
 from kvloom.v1 import generation_pb2 as pb
 from kvloom.v1 import generation_pb2_grpc as pb_grpc
+
+__all__ = [
+    "DEFAULT_SERVER", "READY_SERVICE", "AsyncKvloomClient", "ChatTurn", "Collector", "Finish",
+    "GenerateChunk", "GenerateResult", "InvalidArgument", "KvloomClient", "KvloomError",
+    "Logprob", "ModelInfo", "PromptInfo", "ServerInfo", "Tokenized", "TopLogprob",
+    "build_request", "chunk_from_pb", "default_server",
+]
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 READY_SERVICE = "kvloom.v1.Generation"
@@ -38,169 +68,8 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
-
 def default_server() -> str:
     return os.environ.get("KVLOOM_SERVER") or DEFAULT_SERVER
-
-
-class KvloomError(Exception):
-    """A failed call to the kvloom server, with its gRPC status code."""
-
-    def __init__(self, details: str, code: grpc.StatusCode | None = None, server: str = ""):
-        self.details = details
-        self.code = code
-        self.server = server
-        super().__init__(str(self))
-
-    @classmethod
-    def from_rpc(cls, error: grpc.RpcError, server: str = "") -> KvloomError:
-        code = error.code() if hasattr(error, "code") else None
-        details = error.details() if hasattr(error, "details") else None
-        return cls(details or str(error), code, server)
-
-    def __str__(self) -> str:
-        where = f"kvloom server {self.server}: " if self.server else ""
-        code = f"{self.code.name}: " if self.code is not None else ""
-        hint = ""
-        if self.code == grpc.StatusCode.UNAVAILABLE:
-            hint = " (is the server running? start one with `kvloom up`)"
-        return f"{where}{code}{self.details}{hint}"
-
-
-@dataclass(frozen=True)
-class Finish:
-    """Why and after how many tokens a request ended."""
-
-    reason: str  # "stop", "length", "abort" or "error"
-    prompt_tokens: int
-    output_tokens: int
-    stop_token_id: int | None = None
-
-
-@dataclass(frozen=True)
-class GenerateChunk:
-    """One message of a Generate stream: the tokens produced since the previous one."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish: Finish | None = None
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """A whole completion, collected from its stream."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish: Finish
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_name: str
-    model_path: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    version: str
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    block_size: int
-    num_total_blocks: int
-    num_free_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_ranks_attached: int
-
-
-def build_request(
-    prompt: str | Sequence[int],
-    *,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    stop_token_ids: Iterable[int] = (),
-    request_id: str = "",
-) -> pb.GenerateRequest:
-    """A GenerateRequest; None leaves a knob unset so the server's default applies."""
-    sampling = pb.SamplingParams(ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids))
-    optional = {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": seed,
-    }
-    for name, value in optional.items():
-        if value is not None:
-            setattr(sampling, name, value)
-    request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(int(t) for t in prompt)
-    return request
-
-
-def chunk_from_pb(response: pb.GenerateResponse) -> GenerateChunk:
-    finish = None
-    if response.HasField("finish"):
-        info = response.finish
-        finish = Finish(
-            reason=pb.FinishReason.Name(info.reason).lower(),
-            prompt_tokens=info.prompt_tokens,
-            output_tokens=info.output_tokens,
-            stop_token_id=info.stop_token_id if info.HasField("stop_token_id") else None,
-        )
-    return GenerateChunk(response.request_id, list(response.token_ids), response.text, finish)
-
-
-class _Collector:
-    """Folds stream chunks into a GenerateResult."""
-
-    def __init__(self, server: str):
-        self.server = server
-        self.request_id = ""
-        self.texts: list[str] = []
-        self.token_ids: list[int] = []
-        self.finish: Finish | None = None
-
-    def add(self, chunk: GenerateChunk) -> None:
-        self.request_id = chunk.request_id or self.request_id
-        self.texts.append(chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        self.finish = chunk.finish or self.finish
-
-    def result(self) -> GenerateResult:
-        if self.finish is None:
-            message = "the Generate stream ended without a finish message"
-            raise KvloomError(message, None, self.server)
-        return GenerateResult(self.request_id, "".join(self.texts), self.token_ids, self.finish)
-
-
-def _model_info(msg: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(
-        msg.model_name, msg.model_path, msg.architecture, msg.vocab_size,
-        msg.max_model_len, list(msg.eos_token_ids),
-    )
-
-
-def _server_info(msg: pb.ServerInfo) -> ServerInfo:
-    return ServerInfo(
-        msg.version, msg.tensor_parallel_size, msg.pipeline_parallel_size, msg.block_size,
-        msg.num_total_blocks, msg.num_free_blocks, msg.max_num_seqs,
-        msg.max_num_batched_tokens, msg.num_ranks_attached,
-    )
 
 
 def _status_name(response: health_pb2.HealthCheckResponse) -> str:
@@ -210,6 +79,49 @@ def _status_name(response: health_pb2.HealthCheckResponse) -> str:
 def _abort_request(request_ids: str | Iterable[str]) -> pb.AbortRequest:
     ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
     return pb.AbortRequest(request_ids=ids)
+
+
+class Collector:
+    """Folds the chunks of one Generate stream into one GenerateResult per sample."""
+
+    def __init__(self, server: str = "", n: int | None = None):
+        self.server = server
+        self.n = n
+        self._samples: dict[int, dict] = {}
+
+    def add(self, chunk: GenerateChunk) -> None:
+        s = self._samples.setdefault(
+            chunk.index,
+            {"request_id": "", "texts": [], "ids": [], "finish": None, "info": None, "lps": []},
+        )
+        s["request_id"] = chunk.request_id or s["request_id"]
+        s["texts"].append(chunk.text)
+        s["ids"].extend(chunk.token_ids)
+        s["lps"].extend(chunk.logprobs)
+        s["info"] = s["info"] or chunk.prompt_info
+        s["finish"] = chunk.finish or s["finish"]
+
+    def results(self) -> list[GenerateResult]:
+        """Every sample in index order; raises if one never finished or is missing."""
+        expected = range(self.n or 1)
+        missing = [i for i in expected if i not in self._samples]
+        unfinished = [i for i, s in self._samples.items() if s["finish"] is None]
+        if missing or unfinished:
+            which = sorted(set(missing) | set(unfinished))
+            message = f"the Generate stream ended without a finish message for samples {which}"
+            raise KvloomError(message, None, self.server)
+        return [
+            GenerateResult(
+                s["request_id"], "".join(s["texts"]), s["ids"], s["finish"], i, s["info"],
+                s["lps"],
+            )
+            for i, s in sorted(self._samples.items())
+        ]
+
+    def result(self) -> GenerateResult | list[GenerateResult]:
+        """One result for n = None / 1, else the list of n results."""
+        results = self.results()
+        return results if self.n is not None and self.n > 1 else results[0]
 
 
 class KvloomClient:
@@ -222,25 +134,18 @@ class KvloomClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        stop_token_ids: Iterable[int] = (),
-        request_id: str = "",
-        timeout: float | None = None,
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **options
     ) -> Iterator[GenerateChunk]:
-        """Stream a completion; closing the iterator early cancels the request."""
-        request = build_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
-            request_id=request_id,
-        )
+        """Stream a completion's chunks; closing the iterator early cancels the request.
+
+        prompt: text, token ids or chat turns. options: kvloom.api.build_request's
+        keywords (every sampling knob, messages, n, stream, stream_interval,
+        cache_salt, request_id); None = the server's default. Bad arguments
+        raise InvalidArgument here, before anything is sent.
+        """
+        return self._stream(build_request(prompt, **options), timeout)
+
+    def _stream(self, request: pb.GenerateRequest, timeout) -> Iterator[GenerateChunk]:
         call = self._stub.Generate(request, timeout=timeout)
         try:
             for response in call:
@@ -252,12 +157,37 @@ class KvloomClient:
             # server to abort, so abandoned requests do not burn KV blocks.
             call.cancel()
 
-    def generate_text(self, prompt: str | Sequence[int], **kwargs) -> GenerateResult:
-        """Run generate() to the end; kwargs are generate()'s keywords."""
-        collector = _Collector(self.server)
-        for chunk in self.generate(prompt, **kwargs):
+    def generate_text(
+        self, prompt: Prompt | None = None, **options
+    ) -> GenerateResult | list[GenerateResult]:
+        """Run generate() to the end: one GenerateResult, or a list by index when n > 1."""
+        collector = Collector(self.server, options.get("n"))
+        for chunk in self.generate(prompt, **options):
             collector.add(chunk)
         return collector.result()
+
+    def tokenize(
+        self,
+        prompt: str | Sequence[ChatTurn],
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+        timeout: float | None = 10.0,
+    ) -> Tokenized:
+        """Token ids of text, or of chat turns rendered through the chat template."""
+        request = build_tokenize_request(
+            prompt, add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
+        reply = self._call(self._stub.Tokenize, request, timeout)
+        return Tokenized(list(reply.token_ids), reply.text)
+
+    def detokenize(
+        self, token_ids: Iterable[int], *, skip_special_tokens: bool | None = None,
+        timeout: float | None = 10.0,
+    ) -> str:
+        request = build_detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._call(self._stub.Detokenize, request, timeout).text
 
     def abort(self, request_ids: str | Iterable[str], *, timeout: float | None = 10.0) -> int:
         """Abort requests by id; returns how many were in flight."""
@@ -265,11 +195,12 @@ class KvloomClient:
         return reply.num_aborted
 
     def model_info(self, *, timeout: float | None = 10.0) -> ModelInfo:
-        return _model_info(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+        reply = self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+        return model_info_from_pb(reply)
 
     def server_info(self, *, timeout: float | None = 10.0) -> ServerInfo:
         reply = self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
-        return _server_info(reply)
+        return server_info_from_pb(reply)
 
     def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
@@ -303,26 +234,13 @@ class AsyncKvloomClient:
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-        stop_token_ids: Iterable[int] = (),
-        request_id: str = "",
-        timeout: float | None = None,
+    def generate(
+        self, prompt: Prompt | None = None, *, timeout: float | None = None, **options
     ) -> AsyncIterator[GenerateChunk]:
-        """Stream a completion; closing the iterator early cancels the request."""
-        request = build_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
-            request_id=request_id,
-        )
+        """Stream a completion's chunks (async for); see KvloomClient.generate."""
+        return self._stream(build_request(prompt, **options), timeout)
+
+    async def _stream(self, request: pb.GenerateRequest, timeout) -> AsyncIterator[GenerateChunk]:
         call = self._stub.Generate(request, timeout=timeout)
         try:
             async for response in call:
@@ -332,11 +250,36 @@ class AsyncKvloomClient:
         finally:
             call.cancel()
 
-    async def generate_text(self, prompt: str | Sequence[int], **kwargs) -> GenerateResult:
-        collector = _Collector(self.server)
-        async for chunk in self.generate(prompt, **kwargs):
+    async def generate_text(
+        self, prompt: Prompt | None = None, **options
+    ) -> GenerateResult | list[GenerateResult]:
+        """Run generate() to the end: one GenerateResult, or a list by index when n > 1."""
+        collector = Collector(self.server, options.get("n"))
+        async for chunk in self.generate(prompt, **options):
             collector.add(chunk)
         return collector.result()
+
+    async def tokenize(
+        self,
+        prompt: str | Sequence[ChatTurn],
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+        timeout: float | None = 10.0,
+    ) -> Tokenized:
+        request = build_tokenize_request(
+            prompt, add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
+        reply = await self._call(self._stub.Tokenize, request, timeout)
+        return Tokenized(list(reply.token_ids), reply.text)
+
+    async def detokenize(
+        self, token_ids: Iterable[int], *, skip_special_tokens: bool | None = None,
+        timeout: float | None = 10.0,
+    ) -> str:
+        request = build_detokenize_request(token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self._call(self._stub.Detokenize, request, timeout)).text
 
     async def abort(self, request_ids: str | Iterable[str], *, timeout: float | None = 10.0) -> int:
         reply = await self._call(self._stub.Abort, _abort_request(request_ids), timeout)
@@ -344,11 +287,11 @@ class AsyncKvloomClient:
 
     async def model_info(self, *, timeout: float | None = 10.0) -> ModelInfo:
         reply = await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
-        return _model_info(reply)
+        return model_info_from_pb(reply)
 
     async def server_info(self, *, timeout: float | None = 10.0) -> ServerInfo:
         reply = await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
-        return _server_info(reply)
+        return server_info_from_pb(reply)
 
     async def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         request = health_pb2.HealthCheckRequest(service=service)

@@ -1,9 +1,11 @@
 """Local cluster launcher: one controlplane and T*P workerd child processes.
 
 Used by `kvloom up`, `kvloom run` and the serving benchmark's --launch mode.
-`Cluster.start()` picks free ports, spawns `python -m controlplane` and one
-`python -m workerd --rank R` per rank, and relays their output with a
-"[controlplane] " / "[rank R] " prefix; `wait_ready()` polls the grpc health
+`Cluster.start()` picks free ports (the API, the worker port, the
+controlplane's /metrics and one /metrics per rank), spawns
+`python -m controlplane` and one `python -m workerd --rank R` per rank
+(the cluster's auth token, if any, in their environment), and relays their
+output with a "[controlplane] " / "[rank R] " prefix; `wait_ready()` polls the grpc health
 service "kvloom.v1.Generation" until SERVING, failing fast (with the dead
 process's last log lines) if a child exits first; `stop()` sends SIGTERM and
 SIGKILLs whatever outlives the grace period.
@@ -27,12 +29,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, closing, contextmanager, suppress
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+from kvloom.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
 
 TAIL_LINES = 40
 
@@ -52,6 +55,11 @@ class ClusterSpec:
     port: int = 0
     worker_port: int = 0
     metrics_port: int = 0
+    # Rank r serves its /metrics on worker_metrics_port + r; 0 = free ports.
+    worker_metrics_port: int = 0
+    # Shared secret workers present to the controlplane; None = inherit
+    # KVLOOM_AUTH_TOKEN from this process's environment, if set.
+    auth_token: str | None = None
     # Threads per worker for torch; None = the CPU count shared among ranks.
     worker_threads: int | None = None
     controlplane_args: tuple[str, ...] = ()
@@ -74,6 +82,8 @@ class ClusterState:
     # process apart from an unrelated one that reused its pid.
     processes: dict[str, list[int]] = field(default_factory=dict)
     log_dir: str = ""
+    # Per rank, in rank order.
+    worker_metrics: list[str] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,12 +107,23 @@ def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return ports
 
 
-def resolve_ports(spec: ClusterSpec) -> tuple[int, int, int]:
-    """(port, worker_port, metrics_port) with every 0 replaced by a free port."""
+class Ports(NamedTuple):
+    """Every port of a cluster; the first three index like the old 3-tuple."""
+
+    api: int
+    worker: int
+    metrics: int
+    worker_metrics: tuple[int, ...] = ()
+
+
+def resolve_ports(spec: ClusterSpec) -> Ports:
+    """The spec's ports with every 0 replaced by a distinct free port."""
     wanted = [spec.port, spec.worker_port, spec.metrics_port]
+    base = spec.worker_metrics_port
+    wanted += [base + r if base else 0 for r in range(spec.world_size)]
     free = iter(pick_free_ports(wanted.count(0), spec.host))
-    port, worker_port, metrics_port = (p or next(free) for p in wanted)
-    return port, worker_port, metrics_port
+    resolved = [p or next(free) for p in wanted]
+    return Ports(*resolved[:3], worker_metrics=tuple(resolved[3:]))
 
 
 def connect_host(host: str) -> str:
@@ -110,8 +131,8 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def controlplane_command(spec: ClusterSpec, model: str, ports: tuple[int, int, int]) -> list[str]:
-    port, worker_port, metrics_port = ports
+def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[str]:
+    port, worker_port, metrics_port = ports[:3]
     return [
         spec.python, "-m", "controlplane",
         "--model", model,
@@ -125,14 +146,29 @@ def controlplane_command(spec: ClusterSpec, model: str, ports: tuple[int, int, i
     ]
 
 
-def workerd_command(spec: ClusterSpec, worker_port: int, rank: int) -> list[str]:
+def workerd_command(
+    spec: ClusterSpec, worker_port: int, rank: int, metrics_port: int = 0
+) -> list[str]:
     threads = spec.worker_threads or max(1, (os.cpu_count() or 1) // spec.world_size)
-    return [
+    argv = [
         spec.python, "-m", "workerd",
         "--controlplane", f"{connect_host(spec.host)}:{worker_port}",
         "--rank", str(rank),
         "--num-threads", str(threads),
     ]
+    if metrics_port:
+        # Bound like the API: loopback stays loopback, a wildcard stays reachable.
+        argv += ["--metrics-port", str(metrics_port), "--metrics-host", spec.host]
+    return argv
+
+
+def child_env(spec: ClusterSpec) -> dict[str, str]:
+    """The daemons' environment. The auth token travels here rather than in
+    argv, where any local user could read it from /proc/PID/cmdline."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if spec.auth_token is not None:
+        env["KVLOOM_AUTH_TOKEN"] = spec.auth_token
+    return env
 
 
 def relay_lines(
@@ -145,39 +181,6 @@ def relay_lines(
         with lock:  # one writer at a time, so lines of different ranks never interleave
             sink.write(f"{prefix}{line}\n")
             sink.flush()
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of pid in clock ticks since boot (Linux /proc), None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Fields after the parenthesised command name; starttime is field 22.
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-# Runs in the child before it becomes the daemon: ask the kernel for SIGTERM
-# when the launcher dies, give up if it already has, then exec the real command
-# (same pid; the death signal survives exec). Doing this in a trampoline rather
-# than a preexec_fn keeps spawning safe while relay and gRPC threads run.
-_PDEATHSIG_TRAMPOLINE = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"  # 1 = PR_SET_PDEATHSIG
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def with_parent_death_signal(argv: list[str], python: str = sys.executable) -> list[str]:
-    """argv wrapped so the child is SIGTERMed when this process dies (Linux only).
-
-    The kernel ties the signal to the thread that forked the child, so start
-    clusters from a thread that lives as long as the cluster (e.g. the main one).
-    """
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [python, "-c", _PDEATHSIG_TRAMPOLINE, str(os.getpid()), *argv]
 
 
 @dataclass
@@ -206,7 +209,7 @@ class Cluster:
         self.log_dir = log_dir
         self.processes: list[ManagedProcess] = []
         self.model = ""
-        self.ports = (0, 0, 0)
+        self.ports = Ports(0, 0, 0)
         self._lock = threading.Lock()
 
     @property
@@ -215,7 +218,13 @@ class Cluster:
 
     @property
     def metrics_address(self) -> str:
-        return f"http://{connect_host(self.spec.host)}:{self.ports[2]}/metrics"
+        return f"http://{connect_host(self.spec.host)}:{self.ports.metrics}/metrics"
+
+    @property
+    def worker_metrics_addresses(self) -> list[str]:
+        """Each rank's /metrics URL, in rank order."""
+        host = connect_host(self.spec.host)
+        return [f"http://{host}:{port}/metrics" for port in self.ports.worker_metrics]
 
     def start(self) -> None:
         """Spawn the controlplane and every rank, then relay their logs."""
@@ -223,7 +232,10 @@ class Cluster:
         self.ports = resolve_ports(self.spec)
         self._spawn("controlplane", controlplane_command(self.spec, self.model, self.ports))
         for rank in range(self.spec.world_size):
-            self._spawn(f"rank {rank}", workerd_command(self.spec, self.ports[1], rank))
+            argv = workerd_command(
+                self.spec, self.ports.worker, rank, self.ports.worker_metrics[rank]
+            )
+            self._spawn(f"rank {rank}", argv)
         if self.log_dir is None:
             for proc in self.processes:
                 self._start_relay(proc)
@@ -241,9 +253,8 @@ class Cluster:
             # Join the group of the first child; 0 makes the controlplane its leader.
             kwargs["process_group"] = self.processes[0].popen.pid if self.processes else 0
             argv = with_parent_death_signal(argv, self.spec.python)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         try:
-            popen = subprocess.Popen(argv, env=env, **kwargs)
+            popen = subprocess.Popen(argv, env=child_env(self.spec), **kwargs)
         finally:
             if log_path is not None:
                 kwargs["stdout"].close()
@@ -284,7 +295,7 @@ class Cluster:
         """SIGTERM every child, then SIGKILL those still running after `grace` seconds."""
         stop_pids([(p.name, p.popen.pid) for p in self.processes if p.popen.poll() is None], grace)
         for proc in self.processes:
-            _reap(proc.popen)
+            reap(proc.popen)
 
     def state(self) -> ClusterState:
         processes = {}
@@ -293,6 +304,7 @@ class Cluster:
         return ClusterState(
             api=self.api_address, metrics=self.metrics_address, worker_port=self.ports[1],
             model=self.model, processes=processes, log_dir=str(self.log_dir or ""),
+            worker_metrics=self.worker_metrics_addresses,
         )
 
     def __enter__(self) -> Cluster:
@@ -316,61 +328,12 @@ def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up
     return f"{proc.name} {how} {phase}; its last log lines:\n{shown}"
 
 
-def _reap(popen: subprocess.Popen) -> None:
-    with suppress(subprocess.TimeoutExpired):
-        popen.wait(timeout=1.0)
-
-
-def stop_pids(targets: list[tuple[str, int]], grace: float) -> list[str]:
-    """SIGTERM, wait up to grace, SIGKILL; returns the names that needed SIGKILL."""
-    for _, pid in targets:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(pid) for _, pid in targets):
-        time.sleep(0.1)
-    killed = [name for name, pid in targets if _alive(pid)]
-    for name, pid in targets:
-        if name in killed:
-            _signal(pid, signal.SIGKILL)
-    return killed
-
-
-def _signal(pid: int, sig: int) -> None:
-    with suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
-def _alive(pid: int) -> bool:
-    # A zombie child of ours counts as gone: it has stopped running.
-    try:
-        finished, _ = os.waitpid(pid, os.WNOHANG)
-        if finished == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child (kvloom down): fall back to probing
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False  # no /proc (not Linux): trust kill(pid, 0)
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
 def running_processes(state: ClusterState) -> list[tuple[str, int]]:
     """(name, pid) of the recorded processes still running, pid reuse excluded."""
     return [
         (name, pid)
         for name, (pid, started) in state.processes.items()
-        if process_start_time(pid) == started and _alive(pid)
+        if process_start_time(pid) == started and alive(pid)
     ]
 
 

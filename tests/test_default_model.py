@@ -187,13 +187,18 @@ def test_second_call_reuses_the_cache(converted, monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_chat_prompt_uses_the_template(converted):
+def test_cli_chat_turns_render_through_the_template(converted):
+    # `kvloom chat` sends chat turns; the controlplane renders them with the
+    # model's chat template.
     from transformers import AutoTokenizer
 
-    from kvloom.cli import chat_prompt
+    from controlplane.validation import render_chat
+    from kvloom.api import chat_messages
+    from kvloom.cli_generate import chat_turns
 
-    ids = chat_prompt(str(converted), "hi", system="Be brief.")
-    text = AutoTokenizer.from_pretrained(converted).decode(ids)
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    messages = chat_messages(chat_turns("hi", system="Be brief."))
+    text = tokenizer.decode(render_chat(messages, tokenizer, "messages"))
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\n"

@@ -22,7 +22,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-import kvloom.launcher as launcher
 from kvloom.launcher import pick_free_ports
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 from tests.integration.conftest import running_cluster
@@ -120,28 +119,17 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def metered_cluster(tiny_model_dir, tmp_path_factory):
-    """A tp=1 cluster whose rank 0 also serves /metrics, scraped by Prometheus."""
-    worker_port = pick_free_ports(1)[0]
-    original = launcher.workerd_command
-
-    def with_metrics(spec, cp_worker_port, rank):
-        # The launcher gives workers no metrics port yet; add one for rank 0.
-        argv = original(spec, cp_worker_port, rank)
-        return [*argv, "--metrics-port", str(worker_port), "--metrics-host", "127.0.0.1"]
-
-    launcher.workerd_command = with_metrics
-    try:
-        with running_cluster(tiny_model_dir, args=("--max-num-seqs", "8")) as cluster:
-            cp_target = f"127.0.0.1:{cluster.ports[2]}"
-            prom = Prometheus(tmp_path_factory.mktemp("prometheus"), {
-                "controlplane": cp_target, "workerd": f"127.0.0.1:{worker_port}"})
-            try:
-                prom.start()
-                yield cluster, prom, cp_target, f"127.0.0.1:{worker_port}"
-            finally:
-                prom.stop()
-    finally:
-        launcher.workerd_command = original
+    """A tp=1 cluster (the launcher gives each rank a /metrics), scraped by Prometheus."""
+    with running_cluster(tiny_model_dir, args=("--max-num-seqs", "8")) as cluster:
+        cp_target = f"127.0.0.1:{cluster.ports.metrics}"
+        worker_target = f"127.0.0.1:{cluster.ports.worker_metrics[0]}"
+        prom = Prometheus(tmp_path_factory.mktemp("prometheus"), {
+            "controlplane": cp_target, "workerd": worker_target})
+        try:
+            prom.start()
+            yield cluster, prom, cp_target, worker_target
+        finally:
+            prom.stop()
 
 
 def _request(i: int, n_prompt: int, max_tokens: int, request_id: str = ""):

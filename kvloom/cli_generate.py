@@ -1,0 +1,186 @@
+"""Generation flags and output of the `kvloom` command (generate, chat, run).
+
+Turns the sampling/output flags into kvloom.client keywords and prints one
+Generate call: with one sample, text goes to stdout as it streams in; with
+-n > 1, each sample is printed after the call, under a "--- sample I ---"
+header, in index order (samples stream interleaved, so printing them live
+would mix their text); --json prints every response message as one JSON line
+instead (for scripts). Logprob tables, token counts and failures go to
+stderr so stdout stays pipeable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from kvloom.client import Collector, Finish, GenerateChunk, GenerateResult, KvloomClient, Logprob
+
+EXIT_FAILURE = 1
+TOKEN_WIDTH = 16  # columns of a token's repr in logprob tables
+
+
+class AppendOverridingDefault(argparse.Action):
+    """Like action="append", but the first flag replaces the default (which may
+    come from a KVLOOM_* variable as one string) instead of adding to it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, [*items, values])
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("sampling (unset = the server's default)")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--min-p", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None, help="sample i of -n uses seed + i")
+    s.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages")
+    s.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]")
+    s.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]")
+    s.add_argument("--min-tokens", type=int, default=None, help="no EOS/stop before this")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--stop", action=AppendOverridingDefault, default=None, metavar="STR",
+                   help="stop at this string (repeatable)")
+    s.add_argument("--stop-token-id", action=AppendOverridingDefault, type=int, default=None,
+                   metavar="ID", help="stop at this token id (repeatable)")
+    s.add_argument("--include-stop-str", action="store_true",
+                   help="keep the matched stop string in the output")
+    s.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each output token's logprob, rank and top N (stderr)")
+    s.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="likewise for the prompt tokens")
+    s.add_argument("-n", "--n", type=int, default=None, help="number of samples")
+    o = parser.add_argument_group("output")
+    o.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    o.add_argument("--stream-interval", type=int, default=None, metavar="TOKENS",
+                   help="tokens per streamed message")
+    o.add_argument("--cache-salt", default="", help="share cached prefixes only within a salt")
+    o.add_argument("--json", action="store_true",
+                   help="print each response message as a JSON line instead of text")
+    o.add_argument("--timeout", type=float, default=None, help="seconds for the request")
+    o.add_argument("-v", "--verbose", action="store_true", help="print token counts")
+
+
+def generation_kwargs(args: argparse.Namespace) -> dict:
+    """kvloom.client generate() keywords; absent flags stay None (server default)."""
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "min_tokens": args.min_tokens,
+        "ignore_eos": args.ignore_eos,
+        "stop": _as_list(args.stop),
+        "stop_token_ids": _as_list(args.stop_token_id),
+        "include_stop_str_in_output": args.include_stop_str,
+        "logprobs": args.logprobs,
+        "prompt_logprobs": args.prompt_logprobs,
+        "n": args.n,
+        "stream": args.stream,
+        "stream_interval": args.stream_interval,
+        "cache_salt": args.cache_salt,
+        "timeout": args.timeout,
+    }
+
+
+def _as_list(value) -> list:
+    # A KVLOOM_STOP / KVLOOM_STOP_TOKEN_ID default arrives as one bare value.
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def chat_turns(message: str, system: str | None = None) -> list[tuple[str, str]]:
+    """The conversation `kvloom chat/run` sends; the server applies the template."""
+    return [*([("system", system)] if system else []), ("user", message)]
+
+
+def chunk_json(chunk: GenerateChunk) -> str:
+    """One response message as a JSON object on one line (API field names)."""
+    return json.dumps(dataclasses.asdict(chunk), ensure_ascii=False)
+
+
+def format_finish(finish: Finish | None, seconds: float) -> str:
+    if finish is None:
+        return "[no finish info]"
+    rate = finish.output_tokens / seconds if seconds > 0 else 0.0
+    extra = f", {finish.cached_tokens} cached" if finish.cached_tokens else ""
+    if finish.stop_str is not None:
+        extra += f", stop string {finish.stop_str!r}"
+    elif finish.stop_token_id is not None and finish.reason == "stop":
+        extra += f", stop token {finish.stop_token_id}"
+    error = f": {finish.error}" if finish.error else ""
+    return (
+        f"[{finish.reason}{error}: {finish.prompt_tokens} prompt + {finish.output_tokens} "
+        f"output tokens{extra} in {seconds:.2f}s, {rate:.1f} tok/s]"
+    )
+
+
+def _token(text: str) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= TOKEN_WIDTH else shown[: TOKEN_WIDTH - 1] + "…"
+
+
+def format_logprobs(entries: list[Logprob], title: str, first_position: int = 0) -> str:
+    """A compact table: position, id, token, logprob, rank, then the top candidates."""
+    header = f"{'pos':>5} {'id':>7} {'token':<{TOKEN_WIDTH}} {'logprob':>9} {'rank':>5}  top"
+    lines = [title, header]
+    for pos, lp in enumerate(entries, first_position):
+        top = "  ".join(f"{_token(t.token)} {t.logprob:.3f}" for t in lp.top)
+        lines.append(
+            f"{pos:>5} {lp.token_id:>7} {_token(lp.token):<{TOKEN_WIDTH}} "
+            f"{lp.logprob:>9.4f} {lp.rank:>5}  {top}".rstrip()
+        )
+    return "\n".join(lines)
+
+
+def complete(client: KvloomClient, prompt, args: argparse.Namespace) -> int:
+    """Generate, print, and report; shared by generate, chat and run."""
+    started = time.monotonic()
+    collector = Collector(client.server, args.n)
+    chunks = client.generate(prompt, **generation_kwargs(args))
+    many = (args.n or 1) > 1
+    try:
+        for chunk in chunks:
+            collector.add(chunk)
+            if args.json:
+                print(chunk_json(chunk), flush=True)
+            elif not many:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    finally:
+        if not args.json and not many:
+            print(flush=True)  # end the streamed line even when the stream failed
+    results = collector.results()
+    seconds = time.monotonic() - started
+    for result in results:
+        report_sample(result, args, seconds, many)
+    failed = [r for r in results if r.finish.reason in ("abort", "error")]
+    return EXIT_FAILURE if failed else 0
+
+
+def report_sample(result: GenerateResult, args, seconds: float, many: bool) -> None:
+    label = f"[sample {result.index}] " if many else ""
+    if many and not args.json:
+        print(f"--- sample {result.index} ---\n{result.text}", flush=True)
+    if not args.json:
+        info = result.prompt_info
+        if args.prompt_logprobs is not None and info is not None:
+            title = f"{label}prompt logprobs"
+            print(format_logprobs(info.prompt_logprobs, title, 1), file=sys.stderr)
+        if args.logprobs is not None:
+            print(format_logprobs(result.logprobs, f"{label}logprobs"), file=sys.stderr)
+    if args.verbose or result.finish.reason in ("abort", "error"):
+        print(f"{label}{format_finish(result.finish, seconds)}", file=sys.stderr)

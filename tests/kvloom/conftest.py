@@ -1,0 +1,243 @@
+"""Fakes for the client, CLI and launcher tests: an in-process grpc.aio
+Generation server, and fake `controlplane` / `workerd` packages that
+`python -m` finds first when the tests chdir into their directory."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvloom.v1 import generation_pb2 as pb
+from kvloom.v1 import generation_pb2_grpc as pb_grpc
+
+
+class FakeGeneration(pb_grpc.GenerationServicer):
+    """Canned streams: "fail" errors, "slow" streams until aborted/cancelled,
+    "broken" finishes with ERROR, anything else streams "a", "b", "c" per
+    sample (n samples interleaved) and finishes with STOP. Logprobs and
+    prompt logprobs come back when asked for, with made-up values."""
+
+    def __init__(self):
+        self.requests: list[pb.GenerateRequest] = []
+        self.tokenize_requests: list[pb.TokenizeRequest] = []
+        self.detokenize_requests: list[pb.DetokenizeRequest] = []
+        self.aborted: set[str] = set()
+        self.cancelled = threading.Event()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        rid = request.request_id or "srv-1"
+        if request.text == "fail":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        if request.text == "slow":
+            async for msg in self._slow(rid):
+                yield msg
+            return
+        sp = request.sampling
+        n = sp.n if sp.HasField("n") else 1
+        for i, piece in enumerate("abc"):
+            for index in range(n):
+                msg = pb.GenerateResponse(request_id=rid, index=index, token_ids=[i + 1],
+                                          text=piece)
+                if i == 0:
+                    msg.prompt_info.CopyFrom(self._prompt_info(sp))
+                if sp.HasField("logprobs"):
+                    msg.logprobs.append(_logprob(i + 1, piece, i + 1, sp.logprobs))
+                if i == 2:
+                    msg.finish.CopyFrom(self._finish(request))
+                yield msg
+
+    @staticmethod
+    def _prompt_info(sp) -> pb.PromptInfo:
+        info = pb.PromptInfo(prompt_tokens=4, cached_tokens=2)
+        if sp.HasField("prompt_logprobs"):
+            info.prompt_logprobs.extend(
+                _logprob(10 + k, f"p{k}", 1, sp.prompt_logprobs) for k in range(3)
+            )
+        return info
+
+    @staticmethod
+    def _finish(request) -> pb.FinishInfo:
+        if request.text == "broken":
+            return pb.FinishInfo(reason=pb.ERROR, prompt_tokens=4, output_tokens=3,
+                                 error="rank 1 died")
+        finish = pb.FinishInfo(reason=pb.STOP, prompt_tokens=4, output_tokens=3,
+                               cached_tokens=2)
+        if request.sampling.stop:
+            finish.stop_str = request.sampling.stop[0]
+        else:
+            finish.stop_token_id = 3
+        return finish
+
+    async def _slow(self, rid):
+        try:
+            for i in range(1000):
+                if rid in self.aborted:
+                    yield pb.GenerateResponse(
+                        request_id=rid, finish=pb.FinishInfo(reason=pb.ABORT, output_tokens=i)
+                    )
+                    return
+                yield pb.GenerateResponse(request_id=rid, token_ids=[7], text="x")
+                await asyncio.sleep(0.02)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def Abort(self, request, context):
+        self.aborted.update(request.request_ids)
+        return pb.AbortResponse(num_aborted=len(request.request_ids))
+
+    async def Tokenize(self, request, context):
+        self.tokenize_requests.append(request)
+        if request.WhichOneof("input") == "messages":
+            text = "".join(f"<{m.role}>{m.content}" for m in request.messages.messages)
+        else:
+            text = request.text
+        return pb.TokenizeResponse(token_ids=[ord(c) for c in text], text=text)
+
+    async def Detokenize(self, request, context):
+        self.detokenize_requests.append(request)
+        return pb.DetokenizeResponse(text="".join(chr(t) for t in request.token_ids))
+
+    async def GetModelInfo(self, request, context):
+        return pb.ModelInfo(
+            model_name="tiny", architecture="LlamaForCausalLM", vocab_size=511,
+            max_model_len=256, eos_token_ids=[1], bos_token_id=0, has_chat_template=True,
+            special_tokens=[pb.SpecialToken(content="<s>", id=0),
+                            pb.SpecialToken(content="</s>", id=1)],
+        )
+
+    async def GetServerInfo(self, request, context):
+        return pb.ServerInfo(version="0.1.0", tensor_parallel_size=1,
+                             pipeline_parallel_size=2, num_ranks_attached=2,
+                             num_requests_running=3, num_requests_waiting=1,
+                             max_waiting_requests=64)
+
+
+def _logprob(token_id: int, token: str, rank: int, top: int) -> pb.Logprob:
+    return pb.Logprob(
+        token_id=token_id, logprob=-0.5 * rank, rank=rank, token=token,
+        top=[pb.TopLogprob(token_id=100 + k, logprob=-0.25 * (k + 1), token=f"t{k}")
+             for k in range(top)],
+    )
+
+
+class FakeHealth(health_pb2_grpc.HealthServicer):
+    async def Check(self, request, context):
+        if request.service not in ("", "kvloom.v1.Generation"):
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture
+def fake_server():
+    """Run the fake on its own event loop thread so sync and async clients can use it."""
+    servicer = FakeGeneration()
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder = {}
+
+    async def serve():
+        server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(FakeHealth(), server)
+        holder["port"] = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        holder["done"] = asyncio.Event()
+        started.set()
+        await holder["done"].wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    yield f"127.0.0.1:{holder['port']}", servicer
+    loop.call_soon_threadsafe(holder["done"].set)
+    thread.join(10)
+    assert not thread.is_alive()
+    loop.close()
+
+
+FAKE_CONTROLPLANE = '''
+import http.server, os, sys, threading, time, grpc
+from concurrent import futures
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvloom.v1 import generation_pb2 as pb, generation_pb2_grpc as pb_grpc
+
+class Generation(pb_grpc.GenerationServicer):
+    def Generate(self, request, context):
+        print("generate prompt", request.WhichOneof("prompt"), flush=True)
+        for i, piece in enumerate("abc"):
+            msg = pb.GenerateResponse(request_id="r", token_ids=[i], text=piece)
+            if i == 2:
+                msg.finish.reason = pb.STOP
+            yield msg
+
+    def GetServerInfo(self, request, context):
+        pp = int(args[args.index("--pipeline-parallel-size") + 1])
+        return pb.ServerInfo(pipeline_parallel_size=pp)
+
+class Metrics(http.server.BaseHTTPRequestHandler):
+    # Like the real one, /metrics answers on --metrics-port (tools scrape it).
+    def do_GET(self):
+        body = b"kvloom_step_broadcast_bytes_sum 400\\nkvloom_step_broadcast_bytes_count 4\\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+args = sys.argv[1:]
+print("controlplane args", " ".join(args), flush=True)
+print("controlplane token", os.environ.get("KVLOOM_AUTH_TOKEN"), flush=True)
+metrics = http.server.HTTPServer(("127.0.0.1", int(args[args.index("--metrics-port") + 1])),
+                                 Metrics)
+threading.Thread(target=metrics.serve_forever, daemon=True).start()
+server = grpc.server(futures.ThreadPoolExecutor(4))
+servicer = health.HealthServicer()
+health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+pb_grpc.add_GenerationServicer_to_server(Generation(), server)
+server.add_insecure_port("127.0.0.1:" + args[args.index("--port") + 1])
+server.start()
+time.sleep(0.3)  # readiness comes later than liveness, as in the real one
+servicer.set("kvloom.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
+server.wait_for_termination()
+'''
+
+FAKE_WORKERD = '''
+import os, sys, time
+rank = sys.argv[sys.argv.index("--rank") + 1]
+print("worker rank", rank, "up", flush=True)
+print("worker args", " ".join(sys.argv[1:]), flush=True)
+print("worker token", os.environ.get("KVLOOM_AUTH_TOKEN"), flush=True)
+if rank == {failing_rank!r}:
+    print("boom: cannot load shard", flush=True)
+    sys.exit(3)
+time.sleep(600)
+'''
+
+
+@pytest.fixture
+def fake_daemons(tmp_path, monkeypatch):
+    def install(failing_rank: str = "none") -> Path:
+        for name, source in (("controlplane", FAKE_CONTROLPLANE),
+                             ("workerd", FAKE_WORKERD.format(failing_rank=failing_rank))):
+            pkg = tmp_path / "fakes" / name
+            pkg.mkdir(parents=True)
+            (pkg / "__init__.py").write_text("")
+            (pkg / "__main__.py").write_text(textwrap.dedent(source))
+        # `python -m` searches the working directory first, ahead of the real packages.
+        monkeypatch.chdir(tmp_path / "fakes")
+        # Tests set their own token; one from the developer's shell must not leak in.
+        monkeypatch.delenv("KVLOOM_AUTH_TOKEN", raising=False)
+        return tmp_path
+
+    return install

@@ -1,0 +1,276 @@
+"""kvloom.launcher and the cluster commands (up/down/run) with fake daemons
+(conftest.fake_daemons), plus the serving benchmark that drives them."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from kvloom import cli, launcher
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_pick_free_ports_are_distinct_and_bindable():
+    ports = launcher.pick_free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_resolve_ports_keeps_explicit_ones_and_gives_each_rank_a_metrics_port():
+    spec = launcher.ClusterSpec(port=50999, pipeline_parallel_size=3)
+    ports = launcher.resolve_ports(spec)
+    assert ports.api == ports[0] == 50999 and len(ports.worker_metrics) == 3
+    picked = [ports.worker, ports.metrics, *ports.worker_metrics]
+    assert 0 not in picked and len(set(picked)) == len(picked)
+    spec = launcher.ClusterSpec(worker_metrics_port=9100, tensor_parallel_size=2)
+    assert launcher.resolve_ports(spec).worker_metrics == (9100, 9101)
+
+
+def test_commands():
+    spec = launcher.ClusterSpec(tensor_parallel_size=2, pipeline_parallel_size=2, host="0.0.0.0",
+                                worker_threads=3, controlplane_args=("--max-num-seqs", "8"))
+    argv = launcher.controlplane_command(spec, "/m", launcher.Ports(1, 2, 3, (4, 5, 6, 7)))
+    assert argv[1:3] == ["-m", "controlplane"]
+    assert argv[-2:] == ["--max-num-seqs", "8"]
+    assert argv[argv.index("--worker-port") + 1] == "2"
+    assert argv[argv.index("--metrics-port") + 1] == "3"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    worker = launcher.workerd_command(spec, 2, rank=3, metrics_port=7)
+    assert worker[1:] == ["-m", "workerd", "--controlplane", "127.0.0.1:2", "--rank", "3",
+                          "--num-threads", "3", "--metrics-port", "7", "--metrics-host",
+                          "0.0.0.0"]
+    assert "--metrics-port" not in launcher.workerd_command(spec, 2, rank=0)
+
+
+def test_auth_token_travels_in_the_environment_not_argv(monkeypatch):
+    monkeypatch.setenv("KVLOOM_AUTH_TOKEN", "inherited")
+    assert launcher.child_env(launcher.ClusterSpec())["KVLOOM_AUTH_TOKEN"] == "inherited"
+    spec = launcher.ClusterSpec(auth_token="s3cret")
+    assert launcher.child_env(spec)["KVLOOM_AUTH_TOKEN"] == "s3cret"
+    argv = launcher.controlplane_command(spec, "/m", launcher.Ports(1, 2, 3))
+    assert "s3cret" not in argv and "s3cret" not in launcher.workerd_command(spec, 2, 0, 4)
+
+
+def test_relay_lines_prefixes_and_keeps_tail():
+    sink, tail = io.StringIO(), deque(maxlen=2)
+    stream = io.BytesIO(b"one\ntwo\nthree \xff\n")
+    launcher.relay_lines(stream, "[rank 1] ", sink, tail, threading.Lock())
+    assert sink.getvalue() == "[rank 1] one\n[rank 1] two\n[rank 1] three \ufffd\n"
+    assert list(tail) == ["two", "three \ufffd"]
+
+
+def test_state_file_round_trip(tmp_path):
+    state = launcher.ClusterState(api="127.0.0.1:1", metrics="http://127.0.0.1:3/metrics",
+                                  worker_port=2, model="/m", processes={"rank 0": [42, 7]},
+                                  worker_metrics=["http://127.0.0.1:4/metrics"])
+    path = tmp_path / "sub" / "cluster.json"
+    state.save(path)
+    assert launcher.ClusterState.load(path) == state
+
+
+def test_state_file_without_worker_metrics_still_loads(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"api": "a", "metrics": "m", "worker_port": 1, "model": "/m"}))
+    assert launcher.ClusterState.load(path).worker_metrics == []
+
+
+def test_running_processes_ignores_reused_pids():
+    me = os.getpid()
+    started = launcher.process_start_time(me)
+    state = launcher.ClusterState("a", "m", 1, "/m", {"me": [me, started], "other": [me, 1]})
+    assert launcher.running_processes(state) == [("me", me)]
+
+
+def _spec(**kwargs) -> launcher.ClusterSpec:
+    return launcher.ClusterSpec(model="/fake/model", pipeline_parallel_size=2, **kwargs)
+
+
+def test_cluster_starts_relays_and_stops(fake_daemons):
+    fake_daemons()
+    sink = io.StringIO()
+    spec = _spec(controlplane_args=("--max-num-seqs", "8"), auth_token="tok")
+    cluster = launcher.Cluster(spec, log_sink=sink)
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout=30, poll_interval=0.1)
+        cluster.check_alive()
+    finally:
+        cluster.stop(grace=5)
+    assert all(p.popen.returncode is not None for p in cluster.processes)
+    logs = sink.getvalue()
+    assert "[rank 0] worker rank 0 up" in logs and "[rank 1] worker rank 1 up" in logs
+    assert "[controlplane] controlplane args --model /fake/model" in logs
+    assert "--max-num-seqs 8" in logs
+    assert "[controlplane] controlplane token tok" in logs
+    assert "[rank 0] worker token tok" in logs and "[rank 1] worker token tok" in logs
+    for rank, port in enumerate(cluster.ports.worker_metrics):
+        assert f"--metrics-port {port} --metrics-host 127.0.0.1" in logs
+        assert cluster.worker_metrics_addresses[rank] == f"http://127.0.0.1:{port}/metrics"
+
+
+def test_dead_worker_fails_start_with_its_logs(fake_daemons):
+    fake_daemons(failing_rank="1")
+    cluster = launcher.Cluster(_spec(), log_sink=io.StringIO())
+    try:
+        cluster.start()
+        with pytest.raises(launcher.ClusterError) as info:
+            cluster.wait_ready(timeout=30, poll_interval=0.1)
+    finally:
+        cluster.stop(grace=5)
+    message = str(info.value)
+    assert message.startswith("rank 1 exited with code 3 during start-up")
+    assert "boom: cannot load shard" in message
+
+
+def test_detached_cluster_and_stop_detached(fake_daemons):
+    root = fake_daemons()
+    cluster = launcher.Cluster(_spec(), log_dir=root / "logs")
+    cluster.start()
+    try:
+        cluster.wait_ready(timeout=30, poll_interval=0.1)
+        state_file = root / "cluster.json"
+        cluster.state().save(state_file)
+        state = launcher.ClusterState.load(state_file)
+        assert state.worker_metrics == cluster.worker_metrics_addresses
+        assert len(state.worker_metrics) == 2
+        assert len(launcher.running_processes(state)) == 3
+        assert launcher.stop_detached(state, grace=5) == []
+        assert launcher.running_processes(state) == []
+        assert "worker rank 1 up" in (root / "logs" / "rank1.log").read_text()
+    finally:
+        cluster.stop(grace=5)
+
+
+def test_kvloom_run_end_to_end_with_fakes(fake_daemons, capsys):
+    fake_daemons()
+    code = cli.main(["run", "hi", "--model", "/fake/model", "--ready-timeout", "30", "--logs"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == "abc\n"
+    assert "ready after" in captured.err
+    assert "[controlplane] generate prompt messages" in captured.err  # server-side template
+
+
+def test_termination_signal_becomes_exception():
+    with pytest.raises(launcher.Terminated), launcher.termination_as_exception():
+        os.kill(os.getpid(), launcher.signal.SIGTERM)
+        time.sleep(5)
+
+
+def test_parent_death_trampoline_execs_the_command():
+    argv = launcher.with_parent_death_signal(["python3", "-c", "print('hi')"])
+    assert subprocess.run(argv, capture_output=True, text=True, check=True).stdout == "hi\n"
+
+
+def test_up_detach_then_down(fake_daemons, tmp_path, capsys):
+    fake_daemons()
+    state_file = tmp_path / "state" / "cluster.json"
+    base = ["--model", "/fake/model", "--state-file", str(state_file)]
+    assert cli.main(["up", "--detach", "--pp", "2", "--auth-token", "t", *base]) == 0
+    err = capsys.readouterr().err
+    assert "rank 0 metrics at http://127.0.0.1:" in err and "rank 1 metrics at" in err
+    state = launcher.ClusterState.load(state_file)
+    assert len(launcher.running_processes(state)) == 3
+    assert "worker token t" in (state_file.parent / "logs" / "rank1.log").read_text()
+    assert cli.main(["up", "--detach", *base]) == 1  # one cluster per state file
+    assert "already running" in capsys.readouterr().err
+    assert cli.main(["down", "--state-file", str(state_file)]) == 0
+    assert launcher.running_processes(state) == [] and not state_file.exists()
+    assert cli.main(["down", "--state-file", str(state_file)]) == 1
+
+
+def test_up_foreground_stops_children_on_sigterm(fake_daemons, tmp_path):
+    import signal
+
+    fake_daemons()
+    state_file = tmp_path / "cluster.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvloom.cli", "up", "--model", "/fake/model", "--pp", "2",
+         "--state-file", str(state_file)],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        for line in proc.stderr:
+            if "press Ctrl-C" in line:
+                break
+        state = launcher.ClusterState.load(state_file)
+        assert len(launcher.running_processes(state)) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        assert launcher.running_processes(state) == []
+        assert not state_file.exists()
+    finally:
+        proc.kill()
+
+
+# --- the serving benchmark -------------------------------------------------
+
+
+def _load_serving():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvloom_bench_serving",
+                                                  REPO / "benchmarks" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses resolve string annotations through sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_pieces():
+    serving = _load_serving()
+    assert serving.parse_layouts("1x1, 2x1,1X2") == [(1, 1), (2, 1), (1, 2)]
+    with pytest.raises(Exception, match="bad layout"):
+        serving.parse_layouts("2")
+    assert serving.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert serving.percentile([], 99) == 0.0
+    args = serving.build_parser().parse_args(["--launch", "--", "--max-num-seqs", "8"])
+    assert args.controlplane_args == ["--max-num-seqs", "8"]
+
+
+def test_benchmark_against_fake(fake_server, tmp_path):
+    address, servicer = fake_server
+    serving = _load_serving()
+    out = tmp_path / "bench.json"
+    code = serving.main(["--server", address, "--num-requests", "6", "--concurrency", "3",
+                         "--prompt-len", "5", "--max-tokens", "3", "--json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())["runs"][0]
+    metrics = run["metrics"]
+    assert (metrics["completed"], metrics["output_tokens"]) == (6, 18)
+    assert metrics["ttft_ms_median"] > 0 and metrics["tpot_ms_median"] >= 0
+    prompts = [list(r.token_ids.ids) for r in servicer.requests]
+    assert all(len(p) == 5 and 1 not in p and max(p) < 511 for p in prompts)  # eos 1 excluded
+    assert run["server_info"]["pipeline_parallel_size"] == 2
+    table = serving.format_table([{"name": "x", "metrics": metrics}])
+    assert "TTFT median (ms)" in table and "6/6" in table
+
+
+def test_benchmark_launch_mode_runs_each_layout(fake_daemons, tmp_path, capsys):
+    fake_daemons()
+    serving = _load_serving()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nworld\n")
+    out = tmp_path / "bench.json"
+    code = serving.main(["--launch", "--model", "/fake/model", "--layouts", "1x1,1x2",
+                         "--dataset", str(prompts), "--num-requests", "4", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["server_info"]["pipeline_parallel_size"] for r in runs] == [1, 2]
+    table = capsys.readouterr().out
+    assert "tp1 pp1" in table and "tp1 pp2" in table

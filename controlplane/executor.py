@@ -28,16 +28,14 @@ import grpc
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.group_startup import GroupStartup
 from controlplane.wire import model_runner_output_from_proto, scheduler_output_to_proto
+from controlplane.worker_calls import PendingCall, WorkerGroupFailed
 from kvloom.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = worker_pb2.PROTOCOL_VERSION_CURRENT
-
-
-class WorkerGroupFailed(RuntimeError):
-    """The worker group can no longer run steps; the message names the cause."""
 
 
 class RegistrationRefused(Exception):
@@ -64,34 +62,7 @@ class WorkerHandle:
         return f"rank {self.rank} ({self.host}, pid {self.pid})"
 
 
-class _PendingCall:
-    """A command awaiting replies from a set of ranks."""
-
-    def __init__(self, expected: set[int]):
-        self.expected = set(expected)
-        self.replies: dict[int, worker_pb2.WorkerMessage] = {}
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def add_reply(self, rank: int, msg: worker_pb2.WorkerMessage) -> None:
-        if self.future.done():
-            return
-        if msg.WhichOneof("payload") == "error":
-            err = msg.error
-            self.future.set_exception(
-                WorkerGroupFailed(f"rank {rank} failed in {err.kind}: {err.message}")
-            )
-            return
-        if rank in self.expected:
-            self.replies[rank] = msg
-            if len(self.replies) == len(self.expected):
-                self.future.set_result(self.replies)
-
-    def fail(self, exc: Exception) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-
-class Executor:
+class Executor(GroupStartup):
     def __init__(
         self,
         parallel: ParallelConfig,
@@ -112,7 +83,7 @@ class Executor:
         self.state = "forming"  # forming -> starting -> ready -> (failed ->) forming
         self.failure_reason = ""
         self.num_gpu_blocks = 0
-        self._pending: dict[int, _PendingCall] = {}
+        self._pending: dict[int, PendingCall] = {}
         self._call_ids = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
         self._startup: asyncio.Task | None = None
@@ -277,20 +248,24 @@ class Executor:
 
     # ---- calls -----------------------------------------------------------
 
-    def _send(self, command: worker_pb2.ControlMessage, expected: set[int]) -> _PendingCall:
+    def _send(self, command: worker_pb2.ControlMessage, expected: set[int]) -> PendingCall:
         """Register a pending call and write one serialized copy to every stream (loop thread)."""
-        call_id = next(self._call_ids)
-        command.call_id = call_id
-        call = _PendingCall(expected)
-        self._pending[call_id] = call
+        command.call_id, call = self._new_call(expected)
         raw = command.SerializeToString()
         self.last_step_bytes = len(raw)
         for handle in self.handles.values():
             handle.outbox.put_nowait(raw)
         return call
 
+    def _new_call(self, expected: set[int]) -> tuple[int, PendingCall]:
+        call_id = next(self._call_ids)
+        call = self._pending[call_id] = PendingCall(expected)
+        return call_id, call
+
     async def _call_all(self, command: worker_pb2.ControlMessage, timeout: float, what: str):
-        call = self._send(command, set(self.handles))
+        return await self._await_call(self._send(command, set(self.handles)), timeout, what)
+
+    async def _await_call(self, call: PendingCall, timeout: float, what: str):
         try:
             return await asyncio.wait_for(asyncio.wrap_future(call.future), timeout)
         except TimeoutError:
@@ -298,104 +273,6 @@ class Executor:
             raise WorkerGroupFailed(
                 f"{what} timed out after {timeout:.0f} s waiting for rank(s) {missing}"
             ) from None
-
-    async def _start_group(self) -> None:
-        try:
-            await self._run_startup()
-        except WorkerGroupFailed as exc:
-            self.fail_group(str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any start-up bug must fail the group, loudly
-            logger.exception("worker group start-up crashed")
-            self.fail_group(f"start-up failed: {exc}")
-
-    async def _run_startup(self) -> None:
-        par, cfg = self.parallel, self.cfg
-        t0 = time.monotonic()
-        await self._init_distributed()
-        logger.info("group formed: world size %d (%.1f s)", par.world_size, time.monotonic() - t0)
-
-        load = worker_pb2.ControlMessage(
-            load_model=worker_pb2.LoadModel(
-                model_path=self.model.worker_model_path,
-                dtype=self.model.dtype,
-                pp_layer_partition=list(par.pp_layer_partition),
-                seed=self.model.seed,
-            )
-        )
-        t0 = time.monotonic()
-        await self._call_all(load, cfg.startup_timeout_s, "load_model")
-        logger.info("model loaded on all ranks in %.1f s", time.monotonic() - t0)
-
-        num_blocks = await self._profile_memory()
-        init = worker_pb2.ControlMessage(
-            init_kv_cache=worker_pb2.InitKVCache(
-                num_blocks=num_blocks, block_size=self.cache.block_size
-            )
-        )
-        await self._call_all(init, cfg.startup_timeout_s, "init_kv_cache")
-        self.num_gpu_blocks = num_blocks
-        self.state = "ready"
-        self.last_success = time.monotonic()
-        self.failure_reason = ""
-        logger.info("worker group ready: %d KV blocks of %d tokens", num_blocks,
-                    self.cache.block_size)
-        self._on_ready(num_blocks)
-
-    async def _init_distributed(self) -> None:
-        """Tell every rank where rank 0's store is; they must meet concurrently."""
-        par = self.parallel
-        master = self.handles[0]
-        call_id = next(self._call_ids)
-        call = _PendingCall(set(self.handles))
-        self._pending[call_id] = call
-        for rank, handle in self.handles.items():
-            # The one per-rank command: it carries the rank itself.
-            msg = worker_pb2.ControlMessage(
-                call_id=call_id,
-                init_distributed=worker_pb2.InitDistributed(
-                    master_addr=master.host,
-                    master_port=master.dist_port,
-                    world_size=par.world_size,
-                    rank=rank,
-                    tensor_parallel_size=par.tensor_parallel_size,
-                    pipeline_parallel_size=par.pipeline_parallel_size,
-                    timeout_s=self.cfg.distributed_timeout_s,
-                ),
-            )
-            handle.outbox.put_nowait(msg.SerializeToString())
-        # The store timeout fires first on the workers, with their own message.
-        timeout = self.cfg.distributed_timeout_s + 30
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(call.future), timeout)
-        except TimeoutError:
-            missing = sorted(call.expected - set(call.replies))
-            raise WorkerGroupFailed(
-                f"init_distributed timed out after {timeout:.0f} s waiting for rank(s) {missing}"
-            ) from None
-
-    async def _profile_memory(self) -> int:
-        profile = worker_pb2.ControlMessage(
-            profile_memory=worker_pb2.ProfileMemory(
-                block_size=self.cache.block_size,
-                kv_cache_memory_bytes=self.cache.kv_cache_memory_bytes,
-                gpu_memory_utilization=self.cache.gpu_memory_utilization,
-            )
-        )
-        replies = await self._call_all(profile, self.cfg.startup_timeout_s, "profile_memory")
-        per_rank = {rank: r.memory_profile.num_blocks for rank, r in replies.items()}
-        weights = {rank: round(r.memory_profile.weights_bytes / 2**20, 1)
-                   for rank, r in sorted(replies.items())}
-        num_blocks = min(per_rank.values())
-        logger.info("KV capacity per rank (blocks): %s -> using %d; weights per rank (MiB): %s",
-                    per_rank, num_blocks, weights)
-        if self.cache.num_gpu_blocks_override:
-            num_blocks = self.cache.num_gpu_blocks_override
-            logger.info("KV blocks overridden to %d", num_blocks)
-        if num_blocks < 1:
-            raise WorkerGroupFailed(f"no KV cache block fits on some rank: {per_rank}")
-        return num_blocks
 
     async def canary(self, timeout_s: float) -> None:
         """Ping every rank through its command queue; a rank that does not answer
@@ -430,7 +307,7 @@ class Executor:
         self.last_success = time.monotonic()
         return model_runner_output_from_proto(reply.model_runner_output)
 
-    def _send_from_engine_thread(self, command: worker_pb2.ControlMessage) -> _PendingCall:
+    def _send_from_engine_thread(self, command: worker_pb2.ControlMessage) -> PendingCall:
         """Hand the command to the loop, which owns the streams; return its pending call."""
         assert self._loop is not None
         sent: concurrent.futures.Future = concurrent.futures.Future()
@@ -446,7 +323,7 @@ class Executor:
         self._loop.call_soon_threadsafe(send)
         return sent.result()
 
-    def _wait_for_output_rank(self, call: _PendingCall) -> worker_pb2.WorkerMessage:
+    def _wait_for_output_rank(self, call: PendingCall) -> worker_pb2.WorkerMessage:
         try:
             replies = call.future.result(timeout=self.cfg.step_timeout_s)
         except concurrent.futures.TimeoutError:

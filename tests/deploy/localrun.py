@@ -83,6 +83,9 @@ def base_env(tmp: Path) -> dict[str, str]:
     # A private cache: a daemon that fell back to the default model would
     # otherwise convert it into the user's cache (and take minutes).
     env["KVLOOM_CACHE_DIR"] = str(tmp / "kvloom-cache")
+    # Test-only: a small KV pool (the definitions under test leave it to the
+    # workers' memory profile, gigabytes per rank on CPU).
+    env["KVLOOM_KV_CACHE_MEMORY_BYTES"] = str(64 << 20)
     return env
 
 

@@ -26,6 +26,9 @@ class _Tee(io.TextIOBase):
         return len(s)
 
 
+TEST_KV_CACHE = ("--kv-cache-memory-bytes", str(64 << 20))
+
+
 @contextmanager
 def running_cluster(
     model_dir: str, *, tp: int = 1, pp: int = 1, args: tuple[str, ...] = (), timeout: float = 240
@@ -35,7 +38,9 @@ def running_cluster(
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         worker_threads=1,
-        controlplane_args=args,
+        # Tests need little KV cache; the CPU default (a share of free memory)
+        # would allocate gigabytes per rank on a 2-core CI box.
+        controlplane_args=(*TEST_KV_CACHE, *args),
     )
     cluster = Cluster(spec, log_sink=_Tee())
     try:

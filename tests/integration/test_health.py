@@ -26,7 +26,10 @@ def _health(address: str, service: str = READY) -> str:
         return client.health(service, timeout=5)
 
 
-def test_frozen_worker_turns_not_serving(tiny_model_dir):
+def test_frozen_worker_turns_not_serving(tiny_model_dir, monkeypatch):
+    # Workers read this (the launcher passes the environment on); it must be
+    # well under the controlplane's 3 s heartbeat timeout.
+    monkeypatch.setenv("KVLOOM_HEARTBEAT_INTERVAL", "0.5")
     with running_cluster(tiny_model_dir, args=("--heartbeat-timeout", "3")) as cluster:
         assert _health(cluster.api_address) == "SERVING"
         worker = next(p.popen for p in cluster.processes if p.name == "rank 0")

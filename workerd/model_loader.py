@@ -11,6 +11,8 @@ not own: a TP rank reads 1/tp of each split matrix, a PP stage only its layers.
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +20,8 @@ from safetensors import safe_open
 from torch import nn
 
 from workerd.distributed import ParallelState
+
+logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -65,12 +69,37 @@ def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     target.copy_(tensor)
 
 
+class _LoadProgress:
+    """A one-line tensor counter on stderr, only when it is a terminal (logs and
+    pipes get the per-file log lines instead)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.enabled = sys.stderr.isatty() and total > 0
+        self._last = -1
+
+    def update(self, done: int) -> None:
+        pct = done * 100 // self.total if self.total else 100
+        if self.enabled and pct != self._last:
+            self._last = pct
+            sys.stderr.write(f"\rloading weights: {done}/{self.total} tensors ({pct}%)")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
 def load_weights(model: nn.Module, model_path: str | Path) -> None:
     """Fill every parameter named by model.hf_weight_map() from the checkpoint;
     tensors this rank does not own (other stages' layers, rotary buffers) are skipped."""
     wanted = model.hf_weight_map()
     loaded: set[str] = set()
-    for file in checkpoint_files(model_path):
+    files = checkpoint_files(model_path)
+    progress = _LoadProgress(len(wanted))
+    for i, file in enumerate(files, start=1):
+        logger.info("loading weights: file %d/%d %s (%.1f MiB)", i, len(files), file.name,
+                    file.stat().st_size / 2**20)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 params = wanted.get(name)
@@ -80,6 +109,8 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                 for param in params:
                     _copy_into(param, tensor, name)
                 loaded.add(name)
+                progress.update(len(loaded))
+    progress.close()
     missing = sorted(set(wanted) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -109,4 +140,4 @@ def load_model(
     finally:
         torch.set_default_dtype(old_dtype)
     load_weights(model, model_path)
-    return model.eval()
+    return model.train(False)  # inference mode for dropout-like layers (same as eval())

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.workerd.test_model_runner import (
+from tests.workerd.runner_harness import (
     Controlplane,
-    _free_port,
-    _prompts,
-    _replay_rank,
-    _runner,
+    free_port,
+    make_prompts,
+    make_runner,
+    replay_rank,
 )
 from workerd.sched_output import SamplingParams
 
@@ -66,9 +66,9 @@ def test_sampled_token_logprobs_match_transformers(tiny_model_dir, hf_model):
         # Penalties change what is sampled, never the (raw) logprobs.
         "p": SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=3.0),
     }
-    runner = _runner(tiny_model_dir)
+    runner = make_runner(tiny_model_dir)
     prompts = dict(
-        zip(params, _prompts(runner.model.vocab_size, [9, 6, 5, 7]).values(), strict=True)
+        zip(params, make_prompts(runner.model.vocab_size, [9, 6, 5, 7]).values(), strict=True)
     )
     cp = Controlplane(runner, num_blocks=48, params=params)
     entries: dict[str, list] = {r: [] for r in params}
@@ -99,8 +99,11 @@ def test_prompt_logprobs_over_two_chunks_match_transformers(tiny_model_dir, hf_m
         "b": SamplingParams(temperature=0.0),
         "z": SamplingParams(temperature=0.0, prompt_logprobs=0),
     }
-    runner = _runner(tiny_model_dir)
-    prompts = dict(zip(params, _prompts(runner.model.vocab_size, [11, 5, 6]).values(), strict=True))
+    runner = make_runner(tiny_model_dir)
+    lengths = [11, 5, 6]
+    prompts = dict(
+        zip(params, make_prompts(runner.model.vocab_size, lengths).values(), strict=True)
+    )
     cp = Controlplane(runner, num_blocks=48, params=params)
     # Chunk 1 of a (5 of 11 tokens) samples nothing but returns positions 1..5:
     # its last position predicts token 5, the first one of the next chunk.
@@ -151,8 +154,11 @@ def test_greedy_repetition_penalty_matches_transformers_generate(tiny_model_dir,
         "r1": SamplingParams(temperature=0.0, repetition_penalty=penalty),
         "plain": SamplingParams(temperature=0.0),
     }
-    runner = _runner(tiny_model_dir, num_blocks=64)
-    prompts = dict(zip(params, _prompts(runner.model.vocab_size, [8, 12, 8]).values(), strict=True))
+    runner = make_runner(tiny_model_dir, num_blocks=64)
+    lengths = [8, 12, 8]
+    prompts = dict(
+        zip(params, make_prompts(runner.model.vocab_size, lengths).values(), strict=True)
+    )
     prompts["plain"] = prompts["r0"]
     cp = Controlplane(runner, num_blocks=64, params=params)
     # r1 prefills in two chunks next to the others.
@@ -177,7 +183,7 @@ def test_min_tokens_holds_off_eos_like_transformers(tiny_model_dir, hf_model):
     """A prompt whose greedy continuation hits EOS early: with min_tokens the
     runner keeps generating exactly like generate(min_new_tokens=...)."""
     eos = hf_model.config.eos_token_id
-    runner = _runner(tiny_model_dir, num_blocks=64)
+    runner = make_runner(tiny_model_dir, num_blocks=64)
     vocab = runner.model.vocab_size
     # Find a prompt whose plain greedy output contains EOS within a few tokens.
     prompt = None
@@ -209,8 +215,11 @@ def test_tp2_pp2_ranks_return_the_same_logprobs(tiny_model_dir, tmp_path):
         "b": SamplingParams(temperature=0.8, seed=5, logprobs=0, repetition_penalty=1.3),
         "c": SamplingParams(temperature=0.0),
     }
-    runner = _runner(tiny_model_dir)
-    prompts = dict(zip(params, _prompts(runner.model.vocab_size, [10, 6, 7]).values(), strict=True))
+    runner = make_runner(tiny_model_dir)
+    lengths = [10, 6, 7]
+    prompts = dict(
+        zip(params, make_prompts(runner.model.vocab_size, lengths).values(), strict=True)
+    )
     cp = Controlplane(runner, num_blocks=48, params=params)
     cp.step({"a": 4, "b": -1}, new={"a": prompts["a"], "b": prompts["b"]})
     cp.step({"a": -1, "b": 1, "c": -1}, new={"c": prompts["c"]})
@@ -218,8 +227,8 @@ def test_tp2_pp2_ranks_return_the_same_logprobs(tiny_model_dir, tmp_path):
         cp.decode("a", "b", "c")
     tp, pp = 2, 2
     mp.spawn(
-        _replay_rank,
-        args=(tp, pp, _free_port(), tiny_model_dir, cp.history, str(tmp_path)),
+        replay_rank,
+        args=(tp, pp, free_port(), tiny_model_dir, cp.history, str(tmp_path)),
         nprocs=tp * pp,
         join=True,
     )

@@ -12,60 +12,37 @@ greedy tokens against transformers' generate on the same weights.
 from __future__ import annotations
 
 import math
-import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from tests.workerd.runner_harness import (
+    E2E_BLOCK_SIZE,
+    MAX_NEW_TOKENS,
+    Controlplane,
+    cached,
+    free_port,
+    make_prompts,
+    make_runner,
+    new_req,
+    replay_rank,
+    step,
+)
 from workerd import distributed, kv_cache
 from workerd.distributed import IntermediateTensors, ParallelState, single_process_state
 from workerd.model_runner import ModelRunner
 from workerd.sched_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
     SamplingParams,
-    SchedulerOutput,
 )
 
 torch.set_num_threads(1)
 
-GREEDY = SamplingParams(temperature=0.0)
 BS = 4  # block size of the hand-written diffs
 
 
 # ---- diff builders ------------------------------------------------------------
-
-
-def new_req(req_id, prompt, block_ids, computed=0, outputs=(), params=GREEDY):
-    return NewRequestData(req_id, list(prompt), list(outputs), params, list(block_ids), computed)
-
-
-def cached(*entries):
-    """entries: (req_id, new_token_ids, new_block_ids, num_computed_tokens, resumed)."""
-    data = CachedRequestData()
-    for req_id, tokens, blocks, computed, resumed in entries:
-        data.req_ids.append(req_id)
-        data.new_token_ids.append(list(tokens))
-        data.new_block_ids.append(list(blocks))
-        data.num_computed_tokens.append(computed)
-        data.resumed_from_preemption.append(resumed)
-    return data
-
-
-def step(step_id, sched, new=(), cached_reqs=None, finished=(), preempted=()):
-    return SchedulerOutput(
-        step_id=step_id,
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=cached_reqs or CachedRequestData(),
-        num_scheduled_tokens=dict(sched),
-        total_num_scheduled_tokens=sum(sched.values()),
-        finished_req_ids=set(finished),
-        preempted_req_ids=set(preempted),
-    )
 
 
 # ---- fake model -----------------------------------------------------------------
@@ -322,110 +299,11 @@ def test_kv_cache_sizing_with_explicit_budget():
 
 # ---- end to end with the tiny Llama ---------------------------------------------
 
-E2E_BLOCK_SIZE = 4
-MAX_NEW_TOKENS = 8
-
-
-class Controlplane:
-    """The controlplane's side of the diff protocol, scheduling by hand.
-
-    Tracks what each request holds and what the workers were sent, hands out
-    blocks from a scrambled pool (freed blocks are reused first, so stale KV
-    would be read if the runner kept an old block list) and feeds every
-    sampled token back through the next diff's new_token_ids.
-    """
-
-    def __init__(self, runner: ModelRunner, num_blocks: int, params=None):
-        self.runner = runner
-        # req_id -> SamplingParams; greedy when absent.
-        self.params: dict[str, SamplingParams] = params or {}
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        self.prompts: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.num_sent: dict[str, int] = {}
-        self.computed: dict[str, int] = {}
-        self.blocks: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
-        self.step_id = 0
-        # Every (SchedulerOutput, ModelRunnerOutput) pair, for replay on other ranks.
-        self.history: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
-
-    def outputs(self, req_id: str) -> list[int]:
-        return self.tokens[req_id][len(self.prompts[req_id]) :]
-
-    def _allocate(self, req_id: str, num_tokens: int) -> list[int]:
-        need = -(-num_tokens // E2E_BLOCK_SIZE) - len(self.blocks[req_id])
-        new = [self.free.pop(0) for _ in range(max(need, 0))]
-        self.blocks[req_id] += new
-        return new
-
-    def step(self, sched, new=None, finished=(), preempted=(), resumed=()):
-        """sched: req_id -> tokens to compute (-1: the rest of its context)."""
-        new = new or {}
-        # Freed blocks go to the front of the pool: the next allocation reuses them.
-        for req_id in list(finished) + list(preempted):
-            self.free[:0] = self.blocks.pop(req_id)
-            self.computed[req_id] = 0
-        self.finished.update(finished)
-        sched = {
-            r: (len(self.tokens.get(r, new.get(r, ()))) - self.computed.get(r, 0) if n < 0 else n)
-            for r, n in sched.items()
-        }
-        new_reqs, cached_reqs = [], CachedRequestData()
-        for req_id, n in sched.items():
-            if req_id in new:
-                self.prompts[req_id] = list(new[req_id])
-                self.tokens[req_id] = list(new[req_id])
-                self.computed[req_id], self.blocks[req_id] = 0, []
-                self._allocate(req_id, n)
-                self.num_sent[req_id] = len(new[req_id])
-                params = self.params.get(req_id, GREEDY)
-                new_reqs.append(new_req(req_id, new[req_id], self.blocks[req_id], params=params))
-                continue
-            is_resumed = req_id in resumed
-            if is_resumed:
-                self.blocks[req_id] = []
-            added = self._allocate(req_id, self.computed[req_id] + n)
-            cached_reqs.req_ids.append(req_id)
-            cached_reqs.resumed_from_preemption.append(is_resumed)
-            cached_reqs.new_token_ids.append(self.tokens[req_id][self.num_sent[req_id] :])
-            cached_reqs.new_block_ids.append(list(self.blocks[req_id]) if is_resumed else added)
-            cached_reqs.num_computed_tokens.append(self.computed[req_id])
-            self.num_sent[req_id] = len(self.tokens[req_id])
-        self.step_id += 1
-        so = step(self.step_id, sched, new_reqs, cached_reqs, finished, preempted)
-        out = self.runner.execute_model(so)
-        self.history.append((so, out))
-        for req_id, n in sched.items():
-            self.computed[req_id] += n
-        for req_id, token in zip(out.req_ids, out.sampled_token_ids, strict=True):
-            assert self.computed[req_id] == len(self.tokens[req_id]), "sampled a partial prefill"
-            self.tokens[req_id].append(token)
-        return out
-
-    def decode(self, *req_ids):
-        return self.step(dict.fromkeys(req_ids, 1))
-
-
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def _runner(model_dir: str, num_blocks: int = 48, seed: int = 0) -> ModelRunner:
-    runner = ModelRunner(single_process_state(), model_dir, torch.float32, seed=seed)
-    runner.load_model()
-    runner.init_kv_cache(num_blocks, E2E_BLOCK_SIZE)
-    return runner
-
-
-def _prompts(vocab: int, lengths: list[int]) -> dict[str, list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return {
-        f"r{i}": torch.randint(2, vocab, (n,), generator=g).tolist() for i, n in enumerate(lengths)
-    }
 
 
 def _hf_greedy(hf_model, prompt: list[int]) -> list[int]:
@@ -482,8 +360,8 @@ def _run_mixed_schedule(cp: Controlplane, prompts: dict[str, list[int]]) -> None
 def test_greedy_matches_transformers_through_chunks_preemption_and_recompute(
     tiny_model_dir, hf_model
 ):
-    runner = _runner(tiny_model_dir)
-    prompts = _prompts(runner.model.vocab_size, [7, 13, 3, 10, 5])
+    runner = make_runner(tiny_model_dir)
+    prompts = make_prompts(runner.model.vocab_size, [7, 13, 3, 10, 5])
     cp = Controlplane(runner, num_blocks=48)
     _run_mixed_schedule(cp, prompts)
     for req_id, prompt in prompts.items():
@@ -495,11 +373,11 @@ def test_greedy_matches_transformers_through_chunks_preemption_and_recompute(
 
 def test_seeded_request_reproducible_across_batches_and_preemption(tiny_model_dir):
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
-    prompts = _prompts(500, [6, 9, 4])
+    prompts = make_prompts(500, [6, 9, 4])
     n = 6
 
     def alone(params, worker_seed):
-        cp = Controlplane(_runner(tiny_model_dir, seed=worker_seed), 48, {"s": params})
+        cp = Controlplane(make_runner(tiny_model_dir, seed=worker_seed), 48, {"s": params})
         cp.step({"s": -1}, new={"s": prompts["r0"]})
         while len(cp.outputs("s")) < n:
             cp.decode("s")
@@ -512,7 +390,7 @@ def test_seeded_request_reproducible_across_batches_and_preemption(tiny_model_di
     # Same request among an unseeded sampler and a greedy one, prefilled in two
     # chunks, preempted and recomputed from 0 into new blocks.
     params = {"s": seeded, "u": SamplingParams(temperature=1.0)}
-    cp = Controlplane(_runner(tiny_model_dir, seed=3), 48, params)
+    cp = Controlplane(make_runner(tiny_model_dir, seed=3), 48, params)
     cp.step({"u": -1, "g": -1}, new={"u": prompts["r1"], "g": prompts["r2"]})
     cp.step({"u": 1, "g": 1, "s": 4}, new={"s": prompts["r0"]})
     cp.step({"s": -1, "u": 1, "g": 1})
@@ -525,7 +403,7 @@ def test_seeded_request_reproducible_across_batches_and_preemption(tiny_model_di
 
 
 def test_real_model_kv_cache_geometry(tiny_model_dir):
-    runner = _runner(tiny_model_dir, num_blocks=6)
+    runner = make_runner(tiny_model_dir, num_blocks=6)
     m = runner.model
     # K and V, every local layer, block_size tokens of num_kv_heads x head_dim floats.
     per_block = 2 * m.num_local_layers * E2E_BLOCK_SIZE * m.num_kv_heads * m.head_dim * 4
@@ -538,36 +416,15 @@ def test_real_model_kv_cache_geometry(tiny_model_dir):
     assert runner.weights_bytes() == checkpoint_bytes
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _replay_rank(rank, tp, pp, port, model_dir, history, out_dir):
-    """One spawned rank: replays the broadcast SchedulerOutputs like a worker."""
-    torch.set_num_threads(1)
-    cpu = torch.device("cpu")
-    ps = distributed.init_parallel_state(rank, tp * pp, tp, pp, "127.0.0.1", port, 60.0, cpu)
-    try:
-        runner = ModelRunner(ps, model_dir, torch.float32, seed=0)
-        runner.load_model()
-        runner.init_kv_cache(48, E2E_BLOCK_SIZE)
-        outputs = [runner.execute_model(so) for so, _ in history]
-        torch.save(outputs, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        distributed.destroy_parallel_state(ps)
-
-
 @pytest.mark.slow
 def test_tp2_pp2_ranks_replaying_the_broadcast_match_single_process(tiny_model_dir, tmp_path):
-    runner = _runner(tiny_model_dir)
+    runner = make_runner(tiny_model_dir)
     cp = Controlplane(runner, num_blocks=48)
-    _run_mixed_schedule(cp, _prompts(runner.model.vocab_size, [7, 13, 3, 10, 5]))
+    _run_mixed_schedule(cp, make_prompts(runner.model.vocab_size, [7, 13, 3, 10, 5]))
     tp, pp = 2, 2
     mp.spawn(
-        _replay_rank,
-        args=(tp, pp, _free_port(), tiny_model_dir, cp.history, str(tmp_path)),
+        replay_rank,
+        args=(tp, pp, free_port(), tiny_model_dir, cp.history, str(tmp_path)),
         nprocs=tp * pp,
         join=True,
     )

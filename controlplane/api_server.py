@@ -56,7 +56,9 @@ class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
         self._num_ranks_attached = num_ranks_attached
         self.metrics = metrics
         self.limits = Limits(
-            vocab_size=model_info.vocab_size, max_model_len=config.scheduler.max_model_len
+            vocab_size=model_info.vocab_size,
+            max_model_len=config.scheduler.max_model_len,
+            sampling_defaults=model_info.sampling_defaults,
         )
         # Client request id -> the engine request ids of its samples.
         self._in_flight: dict[str, list[str]] = {}

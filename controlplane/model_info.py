@@ -23,6 +23,13 @@ class ModelInfo:
     num_attention_heads: int
     num_key_value_heads: int
     num_hidden_layers: int
+    # Sampling defaults from generation_config.json (e.g. temperature), applied
+    # to knobs a request leaves unset, as vLLM does with the model's config.
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+
+
+# generation_config.json keys that become defaults of the same-named knobs.
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _as_ids(value) -> set[int]:
@@ -43,9 +50,15 @@ def read_model_info(model_path: str) -> ModelInfo:
         config = json.load(f)
     eos = _as_ids(config.get("eos_token_id"))
     gen_file = os.path.join(model_path, "generation_config.json")
+    defaults: tuple[tuple[str, float], ...] = ()
     if os.path.isfile(gen_file):
         with open(gen_file) as f:
-            eos |= _as_ids(json.load(f).get("eos_token_id"))
+            generation = json.load(f)
+        eos |= _as_ids(generation.get("eos_token_id"))
+        defaults = tuple(
+            (k, float(generation[k])) for k in SAMPLING_DEFAULT_KEYS
+            if isinstance(generation.get(k), int | float)
+        )
     architectures = config.get("architectures") or ["unknown"]
     heads = int(config.get("num_attention_heads", 0))
     return ModelInfo(
@@ -57,6 +70,7 @@ def read_model_info(model_path: str) -> ModelInfo:
         num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads", heads)),
         num_hidden_layers=int(config.get("num_hidden_layers", 0)),
+        sampling_defaults=defaults,
     )
 
 

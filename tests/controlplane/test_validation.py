@@ -61,3 +61,26 @@ def test_bad_fields_are_named(request_, field):
 
 def test_text_prompt_is_tokenized():
     assert validate(pb.GenerateRequest(text="ab"), _Tok(), LIMITS).prompt_token_ids == [97, 98]
+
+
+def test_model_generation_config_supplies_defaults_for_unset_knobs():
+    limits = Limits(vocab_size=100, max_model_len=64,
+                    sampling_defaults=(("temperature", 0.2), ("top_p", 0.9), ("top_k", 20)))
+    params = validate(_req(), _Tok(), limits).params
+    assert (params.temperature, params.top_p, params.top_k) == (pytest.approx(0.2), 0.9, 20)
+    explicit = validate(_req(temperature=0.0, top_k=0), _Tok(), limits).params
+    assert (explicit.temperature, explicit.top_k) == (0.0, 0)
+
+
+def test_read_model_info_takes_sampling_defaults(tmp_path):
+    import json
+
+    from controlplane.model_info import read_model_info
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"vocab_size": 10, "eos_token_id": 1, "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [1, 2], "temperature": 0.2, "top_p": 0.9, "do_sample": True}))
+    info = read_model_info(str(tmp_path))
+    assert info.eos_token_ids == {1, 2}
+    assert dict(info.sampling_defaults) == {"temperature": 0.2, "top_p": 0.9}

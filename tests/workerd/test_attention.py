@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.factories import build_attn_metadata
-from workerd.layers.attention import paged_attention
+from workerd.layers import attention
+from workerd.layers.attention import _group_rows, build_plan, paged_attention
 from workerd.layers.layernorm import RMSNorm
 from workerd.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 
@@ -26,14 +27,18 @@ def _naive(q, ctx_k, ctx_v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
 
 
-@pytest.mark.parametrize("case", ["mixed", "decode_only", "prefill_only"])
-def test_paged_attention_matches_naive(case):
+@pytest.mark.parametrize("case", ["mixed", "decode_only", "prefill_only", "split_groups"])
+def test_paged_attention_matches_naive(case, monkeypatch):
     g = torch.Generator().manual_seed(0)
     computed, scheduled = {
         "mixed": ([0, 9, 3, 14], [6, 1, 5, 1]),
         "decode_only": ([4, 11, 0], [1, 1, 1]),
         "prefill_only": ([0, 0], [7, 13]),
+        # A long chunk among decodes and short prefills, attended in 3 groups.
+        "split_groups": ([0, 9, 3, 14, 0, 2], [6, 1, 40, 1, 2, 1]),
     }[case]
+    if case == "split_groups":
+        monkeypatch.setattr(attention, "_PADDING_SLACK", 0)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     tables, used = [], 0
     for c, n in zip(computed, scheduled, strict=True):
@@ -66,6 +71,22 @@ def test_paged_attention_matches_naive(case):
     flat = cache.flatten(1, 2)
     torch.testing.assert_close(flat[0][md.slot_mapping], k)
     torch.testing.assert_close(flat[1][md.slot_mapping], v)
+
+
+def test_long_chunk_does_not_pad_the_decodes():
+    # 255 decodes with ~300-token contexts next to one 4,000-token prefill chunk.
+    q_lens = [1] * 255 + [4000]
+    seq_lens = [300 + i for i in range(255)] + [4000]
+    groups = _group_rows(q_lens, seq_lens)
+    assert groups == [list(range(255)), [255]]
+    # Short prompts of similar length still share one call.
+    assert _group_rows([7, 5, 9, 6], [7, 5, 9, 6]) == [[1, 3, 0, 2]]
+    # The plan's padded score matrix stays near the real work.
+    md, _ = build_attn_metadata([300] * 8 + [0], [1] * 8 + [512], [[0] * 19] * 8 + [[0] * 32], 16)
+    plan = build_plan(md, 8 + 512)
+    padded = sum(g.mask.shape[0] * g.mask.shape[2] * g.mask.shape[3] for g in plan.groups)
+    real = 8 * 301 + 512 * 512
+    assert padded <= 2 * real
 
 
 def test_padding_tokens_beyond_actual_are_ignored():

@@ -6,11 +6,13 @@ their slots (attn_metadata.slot_mapping), then (2) for every request gathers
 its whole context (seq_lens[i] tokens) through its block table and lets its
 queries attend to it causally.
 
-Mixed batches (prefill chunks next to single-token decodes) are handled by
-padding to [num_reqs, max_query_len] queries x [num_reqs, max_seq_len] keys with
-a boolean mask and issuing one scaled_dot_product_attention call. The
-index tensors for that padding depend only on the metadata, so the model builds
-one PagedAttentionPlan per forward and every layer reuses it.
+Requests are attended in groups, one scaled_dot_product_attention call per
+group over [rows, max_query_len] queries x [rows, max_seq_len] keys with a
+boolean mask: all decodes form one group, and prefill chunks are grouped only
+while the padding stays within a small factor of the real work (one long chunk
+must not pad hundreds of decodes to its length). The index tensors depend
+only on the metadata, so the model builds one PagedAttentionPlan per forward
+and every layer reuses it.
 """
 
 from __future__ import annotations
@@ -24,36 +26,81 @@ from workerd.attn_metadata import AttentionMetadata
 
 
 @dataclass
-class PagedAttentionPlan:
-    # [num_reqs, max_query_len] flat token index of each padded query (clamped).
+class _Group:
+    """Requests attended in one padded SDPA call."""
+
+    # [rows, max_query_len] token index of each padded query (clamped).
     query_index: torch.Tensor
-    # [num_tokens] index into the flattened [num_reqs * max_query_len] output.
+    # Token positions of the group's real queries, and where each sits in the
+    # flattened [rows * max_query_len] padded output.
+    token_index: torch.Tensor
     unpad_index: torch.Tensor
-    # [num_reqs, max_seq_len] cache slot of each context position.
+    # [rows, max_seq_len] cache slot of each context position.
     context_slots: torch.Tensor
-    # [num_reqs, 1, max_query_len, max_seq_len] True where a query may attend.
+    # [rows, 1, max_query_len, max_seq_len] True where a query may attend.
     mask: torch.Tensor
+    max_query_len: int
+
+
+@dataclass
+class PagedAttentionPlan:
+    groups: list[_Group]
     num_actual_tokens: int
+
+
+# A group's padded score matrix may be at most this many times the real one
+# (plus slack for tiny requests): without it one long prefill chunk in a step
+# of hundreds of decodes would pad every decode to the chunk's length.
+_MAX_PADDING_FACTOR = 2.0
+_PADDING_SLACK = 4096
+
+
+def _group_rows(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Decodes together; prefill chunks grouped while padding stays bounded."""
+    decodes = [r for r, n in enumerate(q_lens) if n == 1]
+    groups = [decodes] if decodes else []
+    current: list[int] = []
+    real = 0
+    for r in sorted((r for r, n in enumerate(q_lens) if n > 1), key=lambda r: q_lens[r]):
+        rows = [*current, r]
+        padded = len(rows) * q_lens[r] * max(seq_lens[i] for i in rows)
+        cost = real + q_lens[r] * seq_lens[r]
+        if current and padded > _MAX_PADDING_FACTOR * cost + _PADDING_SLACK:
+            groups.append(current)
+            rows, cost = [r], q_lens[r] * seq_lens[r]
+        current, real = rows, cost
+    if current:
+        groups.append(current)
+    return groups
 
 
 def build_plan(md: AttentionMetadata, num_tokens: int) -> PagedAttentionPlan:
     """Index tensors for one forward. Built from the metadata's Python lists so
-    no device sync is needed; `num_tokens` >= num_actual_tokens (padding tokens
-    beyond the actual ones read request 0's first output and are discarded)."""
-    device = md.block_table.device
+    no device sync is needed; tokens beyond num_actual_tokens (padding) get
+    zero output."""
     q_lens, seq_lens = md.query_lens_cpu, md.seq_lens_cpu
-    max_q, max_s = md.max_query_len, md.max_seq_len
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    unpad = []
-    for r, n in enumerate(q_lens):
-        unpad.extend(range(r * max_q, r * max_q + n))
-    unpad.extend([0] * (num_tokens - len(unpad)))
+    groups = [
+        _build_group(md, rows, starts, q_lens, seq_lens)
+        for rows in _group_rows(q_lens[: md.num_reqs], seq_lens[: md.num_reqs])
+    ]
+    return PagedAttentionPlan(groups=groups, num_actual_tokens=md.num_actual_tokens)
 
-    q_start = torch.tensor(starts[:-1], dtype=torch.int64, device=device)
-    q_len = torch.tensor(q_lens, dtype=torch.int64, device=device)
-    s_len = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+
+def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Group:
+    device = md.block_table.device
+    max_q = max(q_lens[r] for r in rows)
+    max_s = max(seq_lens[r] for r in rows)
+    token_index, unpad = [], []
+    for i, r in enumerate(rows):
+        token_index.extend(range(starts[r], starts[r] + q_lens[r]))
+        unpad.extend(range(i * max_q, i * max_q + q_lens[r]))
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    q_start = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
+    q_len = torch.tensor([q_lens[r] for r in rows], dtype=torch.int64, device=device)
+    s_len = torch.tensor([seq_lens[r] for r in rows], dtype=torch.int64, device=device)
     qi = torch.arange(max_q, device=device)
     query_index = (q_start[:, None] + qi).clamp(max=max(md.num_actual_tokens - 1, 0))
 
@@ -64,17 +111,16 @@ def build_plan(md: AttentionMetadata, num_tokens: int) -> PagedAttentionPlan:
 
     # Context position j of request r lives in block_table[r, j // bs] at offset j % bs.
     # Columns past a request's table are clamped; those keys are masked anyway.
-    # Only the first num_reqs rows count (a persistent table may have spare rows).
     bs = md.block_size
-    table = md.block_table[: md.num_reqs]
+    table = md.block_table[rows_t]
     cols = (kj // bs).clamp(max=table.shape[1] - 1)
-    context_slots = table[:, cols] * bs + kj % bs
-    return PagedAttentionPlan(
+    return _Group(
         query_index=query_index,
+        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
         unpad_index=torch.tensor(unpad, dtype=torch.int64, device=device),
-        context_slots=context_slots,
+        context_slots=table[:, cols] * bs + kj % bs,
         mask=mask,
-        num_actual_tokens=md.num_actual_tokens,
+        max_query_len=max_q,
     )
 
 
@@ -109,28 +155,33 @@ def paged_attention(
     must be a whole prompt (seq_len == query_len) and attends only to the batch's
     own keys."""
     num_tokens, num_heads, head_dim = q.shape
+    out = q.new_zeros(num_tokens, num_heads * head_dim)
     if md.num_reqs == 0:
-        return q.new_zeros(num_tokens, num_heads * head_dim)
+        return out
     if plan is None:
         plan = build_plan(md, num_tokens)
-    if kv_cache is None or kv_cache.numel() == 0:
-        # Keys laid out exactly like the padded queries: context = this step only.
-        keys, values = k[plan.query_index], v[plan.query_index]
-        mask = plan.mask[..., : md.max_query_len]
-    else:
+    with_cache = kv_cache is not None and kv_cache.numel() > 0
+    if with_cache:
         write_kv_cache(k, v, kv_cache, md.slot_mapping, plan.num_actual_tokens)
         flat = kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim]
-        keys, values = flat[0][plan.context_slots], flat[1][plan.context_slots]
-        mask = plan.mask
-    # [R, heads, len, head_dim] for SDPA; GQA broadcast is done by SDPA itself.
-    qp = q[plan.query_index].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        qp,
-        keys.transpose(1, 2).to(q.dtype),
-        values.transpose(1, 2).to(q.dtype),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=keys.shape[2] != num_heads,
-    )
-    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
-    return out[plan.unpad_index]
+    for g in plan.groups:
+        if with_cache:
+            keys, values = flat[0][g.context_slots], flat[1][g.context_slots]
+            mask = g.mask
+        else:
+            # Keys laid out exactly like the padded queries: context = this step only.
+            keys, values = k[g.query_index], v[g.query_index]
+            mask = g.mask[..., : g.max_query_len]
+        # [rows, heads, len, head_dim] for SDPA; GQA broadcast is done by SDPA itself.
+        grouped = F.scaled_dot_product_attention(
+            q[g.query_index].transpose(1, 2),
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=keys.shape[2] != num_heads,
+        )
+        out[g.token_index] = grouped.transpose(1, 2).reshape(-1, num_heads * head_dim)[
+            g.unpad_index
+        ]
+    return out

@@ -240,3 +240,19 @@ def paged_step(
     input_ids = torch.tensor(ids, dtype=torch.int64)
     out = model(input_ids, positions, kv_caches, md, intermediate_tensors)
     return out if return_hidden else model.compute_logits(out)
+
+
+def layout_state(tp_size=1, pp_size=1, tp_rank=0, pp_rank=0):
+    """A ParallelState for one rank of a layout, with no process group: enough
+    to build and load a shard or lay out a step (only collectives need a group)."""
+    from workerd.distributed import ParallelState
+
+    return ParallelState(
+        rank=pp_rank * tp_size + tp_rank,
+        world_size=tp_size * pp_size,
+        tp_size=tp_size,
+        pp_size=pp_size,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        device=torch.device("cpu"),
+    )

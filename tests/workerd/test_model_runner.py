@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from tests.factories import layout_state
 from tests.workerd.runner_harness import (
     E2E_BLOCK_SIZE,
     MAX_NEW_TOKENS,
@@ -232,15 +233,7 @@ def test_partial_prefill_only_step_returns_empty_output():
 
 
 def _ps(tp_rank, pp_rank, tp_size=2, pp_size=2):
-    return ParallelState(
-        rank=pp_rank * tp_size + tp_rank,
-        world_size=tp_size * pp_size,
-        tp_size=tp_size,
-        pp_size=pp_size,
-        tp_rank=tp_rank,
-        pp_rank=pp_rank,
-        device=torch.device("cpu"),
-    )
+    return layout_state(tp_size, pp_size, tp_rank, pp_rank)
 
 
 def test_pipeline_stages_send_receive_and_only_output_rank_answers(monkeypatch):

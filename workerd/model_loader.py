@@ -140,4 +140,4 @@ def load_model(
     finally:
         torch.set_default_dtype(old_dtype)
     load_weights(model, model_path)
-    return model.train(False)  # inference mode for dropout-like layers (same as eval())
+    return model.train(False)  # inference mode: no dropout

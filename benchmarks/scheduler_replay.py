@@ -32,7 +32,7 @@ from controlplane.config import CacheConfig, SchedulerConfig  # noqa: E402
 from controlplane.core.outputs import ModelRunnerOutput  # noqa: E402
 from controlplane.core.request import Request, SamplingParams  # noqa: E402
 from controlplane.core.scheduler import Scheduler  # noqa: E402
-from controlplane.wire import scheduler_output_to_proto  # noqa: E402
+from controlplane.executor.wire import scheduler_output_to_proto  # noqa: E402
 
 EOS_TOKEN_ID = 2  # below the trace's token range: only sampled if ignore_eos=False
 

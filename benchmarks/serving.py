@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloom import launcher
+from kvloom.cli import launcher
 from kvloom.client import AsyncKvloomClient, KvloomError, default_server
 
 
@@ -207,7 +207,7 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 def run_launched(args) -> list[dict]:
     if args.model is None:
-        from kvloom.default_model import default_model_dir
+        from kvloom.server.default_model import default_model_dir
 
         args.model = default_model_dir()
     runs = []
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="requests run before timing")
     parser.add_argument("--json", type=Path, help="write results here")
-    launch = parser.add_argument_group("launch local clusters (kvloom.launcher)")
+    launch = parser.add_argument_group("launch local clusters (kvloom.cli.launcher)")
     launch.add_argument("--launch", action="store_true")
     launch.add_argument("--model", help="checkpoint dir; default: the embedded SmolLM2-135M")
     launch.add_argument("--tp", type=int, default=1)

@@ -21,7 +21,7 @@ from controlplane.config import (
 )
 from controlplane.model_info import ModelInfo, read_model_info
 from kvloom.envargs import EnvArgumentParser
-from kvloom.logs import setup_logging
+from kvloom.server.logs import setup_logging
 
 logger = logging.getLogger("controlplane")
 
@@ -86,7 +86,7 @@ def build_config(args: argparse.Namespace, p: argparse.ArgumentParser):
               "max_num_seqs", "max_num_batched_tokens")
     model_path = args.model
     if not model_path:
-        from kvloom.default_model import default_model_dir
+        from kvloom.server.default_model import default_model_dir
 
         model_path = default_model_dir()
     try:

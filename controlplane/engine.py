@@ -23,8 +23,8 @@ from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from controlplane.core.request import FinishReason, Request, RequestStatus, finish_reason_of
 from controlplane.core.scheduler import Scheduler
-from controlplane.metrics_records import StepRecord
-from controlplane.worker_calls import WorkerGroupFailed
+from controlplane.executor.worker_calls import WorkerGroupFailed
+from controlplane.metrics.records import StepRecord
 
 logger = logging.getLogger(__name__)
 

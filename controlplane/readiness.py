@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from controlplane.executor import Executor
+from controlplane.executor.grpc_executor import Executor
 
 logger = logging.getLogger(__name__)
 

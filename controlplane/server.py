@@ -19,17 +19,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane.api_server import GenerationService
+from controlplane.api.generation_service import GenerationService
+from controlplane.api.output_router import OutputRouter
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine import EngineCore
-from controlplane.executor import Executor
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.metrics_grpc import GrpcMetricsInterceptor
+from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.worker_service import SERVICE_NAME as WORKER_SERVICE
+from controlplane.executor.worker_service import WorkerControlService
+from controlplane.metrics.exporter import ControlPlaneMetrics
+from controlplane.metrics.grpc_interceptor import GrpcMetricsInterceptor
 from controlplane.model_info import ModelInfo, load_tokenizer
-from controlplane.output_router import OutputRouter
 from controlplane.readiness import Readiness
-from controlplane.worker_service import SERVICE_NAME as WORKER_SERVICE
-from controlplane.worker_service import WorkerControlService
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fails when the checked-in stubs under kvloom/v1/ are not what
+# Fails when the checked-in stubs (kvloom/v1/, kvloom/worker/v1/) are not what
 # scripts/gen_protos.sh produces from protos/ today.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -7,14 +7,15 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$root/scripts/gen_protos.sh" "$tmp"
 status=0
-for f in "$tmp"/kvloom/v1/*; do
-  name=$(basename "$f")
-  if ! cmp -s "$f" "$root/kvloom/v1/$name"; then
-    echo "stale generated stub: kvloom/v1/$name (run scripts/gen_protos.sh)" >&2
+while IFS= read -r f; do
+  rel=${f#"$tmp"/}
+  if ! cmp -s "$f" "$root/$rel"; then
+    echo "stale generated stub: $rel (run scripts/gen_protos.sh)" >&2
     status=1
   fi
-done
-for f in "$root"/kvloom/v1/*_pb2*.py*; do
-  [ -e "$tmp/kvloom/v1/$(basename "$f")" ] || { echo "orphan stub: $f" >&2; status=1; }
-done
+done < <(find "$tmp" -type f -name '*_pb2*')
+while IFS= read -r f; do
+  rel=${f#"$root"/}
+  [ -e "$tmp/$rel" ] || { echo "orphan stub: $rel" >&2; status=1; }
+done < <(find "$root/kvloom" -type f -name '*_pb2*' -not -path '*/__pycache__/*')
 exit $status

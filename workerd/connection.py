@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from kvloom.v1 import worker_pb2, worker_pb2_grpc
+from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvloom.metrics_http import MetricsEndpoint
-from kvloom.v1 import worker_pb2
+from kvloom.server.metrics_http import MetricsEndpoint
+from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ and packs the output rank's ModelRunnerOutput.
 
 from __future__ import annotations
 
-from kvloom.v1 import worker_pb2
+from kvloom.worker.v1 import worker_pb2
 from workerd.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvloom.v1 import worker_pb2
+from kvloom.worker.v1 import worker_pb2
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
 logger = logging.getLogger(__name__)

@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC stubs of protos/kvloom/v1 (scripts/gen_protos.sh)."""
+"""Generated stubs of protos/kvloom/v1, the public client API (scripts/gen_protos.sh)."""

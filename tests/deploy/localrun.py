@@ -27,8 +27,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvloom.cli.launcher import pick_free_ports, stop_pids, with_parent_death_signal
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
-from kvloom.launcher import pick_free_ports, stop_pids, with_parent_death_signal
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

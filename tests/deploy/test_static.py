@@ -162,7 +162,9 @@ def test_dockerfile_matches_the_package():
     for script in ("kvloom-controlplane", "kvloom-workerd"):
         assert script in project["scripts"]
         assert script in dockerfile
-    torch_pin = next(d for d in project["dependencies"] if d.startswith("torch=="))
+    torch_pin = next(
+        d for d in project["optional-dependencies"]["server"] if d.startswith("torch==")
+    )
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in dockerfile
     # The runtime stage ends as a non-root user.
     users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
@@ -184,7 +186,7 @@ def _layout_problem(tp: int, pp: int) -> str | None:
     from types import SimpleNamespace
 
     from controlplane.__main__ import check_layout
-    from kvloom.default_model import EXPECTED_CONFIG
+    from kvloom.server.default_model import EXPECTED_CONFIG
 
     config = SimpleNamespace(
         parallel=SimpleNamespace(

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvloom.launcher import Cluster, ClusterSpec
+from kvloom.cli.launcher import Cluster, ClusterSpec
 
 
 class _Tee(io.TextIOBase):

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from kvloom import cli
+from kvloom.cli import main as cli
 from kvloom.client import AsyncKvloomClient, KvloomClient
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvloom.launcher import pick_free_ports
+from kvloom.cli.launcher import pick_free_ports
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 from tests.integration.conftest import running_cluster
 

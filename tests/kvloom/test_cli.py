@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvloom import cli
 from kvloom.api import Finish, Logprob, TopLogprob
-from kvloom.cli_generate import format_finish, format_logprobs, generation_kwargs
+from kvloom.cli import main as cli
+from kvloom.cli.generate import format_finish, format_logprobs, generation_kwargs
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import asyncio
 import grpc
 import pytest
 
-from kvloom import launcher
 from kvloom.api import (
     Finish,
     GenerateChunk,
@@ -18,6 +17,7 @@ from kvloom.api import (
     build_tokenize_request,
     chunk_from_pb,
 )
+from kvloom.cli import launcher
 from kvloom.client import (
     AsyncKvloomClient,
     Collector,

@@ -1,4 +1,4 @@
-"""kvloom.launcher and the cluster commands (up/down/run) with fake daemons
+"""kvloom.cli.launcher and the cluster commands (up/down/run) with fake daemons
 (conftest.fake_daemons), plus the serving benchmark that drives them."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvloom import cli, launcher
+from kvloom.cli import launcher
+from kvloom.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,7 +200,7 @@ def test_up_foreground_stops_children_on_sigterm(fake_daemons, tmp_path):
     state_file = tmp_path / "cluster.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvloom.cli", "up", "--model", "/fake/model", "--pp", "2",
+        [sys.executable, "-m", "kvloom.cli.main", "up", "--model", "/fake/model", "--pp", "2",
          "--state-file", str(state_file)],
         stderr=subprocess.PIPE, text=True, env=env,
     )

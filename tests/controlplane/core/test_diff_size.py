@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane.wire import scheduler_output_to_proto
+from controlplane.executor.wire import scheduler_output_to_proto
 from tests.controlplane.core.helpers import make_request, make_scheduler, step
 
 NUM_REQS = 8

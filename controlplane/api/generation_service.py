@@ -1,0 +1,233 @@
+"""The client-facing kvloom.v1.Generation service.
+
+Generate validates the request, hands one Request per sample (n) to the
+engine, and turns the engine's outputs into response messages through a
+SampleStream per sample. A client that goes away (cancel, deadline) aborts
+its samples so their KV blocks are freed at the next step; with metrics on,
+every abort is counted by its source. Errors are gRPC statuses, never text in
+a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from controlplane.api.output_router import OutputRouter
+from controlplane.api.sample_stream import SampleStream
+from controlplane.api.tokenize_service import TokenizeMixin
+from controlplane.api.validation import InvalidRequest, Limits, ValidatedRequest, validate
+from controlplane.config import ControlPlaneConfig
+from controlplane.core.outputs import EngineCoreOutput
+from controlplane.core.request import Request
+from controlplane.engine import EngineCore
+from controlplane.model_info import ModelInfo
+from kvloom import __version__
+from kvloom.v1 import generation_pb2, generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        config: ControlPlaneConfig,
+        model_info: ModelInfo,
+        tokenizer,
+        engine: EngineCore,
+        router: OutputRouter,
+        readiness: Callable[[], str | None],
+        num_ranks_attached: Callable[[], int],
+        metrics=None,
+    ):
+        self.config = config
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.router = router
+        # Returns None when ready, else why not (for UNAVAILABLE messages).
+        self._not_ready_reason = readiness
+        self._num_ranks_attached = num_ranks_attached
+        self.metrics = metrics
+        self.limits = Limits(
+            vocab_size=model_info.vocab_size,
+            max_model_len=config.scheduler.max_model_len,
+            sampling_defaults=model_info.sampling_defaults,
+        )
+        # Client request id -> the engine request ids of its samples.
+        self._in_flight: dict[str, list[str]] = {}
+        self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def _admit(self, request, context) -> tuple[str, ValidatedRequest]:
+        try:
+            v = validate(request, self.tokenizer, self.limits)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._check_pool_fits(v)
+        reason = self._not_ready_reason()
+        if reason is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"not serving: {reason}")
+        request_id = v.request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight; use a unique id",
+            )
+        if len(self.router) + v.n > self._capacity:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self.router)} requests are in flight and at most {self._capacity} may "
+                f"be (max_num_seqs + max_waiting_requests); retry later",
+            )
+        return request_id, v
+
+    def _check_pool_fits(self, v: ValidatedRequest) -> None:
+        stats = self.engine.last_stats
+        if stats is None or not stats.num_total_blocks:
+            return
+        block_size = self.config.cache.block_size
+        need = -(-(len(v.prompt_token_ids) + v.params.max_tokens) // block_size)
+        if need > stats.num_total_blocks:
+            raise InvalidRequest(
+                f"prompt + sampling.max_tokens need {need} KV blocks but the whole pool has "
+                f"{stats.num_total_blocks}: lower max_tokens or shorten the prompt"
+            )
+
+    async def Generate(self, request, context):
+        try:
+            request_id, v = await self._admit(request, context)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        children = [request_id] if v.n == 1 else [f"{request_id}/{i}" for i in range(v.n)]
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        streams: dict[str, SampleStream] = {}
+        self._in_flight[request_id] = children
+        for i, child in enumerate(children):
+            self.router.register(child, queue)
+            params = v.params
+            if params.seed is not None and i:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            streams[child] = SampleStream(
+                self.tokenizer, self.token_text, i, v.prompt_token_ids, params,
+                v.stream, v.stream_interval,
+            )
+            self.engine.add_request(
+                Request(
+                    request_id=child,
+                    prompt_token_ids=v.prompt_token_ids,
+                    sampling_params=params,
+                    eos_token_ids=self.model_info.eos_token_ids,
+                    cache_salt=v.cache_salt,
+                )
+            )
+        try:
+            async for msg in self._responses(request_id, queue, streams, context):
+                yield msg
+        finally:
+            for child in children:
+                self.router.unregister(child)
+            del self._in_flight[request_id]
+            unfinished = [c for c, s in streams.items() if not s.finished]
+            if unfinished:
+                self.engine.abort_requests(unfinished)
+                self._count_client_abort(context, len(unfinished))
+
+    async def _responses(self, request_id, queue, streams, context):
+        live = set(streams)
+        while live:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            touched: list[SampleStream] = []
+            for out in batch:
+                stream = streams[out.request_id]
+                if stream.finished:
+                    continue  # e.g. the engine's own STOP after a stop string
+                if out.error is not None:
+                    await context.abort(_status(out.error_code), out.error)
+                stream.add(out)
+                if stream.stopped_by_string:
+                    self.engine.stop_requests([out.request_id])
+                if stream.finished:
+                    live.discard(out.request_id)
+                if stream not in touched:
+                    touched.append(stream)
+            for stream in touched:
+                msg = stream.flush(request_id)
+                if msg is not None:
+                    yield msg
+
+    def _count_client_abort(self, context, n: int) -> None:
+        if self.metrics is None:
+            return
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        self.metrics.request_aborted("deadline" if expired else "client_cancel", n)
+
+    async def Abort(self, request, context):
+        parents = [r for r in dict.fromkeys(request.request_ids) if r in self._in_flight]
+        children = [c for p in parents for c in self._in_flight[p]]
+        if children:
+            self.engine.abort_requests(children)
+            if self.metrics is not None:
+                self.metrics.request_aborted("abort_call", len(children))
+        return generation_pb2.AbortResponse(num_aborted=len(parents))
+
+    async def GetModelInfo(self, request, context):
+        info = self.model_info
+        msg = generation_pb2.ModelInfo(
+            model_name=self.config.model.served_model_name,
+            model_path=info.model_path,
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            max_model_len=self.limits.max_model_len,
+            eos_token_ids=sorted(info.eos_token_ids),
+            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+        )
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None:
+            msg.bos_token_id = bos
+        for content, token_id in sorted(_special_tokens(self.tokenizer).items()):
+            msg.special_tokens.add(content=content, id=token_id)
+        return msg
+
+    async def GetServerInfo(self, request, context):
+        cfg = self.config
+        stats = self.engine.last_stats
+        return generation_pb2.ServerInfo(
+            version=__version__,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
+            block_size=cfg.cache.block_size,
+            num_total_blocks=stats.num_total_blocks if stats else 0,
+            num_free_blocks=stats.num_free_blocks if stats else 0,
+            max_num_seqs=cfg.scheduler.max_num_seqs,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            num_ranks_attached=self._num_ranks_attached(),
+            num_requests_running=stats.num_running_reqs if stats else 0,
+            num_requests_waiting=stats.num_waiting_reqs if stats else 0,
+            max_waiting_requests=cfg.server.max_waiting_requests,
+        )
+
+
+def _status(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+def _special_tokens(tokenizer) -> dict[str, int]:
+    tokens = {}
+    for content in getattr(tokenizer, "all_special_tokens", []):
+        token_id = tokenizer.convert_tokens_to_ids(content)
+        if isinstance(token_id, int):
+            tokens[content] = token_id
+    return tokens

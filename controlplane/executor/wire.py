@@ -1,0 +1,104 @@
+"""Protobuf <-> plain dataclasses at the controlplane's edges.
+
+The scheduler and engine never see *_pb2 types: the executor calls
+scheduler_output_to_proto once per step (the bytes are then written to every
+worker stream) and model_runner_output_from_proto on the output rank's reply.
+Columns are filled with extend() on flat lists because per-element protobuf
+calls dominate the cost at a thousand requests per step.
+"""
+
+from __future__ import annotations
+
+from controlplane.core.outputs import (
+    ModelRunnerOutput,
+    PromptLogprobs,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from controlplane.core.request import SamplingParams
+from kvloom.worker.v1 import worker_pb2
+
+
+def _sampling_params_to_proto(
+    params: SamplingParams,
+    min_tokens_stop_ids: tuple[int, ...],
+    out: worker_pb2.RequestSamplingParams,
+) -> None:
+    out.temperature = params.temperature
+    out.top_p = params.top_p
+    out.top_k = params.top_k
+    if params.seed is not None:
+        out.seed = params.seed
+    out.min_p = params.min_p
+    out.repetition_penalty = params.repetition_penalty
+    out.presence_penalty = params.presence_penalty
+    out.frequency_penalty = params.frequency_penalty
+    if params.logprobs is not None:
+        out.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        out.prompt_logprobs = params.prompt_logprobs
+    out.min_tokens = params.min_tokens
+    out.min_tokens_stop_ids.extend(min_tokens_stop_ids)
+
+
+def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput:
+    msg = worker_pb2.SchedulerOutput(
+        step_id=so.step_id,
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        finished_req_ids=sorted(so.finished_req_ids),
+        preempted_req_ids=sorted(so.preempted_req_ids),
+    )
+    num_scheduled = so.num_scheduled_tokens
+    for new_req in so.scheduled_new_reqs:
+        pb = msg.scheduled_new_reqs.add(
+            req_id=new_req.req_id,
+            prompt_token_ids=new_req.prompt_token_ids,
+            output_token_ids=new_req.output_token_ids,
+            block_ids=new_req.block_ids,
+            num_computed_tokens=new_req.num_computed_tokens,
+            num_scheduled_tokens=num_scheduled[new_req.req_id],
+        )
+        _sampling_params_to_proto(
+            new_req.sampling_params, new_req.min_tokens_stop_ids, pb.sampling_params
+        )
+
+    cached = so.scheduled_cached_reqs
+    if cached.req_ids:
+        out = msg.scheduled_cached_reqs
+        out.req_ids.extend(cached.req_ids)
+        out.resumed_from_preemption.extend(cached.resumed_from_preemption)
+        out.num_computed_tokens.extend(cached.num_computed_tokens)
+        out.num_scheduled_tokens.extend([num_scheduled[r] for r in cached.req_ids])
+        out.num_new_token_ids.extend([len(t) for t in cached.new_token_ids])
+        out.new_token_ids.extend([t for toks in cached.new_token_ids for t in toks])
+        out.num_new_block_ids.extend([len(b) for b in cached.new_block_ids])
+        out.new_block_ids.extend([b for blocks in cached.new_block_ids for b in blocks])
+    return msg
+
+
+def _token_logprobs(pb: worker_pb2.TokenLogprobs) -> TokenLogprobs | None:
+    # Ranks are 1-based: rank 0 is the empty entry of a request that did not ask.
+    if pb.rank == 0:
+        return None
+    return TokenLogprobs(pb.logprob, pb.rank, list(pb.top_token_ids), list(pb.top_logprobs))
+
+
+def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
+    out = ModelRunnerOutput(
+        req_ids=list(msg.req_ids),
+        sampled_token_ids=list(msg.sampled_token_ids),
+        forward_time_s=msg.forward_time_s,
+    )
+    # Empty unless some request asked, which keeps the common step cheap.
+    if msg.logprobs:
+        if len(msg.logprobs) != len(out.req_ids):
+            raise ValueError(
+                f"{len(msg.logprobs)} logprobs entries for {len(out.req_ids)} sampled requests"
+            )
+        out.logprobs = [_token_logprobs(pb) for pb in msg.logprobs]
+    for chunk in msg.prompt_logprobs:
+        positions = [_token_logprobs(pb) for pb in chunk.positions]
+        if any(p is None for p in positions):
+            raise ValueError(f"prompt logprobs of {chunk.req_id!r} have an empty position")
+        out.prompt_logprobs.append(PromptLogprobs(chunk.req_id, chunk.start_position, positions))
+    return out

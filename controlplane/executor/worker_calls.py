@@ -1,0 +1,46 @@
+"""Commands in flight to the worker group, and the one way a group fails.
+
+A PendingCall collects the replies of the ranks a command expects; any rank's
+WorkerError, or the group failing, resolves it with WorkerGroupFailed at once.
+Its future is a concurrent one, so both the event loop (start-up) and the
+engine thread (steps) can wait on it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from kvloom.worker.v1 import worker_pb2
+
+
+class WorkerGroupFailed(RuntimeError):
+    """The worker group can no longer run steps; the message names the cause."""
+
+
+class PendingCall:
+    """A command awaiting replies from a set of ranks."""
+
+    def __init__(self, expected: set[int]):
+        self.expected = set(expected)
+        self.replies: dict[int, worker_pb2.WorkerMessage] = {}
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        # Size of the serialized command each rank received.
+        self.nbytes = 0
+
+    def add_reply(self, rank: int, msg: worker_pb2.WorkerMessage) -> None:
+        if self.future.done():
+            return
+        if msg.WhichOneof("payload") == "error":
+            err = msg.error
+            self.future.set_exception(
+                WorkerGroupFailed(f"rank {rank} failed in {err.kind}: {err.message}")
+            )
+            return
+        if rank in self.expected:
+            self.replies[rank] = msg
+            if len(self.replies) == len(self.expected):
+                self.future.set_result(self.replies)
+
+    def fail(self, exc: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)

@@ -1,0 +1,283 @@
+"""The controlplane's Prometheus metrics, served on --metrics-port.
+
+Names mirror vLLM's (vllm:X -> kvloom_X) with the same meanings, plus the
+distributed extras only a multi-process engine has: per-rank liveness and
+heartbeat age, step round trip, bytes broadcast per step, worker failures by
+reason. Every series carries model_name. A dedicated CollectorRegistry keeps
+the default process/platform collectors out.
+
+Three ways values get here, chosen so the engine thread never touches a
+metric object:
+  * observe() runs on the asyncio loop with each step's StepRecord and
+    outputs (handed over in the call_soon_threadsafe that already carries the
+    outputs to the client streams) and feeds counters and histograms;
+  * _ScrapeCollector reads live state (scheduler stats snapshot, worker
+    handles, executor failure counts) when Prometheus scrapes, on the HTTP
+    thread, so gauges and the heartbeat age are exact at scrape time;
+  * the API edge counts aborts and (metrics_grpc) gRPC calls directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.core.outputs import EngineCoreOutput
+from controlplane.metrics.records import (
+    FINISH_REASONS,
+    CounterDeltas,
+    RequestTimeline,
+    StepRecord,
+    TimingBatch,
+)
+from kvloom.server.metrics_http import MetricsEndpoint
+
+logger = logging.getLogger(__name__)
+
+# Closed label sets, so a series exists (at 0) before its first event and
+# label cardinality cannot grow with traffic.
+ABORT_SOURCES = ("client_cancel", "deadline", "abort_call")
+FAILURE_REASONS = ("disconnected", "heartbeat_timeout", "step_timeout", "worker_error", "startup")
+
+# vLLM's buckets, extended downwards where a CPU tiny model is faster than a GPU.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0,
+                           15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                           1920.0, 7680.0)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216)
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
+def iteration_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    cands = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    return tuple(b for b in cands if b <= max_num_batched_tokens) or (1,)
+
+
+class ControlPlaneMetrics:
+    def __init__(self, config: ControlPlaneConfig, engine, executor):
+        # _created samples would double every counter/histogram for no reader.
+        prometheus_client.disable_created_metrics()
+        self.config = config
+        self.model_name = config.model.served_model_name
+        self.registry = CollectorRegistry()
+        self._timeline = RequestTimeline()
+        self._deltas = CounterDeltas()
+        self._endpoint = MetricsEndpoint(self.registry)
+        self.last_output_forward_s = 0.0
+        self._build(config)
+        self.registry.register(_ScrapeCollector(self, engine, executor))
+
+    def _build(self, config: ControlPlaneConfig) -> None:
+        reg, m = self.registry, self.model_name
+        max_len = config.scheduler.max_model_len
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, ["model_name"], registry=reg).labels(m)
+
+        def hist(name: str, doc: str, buckets, extra: tuple[str, ...] = ()):
+            return Histogram(name, doc, ["model_name", *extra], buckets=buckets, registry=reg)
+
+        self.prompt_tokens = counter("kvloom_prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("kvloom_generation_tokens", "Generation tokens produced.")
+        self.prefix_queries = counter(
+            "kvloom_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter(
+            "kvloom_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("kvloom_num_preemptions", "Preemptions by recompute.")
+        success = Counter("kvloom_request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=reg)
+        self.success = {r: success.labels(m, r) for r in FINISH_REASONS}
+        aborted = Counter("kvloom_requests_aborted", "Requests aborted before finishing, by "
+                          "who asked.", ["model_name", "source"], registry=reg)
+        self.aborted = {s: aborted.labels(m, s) for s in ABORT_SOURCES}
+        self.grpc_requests = Counter(
+            "kvloom_grpc_requests", "Client API calls by method and status code.",
+            ["model_name", "method", "code"], registry=reg)
+
+        self.ttft = hist("kvloom_time_to_first_token_seconds",
+                         "Arrival to first token.", TTFT_BUCKETS).labels(m)
+        self.itl = hist("kvloom_inter_token_latency_seconds",
+                        "Time between a request's consecutive token steps.", ITL_BUCKETS).labels(m)
+        self.e2e = self._request_hist("kvloom_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = self._request_hist("kvloom_request_queue_time_seconds",
+                                        "Arrival to first scheduled.")
+        self.prefill = self._request_hist("kvloom_request_prefill_time_seconds",
+                                          "First scheduled to first token.")
+        self.decode = self._request_hist("kvloom_request_decode_time_seconds",
+                                         "First token to last token.")
+        self.inference = self._request_hist("kvloom_request_inference_time_seconds",
+                                            "First scheduled to last token.")
+        self.req_prompt = hist("kvloom_request_prompt_tokens", "Prompt length of finished "
+                               "requests.", one_two_five_buckets(max_len)).labels(m)
+        self.req_generation = hist("kvloom_request_generation_tokens", "Tokens generated by "
+                                   "finished requests.", one_two_five_buckets(max_len)).labels(m)
+        # vLLM calls this vllm:iteration_tokens_total; a histogram may not end
+        # in _total under Prometheus naming rules (promtool rejects it).
+        self.iteration_tokens = hist(
+            "kvloom_iteration_tokens", "Tokens scheduled per engine step.",
+            iteration_buckets(config.scheduler.max_num_batched_tokens)).labels(m)
+        self.round_trip = hist("kvloom_step_round_trip_seconds", "Executor broadcast of a step "
+                               "to the output rank's reply.", STEP_BUCKETS).labels(m)
+        self.scheduler_time = hist("kvloom_step_scheduler_time_seconds", "schedule() plus "
+                                   "update_from_output() per step.", STEP_BUCKETS).labels(m)
+        self.step_bytes = hist("kvloom_step_broadcast_bytes", "Serialized SchedulerOutput per "
+                               "step (the same bytes go to every rank).", BYTES_BUCKETS).labels(m)
+        self.output_forward = hist(
+            "kvloom_output_rank_forward_time_seconds", "Forward pass + sampling per step as "
+            "reported by the output rank.", STEP_BUCKETS, ("rank",)
+        ).labels(m, str(config.parallel.output_rank))
+
+    def _request_hist(self, name: str, doc: str):
+        return Histogram(name, doc, ["model_name"], buckets=REQUEST_LATENCY_BUCKETS,
+                         registry=self.registry).labels(self.model_name)
+
+    # ---- fed on the asyncio loop ----------------------------------------
+
+    def observe(self, outputs: list[EngineCoreOutput], record: StepRecord | None) -> None:
+        """One step's record and outputs, or out-of-step outputs (aborts, errors)."""
+        if record is None:
+            self._observe_timing(self._timeline.on_outputs(outputs, time.monotonic()))
+            return
+        self._observe_timing(self._timeline.on_step(record, outputs))
+        self.iteration_tokens.observe(record.num_scheduled_tokens)
+        self.scheduler_time.observe(record.scheduler_time_s)
+        self.round_trip.observe(record.round_trip_s)
+        self.step_bytes.observe(record.step_bytes)
+        self.output_forward.observe(record.forward_time_s)
+        self.last_output_forward_s = record.forward_time_s
+        if record.stats is not None:
+            d = self._deltas.update(record.generation, record.stats)
+            self.prefix_queries.inc(d.prefix_cache_queries)
+            self.prefix_hits.inc(d.prefix_cache_hits)
+            self.preemptions.inc(d.num_preemptions)
+
+    def _observe_timing(self, batch: TimingBatch) -> None:
+        if batch.prompt_tokens:
+            self.prompt_tokens.inc(batch.prompt_tokens)
+        if batch.generation_tokens:
+            self.generation_tokens.inc(batch.generation_tokens)
+        for v in batch.ttft_s:
+            self.ttft.observe(v)
+        for v in batch.itl_s:
+            self.itl.observe(v)
+        for done in batch.finished:
+            self.success[done.finished_reason].inc()
+            self.req_prompt.observe(done.num_prompt_tokens)
+            self.req_generation.observe(done.num_generation_tokens)
+            for hist, value in ((self.e2e, done.e2e_s), (self.queue, done.queue_s),
+                                (self.prefill, done.prefill_s), (self.decode, done.decode_s),
+                                (self.inference, done.inference_s)):
+                if value is not None:
+                    hist.observe(value)
+
+    def request_aborted(self, source: str, n: int = 1) -> None:
+        self.aborted[source].inc(n)
+
+    def grpc_request(self, method: str, code: str) -> None:
+        self.grpc_requests.labels(self.model_name, method, code).inc()
+
+    # ---- exposition ------------------------------------------------------
+
+    def serve(self, host: str, port: int) -> None:
+        self._endpoint.serve(host, port)
+
+    def close(self) -> None:
+        self._endpoint.close()
+
+
+class _ScrapeCollector:
+    """Gauges read from live state at scrape time (HTTP thread; reads only)."""
+
+    def __init__(self, metrics: ControlPlaneMetrics, engine, executor):
+        self.metrics = metrics
+        self.engine = engine
+        self.executor = executor
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.metrics.model_name
+        yield from self._scheduler_gauges(m)
+        yield self._cache_config_info(m)
+        yield from self._worker_metrics(m)
+
+    def _scheduler_gauges(self, m: str) -> Iterable[Metric]:
+        stats = self.engine.last_stats if self.engine.scheduler is not None else None
+        for name, doc, value in (
+            ("kvloom_num_requests_running", "Requests in the running batch.",
+             stats.num_running_reqs if stats else 0),
+            ("kvloom_num_requests_waiting", "Requests waiting to be scheduled.",
+             stats.num_waiting_reqs if stats else 0),
+            ("kvloom_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+             stats.kv_cache_usage if stats else 0.0),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([m], value)
+            yield g
+
+    def _cache_config_info(self, m: str) -> Metric:
+        cache = self.metrics.config.cache
+        labels = {
+            "model_name": m,
+            "block_size": str(cache.block_size),
+            "num_gpu_blocks": str(self.executor.num_gpu_blocks),
+            "num_gpu_blocks_override": str(cache.num_gpu_blocks_override or 0),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes),
+        }
+        g = GaugeMetricFamily("kvloom_cache_config_info", "KV cache configuration.",
+                              labels=list(labels))
+        g.add_metric(list(labels.values()), 1.0)
+        return g
+
+    def _worker_metrics(self, m: str) -> Iterable[Metric]:
+        ex = self.executor
+        handles = dict(ex.handles)  # one atomic copy; the loop may replace it
+        now = time.monotonic()
+        output_rank = ex.parallel.output_rank
+        up = GaugeMetricFamily("kvloom_worker_up", "1 while the rank's stream is attached.",
+                               labels=["model_name", "rank"])
+        age = GaugeMetricFamily("kvloom_worker_heartbeat_age_seconds", "Seconds since the rank "
+                                "last sent anything.", labels=["model_name", "rank"])
+        fwd = GaugeMetricFamily("kvloom_worker_last_forward_time_seconds", "The rank's latest "
+                                "forward pass (heartbeat; step reply for the output rank).",
+                                labels=["model_name", "rank"])
+        for rank in range(ex.parallel.world_size):
+            handle = handles.get(rank)
+            up.add_metric([m, str(rank)], 1.0 if handle is not None else 0.0)
+            if handle is None:
+                continue
+            age.add_metric([m, str(rank)], max(0.0, now - handle.last_seen))
+            last = (self.metrics.last_output_forward_s if rank == output_rank
+                    else handle.last_forward_time_s)
+            fwd.add_metric([m, str(rank)], last)
+        ready = GaugeMetricFamily("kvloom_worker_group_ready", "1 while the worker group "
+                                  "serves steps.", labels=["model_name"])
+        ready.add_metric([m], 1.0 if ex.state == "ready" else 0.0)
+        failures = CounterMetricFamily("kvloom_worker_failures", "Worker group failures by "
+                                       "reason.", labels=["model_name", "reason"])
+        counts = dict(ex.failure_counts)
+        for reason in FAILURE_REASONS:
+            failures.add_metric([m, reason], counts.get(reason, 0))
+        yield from (up, age, fwd, ready, failures)

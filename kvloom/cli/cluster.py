@@ -1,0 +1,157 @@
+"""The `kvloom up`, `down` and `run` commands: local clusters via kvloom.cli.launcher.
+
+`up` runs a cluster in the foreground (or with --detach in the background,
+recorded in a state file for `down`); `run` starts one, sends one chat
+message through it and stops it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvloom.cli import launcher
+from kvloom.cli.generate import EXIT_FAILURE, chat_turns, complete
+from kvloom.client import KvloomClient, KvloomError
+
+
+def add_cluster_args(parser: argparse.ArgumentParser, default_pp: int) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint dir; default: SmolLM2-135M")
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "--pp", type=int, default=default_pp)
+    parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
+    parser.add_argument("--port", type=int, default=0, help="client API port; 0 = free port")
+    parser.add_argument("--worker-port", type=int, default=0)
+    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--worker-metrics-port", type=int, default=0,
+                        help="rank R serves /metrics on this + R; 0 = free ports")
+    parser.add_argument("--auth-token", default=None,
+                        help="shared secret for the controlplane and every worker")
+    parser.add_argument("--worker-threads", type=int, default=None, help="torch threads/rank")
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+
+
+def cluster_spec(args: argparse.Namespace) -> launcher.ClusterSpec:
+    return launcher.ClusterSpec(
+        model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        host=args.host,
+        port=args.port,
+        worker_port=args.worker_port,
+        metrics_port=args.metrics_port,
+        worker_metrics_port=args.worker_metrics_port,
+        auth_token=args.auth_token,
+        worker_threads=args.worker_threads,
+        controlplane_args=args.controlplane_args,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    state_file = args.state_file or launcher.default_state_file()
+    refuse_if_running(state_file)
+    log_dir = state_file.parent / "logs" if args.detach else None
+    cluster = launcher.Cluster(cluster_spec_for_launch(args), log_dir=log_dir)
+    start_and_wait(cluster, args.ready_timeout)
+    if not args.detach:
+        return serve_foreground(cluster, state_file)
+    cluster.state().save(state_file)
+    print_endpoints(cluster)
+    print(f"kvloom: logs in {log_dir}; stop with `kvloom down`", file=sys.stderr)
+    return 0
+
+
+def serve_foreground(cluster: launcher.Cluster, state_file: Path) -> int:
+    """Run until Ctrl-C/SIGTERM (exit 0) or until a daemon dies (ClusterError)."""
+    try:
+        cluster.state().save(state_file)  # lets `kvloom down` stop us from elsewhere
+        print_endpoints(cluster)
+        print("kvloom: press Ctrl-C to stop", file=sys.stderr)
+        cluster.monitor()
+    except (KeyboardInterrupt, launcher.Terminated):
+        print("kvloom: stopping", file=sys.stderr)
+        return 0  # the normal way to end `up`
+    finally:
+        cluster.stop()
+        state_file.unlink(missing_ok=True)
+    return EXIT_FAILURE  # unreachable: monitor() only returns by raising
+
+
+def print_endpoints(cluster: launcher.Cluster) -> None:
+    print(f"kvloom: API (gRPC) at {cluster.api_address}", file=sys.stderr)
+    print(f"kvloom: metrics at {cluster.metrics_address}", file=sys.stderr)
+    for rank, address in enumerate(cluster.worker_metrics_addresses):
+        print(f"kvloom: rank {rank} metrics at {address}", file=sys.stderr)
+
+
+def refuse_if_running(state_file: Path) -> None:
+    if not state_file.exists():
+        return
+    state = launcher.ClusterState.load(state_file)
+    if launcher.running_processes(state):
+        raise launcher.ClusterError(
+            f"a cluster is already running (API {state.api}, state {state_file}); "
+            "stop it with `kvloom down` or pass another --state-file"
+        )
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state_file = args.state_file or launcher.default_state_file()
+    if not state_file.exists():
+        print(f"kvloom: no cluster recorded in {state_file}", file=sys.stderr)
+        return EXIT_FAILURE
+    state = launcher.ClusterState.load(state_file)
+    killed = launcher.stop_detached(state, grace=args.grace)
+    state_file.unlink(missing_ok=True)
+    note = f" (SIGKILLed: {', '.join(killed)})" if killed else ""
+    print(f"kvloom: stopped the cluster at {state.api}{note}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
+    cluster = launcher.Cluster(cluster_spec_for_launch(args), log_sink=sink)
+    try:
+        start_and_wait(cluster, args.ready_timeout)
+        with KvloomClient(cluster.api_address) as client:
+            try:
+                return complete(client, chat_turns(args.message, args.system), args)
+            except KvloomError:
+                # A dead daemon explains a failed stream better than the RPC status.
+                cluster.check_alive(phase="while generating")
+                raise
+    finally:
+        cluster.stop()
+        if sink is not sys.stderr:
+            sink.close()
+
+
+def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
+    if args.model is None:
+        # Converted here (first run only) so the daemons start from a ready dir.
+        print("kvloom: preparing the default model (SmolLM2-135M-Instruct)", file=sys.stderr)
+        from kvloom.server.default_model import default_model_dir
+
+        args.model = default_model_dir()
+    return cluster_spec(args)
+
+
+def start_and_wait(cluster: launcher.Cluster, timeout: float) -> None:
+    spec = cluster.spec
+    print(
+        f"kvloom: starting controlplane + {spec.world_size} worker(s) "
+        f"(tp={spec.tensor_parallel_size}, pp={spec.pipeline_parallel_size}) "
+        f"for {spec.model}",
+        file=sys.stderr,
+    )
+    started = time.monotonic()
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout)
+    except BaseException:
+        cluster.stop()
+        raise
+    print(f"kvloom: ready after {time.monotonic() - started:.1f}s", file=sys.stderr)

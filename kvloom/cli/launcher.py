@@ -1,0 +1,373 @@
+"""Local cluster launcher: one controlplane and T*P workerd child processes.
+
+Used by `kvloom up`, `kvloom run` and the serving benchmark's --launch mode.
+`Cluster.start()` picks free ports (the API, the worker port, the
+controlplane's /metrics and one /metrics per rank), spawns
+`python -m controlplane` and one `python -m workerd --rank R` per rank
+(the cluster's auth token, if any, in their environment), and relays their
+output with a "[controlplane] " / "[rank R] " prefix; `wait_ready()` polls the grpc health
+service "kvloom.v1.Generation" until SERVING, failing fast (with the dead
+process's last log lines) if a child exits first; `stop()` sends SIGTERM and
+SIGKILLs whatever outlives the grace period.
+
+Foreground children share a process group of their own (so a terminal
+Ctrl-C reaches only the launcher, which then stops them in order) and, on
+Linux, get PR_SET_PDEATHSIG so a SIGKILLed launcher leaves no orphans.
+Detached children (`kvloom up --detach`) get their own session and log files
+instead; their pids go into a state file that `kvloom down` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, closing, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, NamedTuple
+
+from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
+from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+
+TAIL_LINES = 40
+
+
+class ClusterError(RuntimeError):
+    """The local cluster failed to start or stop."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to launch. Ports left at 0 are picked free on the host."""
+
+    model: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_port: int = 0
+    metrics_port: int = 0
+    # Rank r serves its /metrics on worker_metrics_port + r; 0 = free ports.
+    worker_metrics_port: int = 0
+    # Shared secret workers present to the controlplane; None = inherit
+    # KVLOOM_AUTH_TOKEN from this process's environment, if set.
+    auth_token: str | None = None
+    # Threads per worker for torch; None = the CPU count shared among ranks.
+    worker_threads: int | None = None
+    controlplane_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class ClusterState:
+    """What `kvloom down` needs to find a detached cluster again."""
+
+    api: str
+    metrics: str
+    worker_port: int
+    model: str
+    # name -> [pid, start time in clock ticks]; the start time tells our
+    # process apart from an unrelated one that reused its pid.
+    processes: dict[str, list[int]] = field(default_factory=dict)
+    log_dir: str = ""
+    # Per rank, in rank order.
+    worker_metrics: list[str] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> ClusterState:
+        return cls(**json.loads(path.read_text()))
+
+
+def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports free right now; all sockets stay open until every port is chosen."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+class Ports(NamedTuple):
+    """Every port of a cluster; the first three index like the old 3-tuple."""
+
+    api: int
+    worker: int
+    metrics: int
+    worker_metrics: tuple[int, ...] = ()
+
+
+def resolve_ports(spec: ClusterSpec) -> Ports:
+    """The spec's ports with every 0 replaced by a distinct free port."""
+    wanted = [spec.port, spec.worker_port, spec.metrics_port]
+    base = spec.worker_metrics_port
+    wanted += [base + r if base else 0 for r in range(spec.world_size)]
+    free = iter(pick_free_ports(wanted.count(0), spec.host))
+    resolved = [p or next(free) for p in wanted]
+    return Ports(*resolved[:3], worker_metrics=tuple(resolved[3:]))
+
+
+def connect_host(host: str) -> str:
+    # A wildcard bind address is not something a client can dial.
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[str]:
+    port, worker_port, metrics_port = ports[:3]
+    return [
+        spec.python, "-m", "controlplane",
+        "--model", model,
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--pipeline-parallel-size", str(spec.pipeline_parallel_size),
+        "--host", spec.host,
+        "--port", str(port),
+        "--worker-port", str(worker_port),
+        "--metrics-port", str(metrics_port),
+        *spec.controlplane_args,
+    ]
+
+
+def workerd_command(
+    spec: ClusterSpec, worker_port: int, rank: int, metrics_port: int = 0
+) -> list[str]:
+    threads = spec.worker_threads or max(1, (os.cpu_count() or 1) // spec.world_size)
+    argv = [
+        spec.python, "-m", "workerd",
+        "--controlplane", f"{connect_host(spec.host)}:{worker_port}",
+        "--rank", str(rank),
+        "--num-threads", str(threads),
+    ]
+    if metrics_port:
+        # Bound like the API: loopback stays loopback, a wildcard stays reachable.
+        argv += ["--metrics-port", str(metrics_port), "--metrics-host", spec.host]
+    return argv
+
+
+def child_env(spec: ClusterSpec) -> dict[str, str]:
+    """The daemons' environment. The auth token travels here rather than in
+    argv, where any local user could read it from /proc/PID/cmdline."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if spec.auth_token is not None:
+        env["KVLOOM_AUTH_TOKEN"] = spec.auth_token
+    return env
+
+
+def relay_lines(
+    stream: Iterable[bytes], prefix: str, sink: IO[str], tail: deque[str], lock: threading.Lock
+) -> None:
+    """Copy a child's output line by line to sink with a prefix, keeping the last lines."""
+    for raw in stream:
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        tail.append(line)
+        with lock:  # one writer at a time, so lines of different ranks never interleave
+            sink.write(f"{prefix}{line}\n")
+            sink.flush()
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    log_path: Path | None = None
+
+    def last_lines(self) -> list[str]:
+        if self.log_path is not None and self.log_path.exists():
+            lines = self.log_path.read_text(errors="replace").splitlines()
+            return lines[-TAIL_LINES:]
+        return list(self.tail)
+
+
+class Cluster:
+    """A controlplane and its workers as children of this process."""
+
+    def __init__(
+        self, spec: ClusterSpec, *, log_sink: IO[str] | None = None, log_dir: Path | None = None
+    ):
+        self.spec = spec
+        self.log_sink = log_sink if log_sink is not None else sys.stderr
+        # With a log_dir the children write files and outlive us (detached mode).
+        self.log_dir = log_dir
+        self.processes: list[ManagedProcess] = []
+        self.model = ""
+        self.ports = Ports(0, 0, 0)
+        self._lock = threading.Lock()
+
+    @property
+    def api_address(self) -> str:
+        return f"{connect_host(self.spec.host)}:{self.ports[0]}"
+
+    @property
+    def metrics_address(self) -> str:
+        return f"http://{connect_host(self.spec.host)}:{self.ports.metrics}/metrics"
+
+    @property
+    def worker_metrics_addresses(self) -> list[str]:
+        """Each rank's /metrics URL, in rank order."""
+        host = connect_host(self.spec.host)
+        return [f"http://{host}:{port}/metrics" for port in self.ports.worker_metrics]
+
+    def start(self) -> None:
+        """Spawn the controlplane and every rank, then relay their logs."""
+        self.model = self.spec.model or _default_model()
+        self.ports = resolve_ports(self.spec)
+        self._spawn("controlplane", controlplane_command(self.spec, self.model, self.ports))
+        for rank in range(self.spec.world_size):
+            argv = workerd_command(
+                self.spec, self.ports.worker, rank, self.ports.worker_metrics[rank]
+            )
+            self._spawn(f"rank {rank}", argv)
+        if self.log_dir is None:
+            for proc in self.processes:
+                self._start_relay(proc)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        kwargs: dict = {"stdin": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
+        log_path = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / (name.replace(" ", "") + ".log")
+            kwargs["stdout"] = open(log_path, "ab")  # noqa: SIM115 - the child owns it
+            kwargs["start_new_session"] = True
+        else:
+            kwargs["stdout"] = subprocess.PIPE
+            # Join the group of the first child; 0 makes the controlplane its leader.
+            kwargs["process_group"] = self.processes[0].popen.pid if self.processes else 0
+            argv = with_parent_death_signal(argv, self.spec.python)
+        try:
+            popen = subprocess.Popen(argv, env=child_env(self.spec), **kwargs)
+        finally:
+            if log_path is not None:
+                kwargs["stdout"].close()
+        self.processes.append(ManagedProcess(name, popen, log_path=log_path))
+
+    def _start_relay(self, proc: ManagedProcess) -> None:
+        args = (proc.popen.stdout, f"[{proc.name}] ", self.log_sink, proc.tail, self._lock)
+        threading.Thread(target=relay_lines, args=args, daemon=True).start()
+
+    def check_alive(self, phase: str = "during start-up") -> None:
+        for proc in self.processes:
+            code = proc.popen.poll()
+            if code is not None:
+                raise ClusterError(describe_exit(proc, code, phase))
+
+    def monitor(self, poll_interval: float = 0.5) -> None:
+        """Block while every child runs; raise ClusterError when one exits."""
+        while True:
+            self.check_alive(phase="while serving")
+            time.sleep(poll_interval)
+
+    def wait_ready(self, timeout: float = 600.0, poll_interval: float = 0.5) -> None:
+        """Block until the controlplane reports kvloom.v1.Generation SERVING."""
+        deadline = time.monotonic() + timeout
+        with KvloomClient(self.api_address) as client:
+            while True:
+                self.check_alive()
+                try:
+                    if client.health(READY_SERVICE, timeout=2.0) == "SERVING":
+                        return
+                except KvloomError:
+                    pass  # not listening yet, or still loading
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"cluster not ready after {timeout:.0f}s")
+                time.sleep(poll_interval)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every child, then SIGKILL those still running after `grace` seconds."""
+        stop_pids([(p.name, p.popen.pid) for p in self.processes if p.popen.poll() is None], grace)
+        for proc in self.processes:
+            reap(proc.popen)
+
+    def state(self) -> ClusterState:
+        processes = {}
+        for proc in self.processes:
+            processes[proc.name] = [proc.popen.pid, process_start_time(proc.popen.pid) or 0]
+        return ClusterState(
+            api=self.api_address, metrics=self.metrics_address, worker_port=self.ports[1],
+            model=self.model, processes=processes, log_dir=str(self.log_dir or ""),
+            worker_metrics=self.worker_metrics_addresses,
+        )
+
+    def __enter__(self) -> Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # the processes spawned before the failure
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up") -> str:
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    # Give the relay thread a moment to drain the pipe so the tail is complete.
+    time.sleep(0.2)
+    lines = proc.last_lines()
+    shown = "\n".join(f"  {line}" for line in lines) if lines else "  (no output)"
+    return f"{proc.name} {how} {phase}; its last log lines:\n{shown}"
+
+
+def running_processes(state: ClusterState) -> list[tuple[str, int]]:
+    """(name, pid) of the recorded processes still running, pid reuse excluded."""
+    return [
+        (name, pid)
+        for name, (pid, started) in state.processes.items()
+        if process_start_time(pid) == started and alive(pid)
+    ]
+
+
+def stop_detached(state: ClusterState, grace: float = 10.0) -> list[str]:
+    """Stop a cluster recorded by `kvloom up --detach`; returns names that were SIGKILLed."""
+    return stop_pids(running_processes(state), grace)
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGHUP arrived; raised so `finally` blocks stop the children."""
+
+
+@contextmanager
+def termination_as_exception() -> Iterator[None]:
+    def handler(signum, frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _default_model() -> str:
+    # Resolved here, once, so the conversion (first run only) happens before any
+    # daemon starts instead of racing the controlplane's start-up timeout.
+    from kvloom.server.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def default_state_file() -> Path:
+    from kvloom.server.default_model import cache_root
+
+    return cache_root() / "cluster.json"

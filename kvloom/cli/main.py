@@ -1,0 +1,208 @@
+"""The `kvloom` command: talk to a running cluster, or launch one locally.
+
+    kvloom generate "prompt"      stream a raw completion from --server
+    kvloom chat "message"         the same as a chat turn (server-side chat template)
+    kvloom tokenize "text"        token ids of text (--chat: of a chat turn)
+    kvloom detokenize 1 2 3       text of token ids
+    kvloom info | health          describe / probe the server
+    kvloom up [--detach]          start controlplane + T*P workers here (kvloom.cli.launcher)
+    kvloom down                   stop a cluster started with `up --detach`
+    kvloom run "prompt"           up, chat once, down: the one-command demo
+
+This module parses arguments and dispatches; printing a generation lives in
+kvloom.cli.generate, local clusters in kvloom.cli.cluster, the RPCs in
+kvloom.client. Generated text goes to stdout, everything else (daemon logs,
+progress, logprobs, errors) to stderr, so output pipes cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from kvloom.cli import launcher
+from kvloom.cli.cluster import add_cluster_args, cmd_down, cmd_run, cmd_up
+from kvloom.cli.generate import EXIT_FAILURE, add_generation_args, chat_turns, complete
+from kvloom.client import READY_SERVICE, KvloomClient, KvloomError, default_server
+from kvloom.envargs import EnvArgumentParser
+
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = EnvArgumentParser(prog="kvloom", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="stream a completion of a raw prompt")
+    gen.add_argument("prompt")
+    _add_server_arg(gen)
+    add_generation_args(gen)
+
+    chat = sub.add_parser("chat", help="send one chat message (the server applies the template)")
+    chat.add_argument("message")
+    chat.add_argument("--system", help="system prompt")
+    _add_server_arg(chat)
+    add_generation_args(chat)
+
+    tok = sub.add_parser("tokenize", help="print the token ids of text")
+    tok.add_argument("text")
+    tok.add_argument("--chat", action="store_true", help="tokenize TEXT as a user chat turn")
+    tok.add_argument("--system", help="a system turn first (implies --chat)")
+    tok.add_argument("--special-tokens", action=argparse.BooleanOptionalAction, default=None,
+                     help="add BOS etc. to plain text (server default: yes)")
+    tok.add_argument("--generation-prompt", action=argparse.BooleanOptionalAction,
+                     default=None, help="with --chat: end with the assistant prompt (default)")
+    tok.add_argument("--json", action="store_true", help='print {"token_ids", "text"}')
+    tok.add_argument("-v", "--verbose", action="store_true", help="show the tokenized text")
+    _add_server_arg(tok)
+
+    detok = sub.add_parser("detokenize", help="print the text of token ids")
+    detok.add_argument("ids", nargs="+", type=_token_ids, metavar="IDS",
+                       help="token ids, space or comma separated")
+    detok.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
+                       default=None, help="leave out special tokens (server default: yes)")
+    _add_server_arg(detok)
+
+    info = sub.add_parser("info", help="show the served model and cluster layout")
+    info.add_argument("--json", action="store_true")
+    _add_server_arg(info)
+
+    health = sub.add_parser("health", help="grpc health check; exit 0 when SERVING")
+    health.add_argument("--service", default=None, help=f"default: both '' and {READY_SERVICE}")
+    _add_server_arg(health)
+
+    up = sub.add_parser("up", help="start a local cluster (extra args go to the controlplane)")
+    add_cluster_args(up, default_pp=1)
+    up.add_argument("--detach", action="store_true", help="start in the background and return")
+    up.add_argument("--state-file", type=Path, default=None, help="where pids/ports are kept")
+
+    down = sub.add_parser("down", help="stop a cluster started with `kvloom up --detach`")
+    down.add_argument("--state-file", type=Path, default=None)
+    down.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
+
+    run = sub.add_parser("run", help="start a local cluster, chat once, stop it")
+    run.add_argument("message")
+    run.add_argument("--system", help="system prompt")
+    run.add_argument("--logs", action="store_true", help="show the daemons' logs")
+    add_cluster_args(run, default_pp=2)
+    add_generation_args(run)
+    return parser
+
+
+def _add_server_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default=default_server(), help="controlplane HOST:PORT")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token id list: {text!r}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse argv; for `up` and `run`, unknown options are forwarded to the controlplane."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if extra and args.command not in ("up", "run"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.controlplane_args = tuple(extra)
+    return args
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    with KvloomClient(args.server) as client:
+        return complete(client, args.prompt, args)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    with KvloomClient(args.server) as client:
+        return complete(client, chat_turns(args.message, args.system), args)
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    chat = args.chat or args.system is not None
+    prompt = chat_turns(args.text, args.system) if chat else args.text
+    with KvloomClient(args.server) as client:
+        ids, text = client.tokenize(
+            prompt, add_special_tokens=args.special_tokens,
+            add_generation_prompt=args.generation_prompt,
+        )
+    if args.json:
+        print(json.dumps({"token_ids": ids, "text": text}, ensure_ascii=False))
+    else:
+        print(" ".join(map(str, ids)))
+    if args.verbose:
+        print(f"[{len(ids)} tokens of {text!r}]", file=sys.stderr)
+    return 0
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    ids = [i for group in args.ids for i in group]
+    with KvloomClient(args.server) as client:
+        print(client.detokenize(ids, skip_special_tokens=args.skip_special_tokens))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with KvloomClient(args.server) as client:
+        model, server = client.model_info(), client.server_info()
+    if args.json:
+        doc = {"server": args.server, "model": dataclasses.asdict(model),
+               "server_info": dataclasses.asdict(server)}
+        print(json.dumps(doc, ensure_ascii=False, indent=2))
+        return 0
+    print(f"{'server':<24} {args.server}")
+    for name, value in {**vars(model), **vars(server)}.items():
+        if name == "special_tokens":
+            value = ", ".join(f"{text}={tid}" for text, tid in value.items()) or "(none)"
+        elif value is None:
+            value = "(none)"
+        print(f"{name:<24} {value}")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    services = [args.service] if args.service is not None else ["", READY_SERVICE]
+    healthy = True
+    with KvloomClient(args.server) as client:
+        for service in services:
+            status = client.health(service)
+            healthy = healthy and status == "SERVING"
+            print(f"{service or '(server)':<24} {status}")
+    return 0 if healthy else EXIT_FAILURE
+
+
+HANDLERS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "tokenize": cmd_tokenize,
+    "detokenize": cmd_detokenize,
+    "info": cmd_info,
+    "health": cmd_health,
+    "up": cmd_up,
+    "down": cmd_down,
+    "run": cmd_run,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        with launcher.termination_as_exception():
+            return HANDLERS[args.command](args)
+    except (KvloomError, launcher.ClusterError) as exc:
+        print(f"kvloom: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except (KeyboardInterrupt, launcher.Terminated):
+        print("kvloom: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

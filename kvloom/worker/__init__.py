@@ -1,0 +1,1 @@
+"""The controlplane <-> workerd protocol (internal; not part of the client API)."""

@@ -1,0 +1,86 @@
+"""Request validation names the bad field; good requests resolve to defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from controlplane.api.validation import InvalidRequest, Limits, validate
+from kvloom.v1 import generation_pb2 as pb
+
+LIMITS = Limits(vocab_size=100, max_model_len=64)
+
+
+class _Tok:
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+
+def _req(**sampling):
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=pb.SamplingParams(**sampling)
+    )
+
+
+def test_defaults():
+    v = validate(_req(), _Tok(), LIMITS)
+    prompt, params = v.prompt_token_ids, v.params
+    assert prompt == [1, 2, 3]
+    assert (v.n, v.stream, v.stream_interval) == (1, True, 1)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, 0, 16)
+    assert params.seed is None and not params.ignore_eos
+
+
+def test_explicit_zero_temperature_is_greedy_not_default():
+    assert validate(_req(temperature=0.0), _Tok(), LIMITS).params.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (_req(temperature=-1.0), "temperature"),
+        (_req(temperature=math.nan), "temperature"),
+        (_req(top_p=0.0), "top_p"),
+        (_req(top_p=1.5), "top_p"),
+        (_req(top_k=-2), "top_k"),
+        (_req(max_tokens=0), "max_tokens"),
+        (_req(max_tokens=62), "max model length"),
+        (_req(stop_token_ids=[100]), "stop_token_ids"),
+        (pb.GenerateRequest(), "prompt is missing"),
+        (pb.GenerateRequest(text=""), "text is empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids.ids is empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 100])), "outside the vocabulary"),
+        (pb.GenerateRequest(request_id="x" * 300, text="hi"), "request_id"),
+    ],
+)
+def test_bad_fields_are_named(request_, field):
+    with pytest.raises(InvalidRequest, match=field):
+        validate(request_, _Tok(), LIMITS)
+
+
+def test_text_prompt_is_tokenized():
+    assert validate(pb.GenerateRequest(text="ab"), _Tok(), LIMITS).prompt_token_ids == [97, 98]
+
+
+def test_model_generation_config_supplies_defaults_for_unset_knobs():
+    limits = Limits(vocab_size=100, max_model_len=64,
+                    sampling_defaults=(("temperature", 0.2), ("top_p", 0.9), ("top_k", 20)))
+    params = validate(_req(), _Tok(), limits).params
+    assert (params.temperature, params.top_p, params.top_k) == (pytest.approx(0.2), 0.9, 20)
+    explicit = validate(_req(temperature=0.0, top_k=0), _Tok(), limits).params
+    assert (explicit.temperature, explicit.top_k) == (0.0, 0)
+
+
+def test_read_model_info_takes_sampling_defaults(tmp_path):
+    import json
+
+    from controlplane.model_info import read_model_info
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"vocab_size": 10, "eos_token_id": 1, "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [1, 2], "temperature": 0.2, "top_p": 0.9, "do_sample": True}))
+    info = read_model_info(str(tmp_path))
+    assert info.eos_token_ids == {1, 2}
+    assert dict(info.sampling_defaults) == {"temperature": 0.2, "top_p": 0.9}

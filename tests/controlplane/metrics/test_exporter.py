@@ -1,0 +1,169 @@
+"""Metrics logic from fabricated timestamps: per-request timelines (queue,
+prefill, decode, TTFT, ITL, e2e), counter deltas across scheduler restarts,
+and the controlplane registry's exposition (values, labels, scrape-time
+worker gauges) without any process or network."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.config import ControlPlaneConfig, ModelConfig, ParallelConfig
+from controlplane.core.outputs import EngineCoreOutput
+from controlplane.core.request import FinishReason
+from controlplane.core.sched_stats import SchedulerStats
+from controlplane.executor.grpc_executor import WorkerHandle
+from controlplane.metrics.exporter import ControlPlaneMetrics, one_two_five_buckets
+from controlplane.metrics.records import CounterDeltas, RequestTimeline, StepRecord
+
+
+def record(t: float, scheduled_new=(), *, tokens=1, stats=None, generation=1) -> StepRecord:
+    """A step that schedules at t and ends at t + 0.1."""
+    return StepRecord(generation, t - 0.01, t, t + 0.09, t + 0.1, tokens,
+                      list(scheduled_new), forward_time_s=0.05, stats=stats,
+                      round_trip_s=0.08, step_bytes=100)
+
+
+def out(req_id: str, n: int = 1, reason: FinishReason | None = None, prompt: int = 7,
+        generated: int = 0) -> EngineCoreOutput:
+    return EngineCoreOutput(req_id, list(range(n)), reason, None, prompt, generated)
+
+
+def test_timeline_phases_from_fabricated_timestamps():
+    tl = RequestTimeline()
+    # Arrives at 10.0, scheduled at 10.5 (step ends 10.6 with its first token).
+    b1 = tl.on_step(record(10.5, [("a", 10.0)]), [out("a")])
+    assert b1.prompt_tokens == 7 and b1.generation_tokens == 1
+    assert b1.ttft_s == [pytest.approx(0.6)] and b1.itl_s == []
+    b2 = tl.on_step(record(11.0), [out("a")])
+    assert b2.prompt_tokens == 0 and b2.itl_s == [pytest.approx(0.5)]
+    b3 = tl.on_step(record(11.3), [out("a", reason=FinishReason.LENGTH, generated=3)])
+    assert b3.itl_s == [pytest.approx(0.3)]
+    [done] = b3.finished
+    assert done.finished_reason == "length"
+    assert (done.num_prompt_tokens, done.num_generation_tokens) == (7, 3)
+    assert done.queue_s == pytest.approx(0.5)
+    assert done.prefill_s == pytest.approx(0.1)
+    assert done.decode_s == pytest.approx(0.8)
+    assert done.inference_s == pytest.approx(0.9)
+    assert done.e2e_s == pytest.approx(1.4)
+    assert len(tl) == 0
+
+
+def test_partial_prefill_and_reschedule_keep_first_times():
+    tl = RequestTimeline()
+    tl.on_step(record(1.0, [("a", 0.5)]), [])  # a prefill chunk: no token yet
+    # Sent as new again (e.g. the group was replaced): first scheduled stays 1.0.
+    b = tl.on_step(record(2.0, [("a", 0.5)]), [out("a", 2)])
+    assert b.ttft_s == [pytest.approx(1.6)] and b.generation_tokens == 2
+    [done] = tl.on_outputs([out("a", 0, FinishReason.STOP, generated=2)], now=3.0).finished
+    assert done.queue_s == pytest.approx(0.5)
+    assert done.prefill_s == pytest.approx(1.1)
+    assert done.decode_s == 0.0 and done.e2e_s == pytest.approx(2.5)
+
+
+def test_abort_before_scheduling_has_no_durations():
+    tl = RequestTimeline()
+    [done] = tl.on_outputs([out("x", 0, FinishReason.ABORT)], now=5.0).finished
+    assert done.finished_reason == "abort"
+    assert (done.e2e_s, done.queue_s, done.prefill_s, done.decode_s) == (None,) * 4
+
+
+def test_abort_after_scheduling_has_queue_and_e2e_only():
+    tl = RequestTimeline()
+    tl.on_step(record(1.0, [("x", 0.2)]), [])
+    [done] = tl.on_outputs([out("x", 0, FinishReason.ABORT)], now=4.0).finished
+    assert done.queue_s == pytest.approx(0.8) and done.e2e_s == pytest.approx(3.8)
+    assert done.prefill_s is None and done.decode_s is None
+
+
+def test_counter_deltas_survive_scheduler_restart():
+    d = CounterDeltas()
+    s = SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1)
+    assert d.update(1, s).prefix_cache_queries == 10
+    s2 = SchedulerStats(prefix_cache_queries=15, prefix_cache_hits=4, num_preemptions=1)
+    delta = d.update(1, s2)
+    assert (delta.prefix_cache_queries, delta.prefix_cache_hits, delta.num_preemptions) == (5, 0, 0)
+    # A new scheduler counts from zero again: its first values are all new.
+    s3 = SchedulerStats(prefix_cache_queries=3, prefix_cache_hits=2, num_preemptions=0)
+    delta = d.update(2, s3)
+    assert (delta.prefix_cache_queries, delta.prefix_cache_hits) == (3, 2)
+
+
+def test_one_two_five_buckets():
+    assert one_two_five_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+def _samples(registry) -> dict[tuple[str, frozenset], float]:
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _get(samples, name: str, **labels) -> float:
+    want = {"model_name": "tiny", **labels}
+    return samples[(name, frozenset(want.items()))]
+
+
+@pytest.fixture
+def metrics():
+    config = ControlPlaneConfig(
+        model=ModelConfig(model="/m/tiny", served_model_name="tiny", worker_model_path="/m"),
+        parallel=ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2),
+    )
+    stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
+                           prefix_cache_queries=40, prefix_cache_hits=16)
+    engine = SimpleNamespace(scheduler=object(), last_stats=stats)
+    h0 = WorkerHandle(rank=0, host="h", device="cpu", dist_port=1, pid=1)
+    h0.last_seen = time.monotonic() - 3.0
+    h0.last_forward_time_s = 0.02
+    executor = SimpleNamespace(
+        handles={0: h0}, parallel=config.parallel, state="ready", num_gpu_blocks=64,
+        failure_counts={"heartbeat_timeout": 2})
+    return ControlPlaneMetrics(config, engine, executor), stats, engine
+
+
+def test_registry_exposes_step_and_request_metrics(metrics):
+    m, stats, _ = metrics
+    m.observe([out("a")], record(1.0, [("a", 0.5)], tokens=7, stats=stats))
+    m.observe([out("a", reason=FinishReason.LENGTH, generated=2)], record(2.0, tokens=1,
+                                                                         stats=stats))
+    m.request_aborted("deadline")
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_prompt_tokens_total") == 7
+    assert _get(s, "kvloom_generation_tokens_total") == 2
+    assert _get(s, "kvloom_request_success_total", finished_reason="length") == 1
+    assert _get(s, "kvloom_request_success_total", finished_reason="stop") == 0
+    assert _get(s, "kvloom_requests_aborted_total", source="deadline") == 1
+    assert _get(s, "kvloom_prefix_cache_queries_total") == 40  # not counted twice
+    assert _get(s, "kvloom_time_to_first_token_seconds_sum") == pytest.approx(0.6)
+    assert _get(s, "kvloom_inter_token_latency_seconds_count") == 1
+    assert _get(s, "kvloom_iteration_tokens_sum") == 8
+    assert _get(s, "kvloom_step_broadcast_bytes_sum") == 200
+    assert _get(s, "kvloom_output_rank_forward_time_seconds_count", rank="1") == 2
+    assert _get(s, "kvloom_step_scheduler_time_seconds_sum") == pytest.approx(0.04)
+    # Scrape-time gauges.
+    assert _get(s, "kvloom_num_requests_running") == 3
+    assert _get(s, "kvloom_kv_cache_usage_perc") == 0.25
+    assert _get(s, "kvloom_worker_up", rank="0") == 1
+    assert _get(s, "kvloom_worker_up", rank="1") == 0
+    assert 3.0 <= _get(s, "kvloom_worker_heartbeat_age_seconds", rank="0") < 10
+    assert _get(s, "kvloom_worker_last_forward_time_seconds", rank="0") == 0.02
+    assert _get(s, "kvloom_worker_failures_total", reason="heartbeat_timeout") == 2
+    assert _get(s, "kvloom_worker_failures_total", reason="step_timeout") == 0
+    assert all(dict(labels).get("model_name") == "tiny" for _, labels in s)
+
+
+def test_gauges_drop_to_zero_without_a_scheduler(metrics):
+    m, _, engine = metrics
+    engine.scheduler = None  # the group failed
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_num_requests_running") == 0
+    assert _get(s, "kvloom_kv_cache_usage_perc") == 0

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvloom/v1/generation.proto\x12\tkvloom.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xec\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvloom.v1.ChatMessage\"\xa9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvloom.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x08 \x01(\x0b\x32\x17.kvloom.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvloom.v1.SamplingParams\x12\x13\n\x06stream\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x08\n\x06promptB\t\n\x07_streamB\x12\n\x10_stream_interval\"\xdb\x01\n\nFinishInfo\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvloom.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08stop_str\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\tB\x10\n\x0e_stop_token_idB\x0b\n\t_stop_str\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"m\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12\"\n\x03top\x18\x05 \x03(\x0b\x32\x15.kvloom.v1.TopLogprob\"g\n\nPromptInfo\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12+\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x12.kvloom.v1.Logprob\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x15.kvloom.v1.FinishInfo\x12\r\n\x05index\x18\x05 \x01(\r\x12*\n\x0bprompt_info\x18\x06 \x01(\x0b\x32\x15.kvloom.v1.PromptInfo\x12$\n\x08logprobs\x18\x07 \x03(\x0b\x32\x12.kvloom.v1.Logprob\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x83\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12/\n\x0especial_tokens\x18\x08 \x03(\x0b\x32\x17.kvloom.v1.SpecialToken\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x42\x0f\n\r_bos_token_id\"+\n\x0cSpecialToken\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\r\"\xcd\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.kvloom.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xce\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\r\x12\x1a\n\x12num_ranks_attached\x18\t \x01(\r\x12\x1c\n\x14num_requests_running\x18\n \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x0b \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x0c \x01(\r*Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xae\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvloom.v1.GenerateRequest\x1a\x1b.kvloom.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvloom.v1.AbortRequest\x1a\x18.kvloom.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvloom.v1.GetModelInfoRequest\x1a\x14.kvloom.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.kvloom.v1.GetServerInfoRequest\x1a\x15.kvloom.v1.ServerInfo\x12\x43\n\x08Tokenize\x12\x1a.kvloom.v1.TokenizeRequest\x1a\x1b.kvloom.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvloom.v1.DetokenizeRequest\x1a\x1d.kvloom.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvloom/v1/generation.proto\x12\tkvloom.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xec\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvloom.v1.ChatMessage\"\xbb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.kvloom.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x08 \x01(\x0b\x32\x17.kvloom.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvloom.v1.SamplingParams\x12\x13\n\x06stream\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\t\n\x07_streamB\x12\n\x10_stream_interval\"\xdb\x01\n\nFinishInfo\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.kvloom.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08stop_str\x18\x05 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\tB\x10\n\x0e_stop_token_idB\x0b\n\t_stop_str\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"m\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12\"\n\x03top\x18\x05 \x03(\x0b\x32\x15.kvloom.v1.TopLogprob\"g\n\nPromptInfo\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12+\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x12.kvloom.v1.Logprob\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12%\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x15.kvloom.v1.FinishInfo\x12\r\n\x05index\x18\x05 \x01(\r\x12*\n\x0bprompt_info\x18\x06 \x01(\x0b\x32\x15.kvloom.v1.PromptInfo\x12$\n\x08logprobs\x18\x07 \x03(\x0b\x32\x12.kvloom.v1.Logprob\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x83\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12/\n\x0especial_tokens\x18\x08 \x03(\x0b\x32\x17.kvloom.v1.SpecialToken\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x42\x0f\n\r_bos_token_id\"+\n\x0cSpecialToken\x12\x0f\n\x07\x63ontent\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\r\"\xcd\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.kvloom.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xce\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x02 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\r\x12\x1a\n\x12num_ranks_attached\x18\t \x01(\r\x12\x1c\n\x14num_requests_running\x18\n \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x0b \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x0c \x01(\r*Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xae\x03\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvloom.v1.GenerateRequest\x1a\x1b.kvloom.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvloom.v1.AbortRequest\x1a\x18.kvloom.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvloom.v1.GetModelInfoRequest\x1a\x14.kvloom.v1.ModelInfo\x12G\n\rGetServerInfo\x12\x1f.kvloom.v1.GetServerInfoRequest\x1a\x15.kvloom.v1.ServerInfo\x12\x43\n\x08Tokenize\x12\x1a.kvloom.v1.TokenizeRequest\x1a\x1b.kvloom.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvloom.v1.DetokenizeRequest\x1a\x1d.kvloom.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvloom.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2966
-  _globals['_FINISHREASON']._serialized_end=3055
+  _globals['_FINISHREASON']._serialized_start=2984
+  _globals['_FINISHREASON']._serialized_end=3073
   _globals['_TOKENIDS']._serialized_start=41
   _globals['_TOKENIDS']._serialized_end=64
   _globals['_SAMPLINGPARAMS']._serialized_start=67
@@ -42,39 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=735
   _globals['_CHATMESSAGES']._serialized_end=791
   _globals['_GENERATEREQUEST']._serialized_start=794
-  _globals['_GENERATEREQUEST']._serialized_end=1091
-  _globals['_FINISHINFO']._serialized_start=1094
-  _globals['_FINISHINFO']._serialized_end=1313
-  _globals['_TOPLOGPROB']._serialized_start=1315
-  _globals['_TOPLOGPROB']._serialized_end=1377
-  _globals['_LOGPROB']._serialized_start=1379
-  _globals['_LOGPROB']._serialized_end=1488
-  _globals['_PROMPTINFO']._serialized_start=1490
-  _globals['_PROMPTINFO']._serialized_end=1593
-  _globals['_GENERATERESPONSE']._serialized_start=1596
-  _globals['_GENERATERESPONSE']._serialized_end=1803
-  _globals['_ABORTREQUEST']._serialized_start=1805
-  _globals['_ABORTREQUEST']._serialized_end=1840
-  _globals['_ABORTRESPONSE']._serialized_start=1842
-  _globals['_ABORTRESPONSE']._serialized_end=1878
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1880
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1901
-  _globals['_MODELINFO']._serialized_start=1904
-  _globals['_MODELINFO']._serialized_end=2163
-  _globals['_SPECIALTOKEN']._serialized_start=2165
-  _globals['_SPECIALTOKEN']._serialized_end=2208
-  _globals['_TOKENIZEREQUEST']._serialized_start=2211
-  _globals['_TOKENIZEREQUEST']._serialized_end=2416
-  _globals['_TOKENIZERESPONSE']._serialized_start=2418
-  _globals['_TOKENIZERESPONSE']._serialized_end=2469
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2471
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2567
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2569
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2603
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2605
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2627
-  _globals['_SERVERINFO']._serialized_start=2630
-  _globals['_SERVERINFO']._serialized_end=2964
-  _globals['_GENERATION']._serialized_start=3058
-  _globals['_GENERATION']._serialized_end=3488
+  _globals['_GENERATEREQUEST']._serialized_end=1109
+  _globals['_FINISHINFO']._serialized_start=1112
+  _globals['_FINISHINFO']._serialized_end=1331
+  _globals['_TOPLOGPROB']._serialized_start=1333
+  _globals['_TOPLOGPROB']._serialized_end=1395
+  _globals['_LOGPROB']._serialized_start=1397
+  _globals['_LOGPROB']._serialized_end=1506
+  _globals['_PROMPTINFO']._serialized_start=1508
+  _globals['_PROMPTINFO']._serialized_end=1611
+  _globals['_GENERATERESPONSE']._serialized_start=1614
+  _globals['_GENERATERESPONSE']._serialized_end=1821
+  _globals['_ABORTREQUEST']._serialized_start=1823
+  _globals['_ABORTREQUEST']._serialized_end=1858
+  _globals['_ABORTRESPONSE']._serialized_start=1860
+  _globals['_ABORTRESPONSE']._serialized_end=1896
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1898
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1919
+  _globals['_MODELINFO']._serialized_start=1922
+  _globals['_MODELINFO']._serialized_end=2181
+  _globals['_SPECIALTOKEN']._serialized_start=2183
+  _globals['_SPECIALTOKEN']._serialized_end=2226
+  _globals['_TOKENIZEREQUEST']._serialized_start=2229
+  _globals['_TOKENIZEREQUEST']._serialized_end=2434
+  _globals['_TOKENIZERESPONSE']._serialized_start=2436
+  _globals['_TOKENIZERESPONSE']._serialized_end=2487
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2489
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2585
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2587
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2621
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2623
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2645
+  _globals['_SERVERINFO']._serialized_start=2648
+  _globals['_SERVERINFO']._serialized_end=2982
+  _globals['_GENERATION']._serialized_start=3076
+  _globals['_GENERATION']._serialized_end=3506
 # @@protoc_insertion_point(module_scope)

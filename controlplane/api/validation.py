@@ -21,6 +21,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
+# Priorities are only compared, never summed; the bound keeps them a small,
+# documented range rather than whatever int32 happens to hold.
+MAX_ABS_PRIORITY = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -35,6 +38,8 @@ class Limits:
     max_model_len: int
     # The model's generation_config defaults, by knob name (see model_info).
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # The scheduler's policy: only "priority" honours GenerateRequest.priority.
+    scheduling_policy: str = "fcfs"
 
     def default(self, name: str, fallback: float) -> float:
         return dict(self.sampling_defaults).get(name, fallback)
@@ -49,6 +54,7 @@ class ValidatedRequest:
     stream: bool = True
     stream_interval: int = 1
     cache_salt: str | None = None
+    priority: int = 0  # lower is served first (vLLM)
 
 
 def _opt(msg, name: str, default):
@@ -222,11 +228,29 @@ def _check_request_options(request: generation_pb2.GenerateRequest) -> tuple[int
     return n, _opt(request, "stream", True), interval
 
 
+def check_priority(priority: int, policy: str) -> int:
+    """The one rule for GenerateRequest.priority: bounded, and non-zero only
+    where the scheduler honours it (vLLM rejects it under fcfs, so do we)."""
+    if not -MAX_ABS_PRIORITY <= priority <= MAX_ABS_PRIORITY:
+        raise InvalidRequest(
+            f"priority must be in [-{MAX_ABS_PRIORITY}, {MAX_ABS_PRIORITY}] (lower is served "
+            f"first), got {priority}"
+        )
+    if priority and policy != "priority":
+        raise InvalidRequest(
+            f"priority is {priority} but this server schedules {policy} (arrival order), "
+            f"which ignores priorities: send priority 0 or start the controlplane with "
+            f"--scheduling-policy priority"
+        )
+    return priority
+
+
 def validate(
     request: generation_pb2.GenerateRequest, tokenizer, limits: Limits
 ) -> ValidatedRequest:
     """Resolve the request or raise InvalidRequest naming the field."""
     n, stream, interval = _check_request_options(request)
+    priority = check_priority(request.priority, limits.scheduling_policy)
     params = resolve_sampling(request.sampling, limits)
     prompt = resolve_prompt(request, tokenizer, limits)
     total = len(prompt) + params.max_tokens
@@ -244,4 +268,5 @@ def validate(
         stream=stream,
         stream_interval=interval,
         cache_salt=request.cache_salt or None,
+        priority=priority,
     )

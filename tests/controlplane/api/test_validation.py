@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from controlplane.api.validation import InvalidRequest, Limits, validate
+from controlplane.api.validation import MAX_ABS_PRIORITY, InvalidRequest, Limits, validate
 from kvloom.v1 import generation_pb2 as pb
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)
@@ -84,3 +84,48 @@ def test_read_model_info_takes_sampling_defaults(tmp_path):
     info = read_model_info(str(tmp_path))
     assert info.eos_token_ids == {1, 2}
     assert dict(info.sampling_defaults) == {"temperature": 0.2, "top_p": 0.9}
+
+
+PRIORITY_LIMITS = Limits(vocab_size=100, max_model_len=64, scheduling_policy="priority")
+INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _with_priority(priority: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), priority=priority)
+
+
+@pytest.mark.parametrize("priority", [0, -1, 7, -MAX_ABS_PRIORITY, MAX_ABS_PRIORITY])
+def test_priority_policy_accepts_bounded_priorities(priority):
+    assert validate(_with_priority(priority), _Tok(), PRIORITY_LIMITS).priority == priority
+
+
+def test_priority_defaults_to_zero_under_either_policy():
+    for limits in (LIMITS, PRIORITY_LIMITS):
+        assert validate(pb.GenerateRequest(text="a"), _Tok(), limits).priority == 0
+
+
+@pytest.mark.parametrize(
+    "priority", [MAX_ABS_PRIORITY + 1, -MAX_ABS_PRIORITY - 1, *INT32]
+)
+def test_priority_out_of_bounds_names_the_range(priority):
+    with pytest.raises(InvalidRequest, match=rf"priority must be in \[-{MAX_ABS_PRIORITY}, "):
+        validate(_with_priority(priority), _Tok(), PRIORITY_LIMITS)
+
+
+@pytest.mark.parametrize("priority", [1, -1, *INT32])
+def test_nonzero_priority_under_fcfs_says_the_server_runs_fcfs(priority):
+    with pytest.raises(InvalidRequest) as err:
+        validate(_with_priority(priority), _Tok(), LIMITS)
+    # Out of bounds is reported first: the range holds whatever the policy.
+    if abs(priority) <= MAX_ABS_PRIORITY:
+        assert "schedules fcfs" in str(err.value)
+        assert "--scheduling-policy priority" in str(err.value)
+
+
+def test_priority_is_checked_before_the_prompt_is_tokenized():
+    class Exploding:
+        def encode(self, text):
+            raise AssertionError("tokenized a request that should have been refused")
+
+    with pytest.raises(InvalidRequest, match="priority"):
+        validate(pb.GenerateRequest(text="a", priority=3), Exploding(), LIMITS)

@@ -59,6 +59,7 @@ class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
             vocab_size=model_info.vocab_size,
             max_model_len=config.scheduler.max_model_len,
             sampling_defaults=model_info.sampling_defaults,
+            scheduling_policy=config.scheduler.policy,
         )
         # Client request id -> the engine request ids of its samples.
         self._in_flight: dict[str, list[str]] = {}
@@ -128,8 +129,11 @@ class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
                     sampling_params=params,
                     eos_token_ids=self.model_info.eos_token_ids,
                     cache_salt=v.cache_salt,
+                    priority=v.priority,
                 )
             )
+        if self.metrics is not None:
+            self.metrics.request_accepted(v.priority, len(children))
         try:
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg

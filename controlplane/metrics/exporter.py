@@ -14,7 +14,8 @@ metric object:
   * _ScrapeCollector reads live state (scheduler stats snapshot, worker
     handles, executor failure counts) when Prometheus scrapes, on the HTTP
     thread, so gauges and the heartbeat age are exact at scrape time;
-  * the API edge counts aborts and (metrics_grpc) gRPC calls directly.
+  * the API edge counts accepted requests (by priority class), aborts and
+    (metrics_grpc) gRPC calls directly.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.core.outputs import EngineCoreOutput
 from controlplane.metrics.records import (
     FINISH_REASONS,
+    PRIORITY_CLASSES,
     CounterDeltas,
     RequestTimeline,
     StepRecord,
     TimingBatch,
+    priority_class,
 )
 from kvloom.server.metrics_http import MetricsEndpoint
 
@@ -112,6 +115,10 @@ class ControlPlaneMetrics:
         aborted = Counter("kvloom_requests_aborted", "Requests aborted before finishing, by "
                           "who asked.", ["model_name", "source"], registry=reg)
         self.aborted = {s: aborted.labels(m, s) for s in ABORT_SOURCES}
+        accepted = Counter("kvloom_requests_accepted", "Requests (one per sample) the API "
+                           "accepted, by priority class: high (< 0), default (0), low (> 0).",
+                           ["model_name", "priority_class"], registry=reg)
+        self.accepted = {c: accepted.labels(m, c) for c in PRIORITY_CLASSES}
         self.grpc_requests = Counter(
             "kvloom_grpc_requests", "Client API calls by method and status code.",
             ["model_name", "method", "code"], registry=reg)
@@ -194,6 +201,9 @@ class ControlPlaneMetrics:
 
     def request_aborted(self, source: str, n: int = 1) -> None:
         self.aborted[source].inc(n)
+
+    def request_accepted(self, priority: int, n: int = 1) -> None:
+        self.accepted[priority_class(priority)].inc(n)
 
     def grpc_request(self, method: str, code: str) -> None:
         self.grpc_requests.labels(self.model_name, method, code).inc()

@@ -19,6 +19,16 @@ from controlplane.core.sched_stats import SchedulerStats
 
 # Label values of kvloom_request_success_total, by FinishReason name.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Label values of kvloom_requests_accepted_total. Priorities span +-2^20, so
+# they are folded into three classes around the default to keep cardinality fixed.
+PRIORITY_CLASSES = ("high", "default", "low")
+
+
+def priority_class(priority: int) -> str:
+    """GenerateRequest.priority as a label: lower values are served first (vLLM)."""
+    if priority < 0:
+        return "high"
+    return "low" if priority > 0 else "default"
 
 
 @dataclass(slots=True)

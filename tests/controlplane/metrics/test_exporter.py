@@ -18,7 +18,13 @@ from controlplane.core.request import FinishReason
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.executor.grpc_executor import WorkerHandle
 from controlplane.metrics.exporter import ControlPlaneMetrics, one_two_five_buckets
-from controlplane.metrics.records import CounterDeltas, RequestTimeline, StepRecord
+from controlplane.metrics.records import (
+    PRIORITY_CLASSES,
+    CounterDeltas,
+    RequestTimeline,
+    StepRecord,
+    priority_class,
+)
 
 
 def record(t: float, scheduled_new=(), *, tokens=1, stats=None, generation=1) -> StepRecord:
@@ -167,3 +173,27 @@ def test_gauges_drop_to_zero_without_a_scheduler(metrics):
     s = _samples(m.registry)
     assert _get(s, "kvloom_num_requests_running") == 0
     assert _get(s, "kvloom_kv_cache_usage_perc") == 0
+
+
+def test_priority_class_folds_the_whole_range_into_three_labels():
+    assert [priority_class(p) for p in (-(1 << 20), -1, 0, 1, 1 << 20)] == [
+        "high", "high", "default", "low", "low"]
+    assert set(map(priority_class, range(-50, 50))) == set(PRIORITY_CLASSES)
+
+
+def test_accepted_requests_are_counted_by_priority_class(metrics):
+    m, _, _ = metrics
+    fresh = _samples(m.registry)
+    # Every class exists at 0 before the first request, so rates start cleanly.
+    for cls in PRIORITY_CLASSES:
+        assert _get(fresh, "kvloom_requests_accepted_total", priority_class=cls) == 0
+    m.request_accepted(-3)
+    m.request_accepted(0, n=4)  # one request with n=4 samples
+    for p in range(1, 1000):  # many distinct priorities, still one series
+        m.request_accepted(p)
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_requests_accepted_total", priority_class="high") == 1
+    assert _get(s, "kvloom_requests_accepted_total", priority_class="default") == 4
+    assert _get(s, "kvloom_requests_accepted_total", priority_class="low") == 999
+    series = [labels for name, labels in s if name == "kvloom_requests_accepted_total"]
+    assert len(series) == len(PRIORITY_CLASSES)

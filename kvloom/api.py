@@ -190,6 +190,7 @@ def build_request(
     stream_interval: int | None = None,
     cache_salt: str = "",
     request_id: str = "",
+    priority: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; every None leaves its field unset (the server's default).
 
@@ -200,6 +201,8 @@ def build_request(
     `stop` takes one string or several. stream=False asks for one message per
     sample; stream_interval batches streamed tokens; cache_salt isolates
     prefix-cache sharing; an empty request_id lets the server pick one.
+    priority: lower is served first (default 0); only a server run with
+    --scheduling-policy priority accepts a non-zero value.
     """
     # SamplingParams' proto3 `optional` fields: None leaves them unset.
     optional = {
@@ -222,6 +225,7 @@ def build_request(
     _set(request, "cache_salt", cache_salt)
     _set(request, "stream", stream)
     _set(request, "stream_interval", stream_interval)
+    _set(request, "priority", priority)
     kind, value = _prompt_kind(prompt, messages)
     if kind == "text":
         request.text = value

@@ -140,7 +140,7 @@ class KvloomClient:
 
         prompt: text, token ids or chat turns. options: kvloom.api.build_request's
         keywords (every sampling knob, messages, n, stream, stream_interval,
-        cache_salt, request_id); None = the server's default. Bad arguments
+        cache_salt, request_id, priority); None = the server's default. Bad arguments
         raise InvalidArgument here, before anything is sent.
         """
         return self._stream(build_request(prompt, **options), timeout)

@@ -57,6 +57,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                    help="likewise for the prompt tokens")
     s.add_argument("-n", "--n", type=int, default=None, help="number of samples")
+    q = parser.add_argument_group("scheduling")
+    q.add_argument("--priority", type=int, default=None, metavar="N",
+                   help="lower is served first (server default 0); a non-zero value needs "
+                        "a server run with --scheduling-policy priority")
     o = parser.add_argument_group("output")
     o.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     o.add_argument("--stream-interval", type=int, default=None, metavar="TOKENS",
@@ -91,6 +95,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "stream": args.stream,
         "stream_interval": args.stream_interval,
         "cache_salt": args.cache_salt,
+        "priority": args.priority,
         "timeout": args.timeout,
     }
 

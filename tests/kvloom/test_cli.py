@@ -16,7 +16,8 @@ from kvloom.cli.generate import format_finish, format_logprobs, generation_kwarg
 @pytest.fixture(autouse=True)
 def _no_kvloom_env(monkeypatch):
     # The developer's KVLOOM_* settings must not change what the flags parse to.
-    for name in ("KVLOOM_SERVER", "KVLOOM_MAX_TOKENS", "KVLOOM_STOP", "KVLOOM_AUTH_TOKEN"):
+    for name in ("KVLOOM_SERVER", "KVLOOM_MAX_TOKENS", "KVLOOM_STOP", "KVLOOM_AUTH_TOKEN",
+                 "KVLOOM_PRIORITY"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -31,6 +32,7 @@ def test_every_generation_flag_reaches_the_client_keywords():
         "--ignore-eos", "--stop", "\n", "--stop", "END", "--stop-token-id", "7",
         "--include-stop-str", "--logprobs", "3", "--prompt-logprobs", "1", "-n", "2",
         "--no-stream", "--stream-interval", "4", "--cache-salt", "t", "--timeout", "5",
+        "--priority", "-3",
     ])
     assert generation_kwargs(args) == {
         "max_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
@@ -38,7 +40,7 @@ def test_every_generation_flag_reaches_the_client_keywords():
         "frequency_penalty": -0.5, "min_tokens": 2, "ignore_eos": True,
         "stop": ["\n", "END"], "stop_token_ids": [7], "include_stop_str_in_output": True,
         "logprobs": 3, "prompt_logprobs": 1, "n": 2, "stream": False, "stream_interval": 4,
-        "cache_salt": "t", "timeout": 5.0,
+        "cache_salt": "t", "priority": -3, "timeout": 5.0,
     }
 
 
@@ -46,7 +48,7 @@ def test_absent_flags_leave_knobs_to_the_server():
     kwargs = generation_kwargs(cli.parse_args(["chat", "hi"]))
     unset = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "min_tokens", "logprobs",
-             "prompt_logprobs", "n", "stream_interval", "timeout")
+             "prompt_logprobs", "n", "stream_interval", "timeout", "priority")
     assert all(kwargs[name] is None for name in unset)
     assert kwargs["stop"] == [] and kwargs["stop_token_ids"] == [] and kwargs["stream"]
     assert cli.parse_args(["generate", "hi", "--n", "3"]).n == 3
@@ -179,6 +181,21 @@ def test_cli_bad_argument_is_a_readable_error(fake_server, capsys):
     address, servicer = fake_server
     assert cli.main(["generate", "hi", "--server", address, "--max-tokens", "-1"]) == 1
     assert "kvloom: error: INVALID_ARGUMENT: max_tokens=-1" in capsys.readouterr().err
+    assert servicer.requests == []
+
+
+def test_cli_priority_goes_on_the_wire_and_absent_means_unset(fake_server, capsys):
+    address, servicer = fake_server
+    assert cli.main(["generate", "hi", "--server", address, "--priority", "-2"]) == 0
+    assert cli.main(["chat", "hi", "--server", address, "--priority=5"]) == 0
+    assert cli.main(["generate", "hi", "--server", address]) == 0
+    assert [r.priority for r in servicer.requests] == [-2, 5, 0]
+
+
+def test_cli_priority_beyond_int32_is_a_readable_error(fake_server, capsys):
+    address, servicer = fake_server
+    assert cli.main(["generate", "hi", "--server", address, "--priority", str(1 << 40)]) == 1
+    assert "kvloom: error: INVALID_ARGUMENT: priority=" in capsys.readouterr().err
     assert servicer.requests == []
 
 

@@ -41,7 +41,7 @@ def test_every_sampling_knob_lands_in_its_field():
     request = build_request(
         "hi", **EVERY_KNOB, ignore_eos=True, stop_token_ids=[9, 8], stop=["\n", "END"],
         include_stop_str_in_output=True, stream=False, stream_interval=5, cache_salt="tenant",
-        request_id="r1",
+        request_id="r1", priority=-7,
     )
     sp = request.sampling
     for name, value in EVERY_KNOB.items():
@@ -52,6 +52,7 @@ def test_every_sampling_knob_lands_in_its_field():
     assert request.HasField("stream") and request.stream is False
     assert request.stream_interval == 5 and request.cache_salt == "tenant"
     assert (request.request_id, request.text) == ("r1", "hi")
+    assert request.priority == -7
 
 
 def test_unset_knobs_stay_unset():
@@ -63,6 +64,7 @@ def test_unset_knobs_stay_unset():
     assert not sp.ignore_eos and not sp.include_stop_str_in_output
     assert list(sp.stop) == [] and list(sp.stop_token_ids) == []
     assert request.cache_salt == "" and request.request_id == ""
+    assert request.priority == 0  # the server's default (plain proto3 int32)
 
 
 def test_zero_is_sent_not_dropped():
@@ -97,6 +99,11 @@ def test_one_stop_string_is_not_split_into_characters():
         ({"messages": [("user",)]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0]"),
         ({"messages": "hi"}, "list of chat turns"),
+        # int32 holds what the server bounds; beyond it the client says so itself.
+        ({"priority": 1 << 31}, "priority=2147483648"),
+        ({"priority": -(1 << 40)}, "priority=-1099511627776"),
+        ({"priority": 1.5}, "priority=1.5"),
+        ({"priority": "high"}, "priority='high'"),
     ],
 )
 def test_unsendable_arguments_raise_invalid_argument(kwargs, message):
@@ -220,6 +227,20 @@ def test_bad_argument_raises_before_sending(fake_server):
     with KvloomClient(address) as client, pytest.raises(InvalidArgument):
         client.generate("hi", max_tokens=-3)
     assert servicer.requests == []
+
+
+def test_priority_reaches_the_server_from_both_clients(fake_server):
+    address, servicer = fake_server
+    with KvloomClient(address) as client:
+        client.generate_text("hi", priority=-4)
+
+    async def scenario():
+        async with AsyncKvloomClient(address) as client:
+            await client.generate_text("hi", priority=9)
+            await client.generate_text("hi")
+
+    asyncio.run(scenario())
+    assert [r.priority for r in servicer.requests] == [-4, 9, 0]
 
 
 def test_rpc_error_becomes_kvloom_error(fake_server):

@@ -43,12 +43,12 @@ class Readiness:
         """None when ready, else why not (used in UNAVAILABLE messages)."""
         if self.draining:
             return "draining: the controlplane is shutting down"
-        ex = self.executor
-        if ex.state != "ready":
-            return ex.status_message()
-        if ex.step_in_flight:
+        status = self.executor.status()
+        if not status.ready:
+            return status.describe()
+        if status.step_in_flight:
             return None
-        age = time.monotonic() - ex.last_success
+        age = time.monotonic() - status.last_success
         if age > self.window_s:
             return f"no step or canary completed in the last {age:.0f} s"
         return None
@@ -69,9 +69,9 @@ class Readiness:
 
     async def _run(self) -> None:
         while True:
-            ex = self.executor
-            idle_for = time.monotonic() - ex.last_success
-            if ex.state == "ready" and not ex.step_in_flight and idle_for > self.interval_s:
-                await ex.canary(self.canary_timeout_s)
+            status = self.executor.status()
+            idle_for = time.monotonic() - status.last_success
+            if status.ready and not status.step_in_flight and idle_for > self.interval_s:
+                await self.executor.canary(self.canary_timeout_s)
             await self.refresh()
             await asyncio.sleep(self.interval_s)

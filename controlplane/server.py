@@ -147,7 +147,7 @@ class ControlPlane:
                 self.engine,
                 self.router,
                 readiness=self.not_ready_reason,
-                num_ranks_attached=lambda: len(self.executor.handles),
+                num_ranks_attached=lambda: self.executor.status().num_attached,
                 metrics=self.metrics,
             ),
             api,

@@ -1,39 +1,66 @@
 """The worker group's start-up handshake, run by the executor once every rank
 has registered: init_distributed (where rank 0's store is) -> load_model ->
-profile_memory (the pool is the minimum over ranks) -> init_kv_cache ->
-ready. Any failure or timeout fails the group with the rank(s) named.
+profile_memory (the pool is the minimum over ranks) -> init_kv_cache.
+
+GroupStartup only sends commands and reduces replies, through the narrow
+GroupCalls the executor hands it; it never touches the executor's state. It
+returns the number of KV blocks, or raises WorkerGroupFailed with the rank(s)
+named, and the executor decides what the group becomes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
+from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger("controlplane.executor.grpc_executor")
 
 
+class GroupCalls(Protocol):
+    """The executor's call API, as start-up sees it: every attached rank answers."""
+
+    async def call_all(
+        self, command: worker_pb2.ControlMessage, timeout_s: float, what: str
+    ) -> dict[int, worker_pb2.WorkerMessage]:
+        """Send the same command to every rank; the replies by rank."""
+        ...
+
+    async def call_each(
+        self,
+        command_for: Callable[[int], worker_pb2.ControlMessage],
+        timeout_s: float,
+        what: str,
+    ) -> dict[int, worker_pb2.WorkerMessage]:
+        """Send command_for(rank) to each rank as one call; the replies by rank."""
+        ...
+
+
 class GroupStartup:
-    """Mixed into Executor; uses its handles, calls and failure handling."""
+    def __init__(
+        self,
+        calls: GroupCalls,
+        parallel: ParallelConfig,
+        workers: WorkerGroupConfig,
+        model: ModelConfig,
+        cache: CacheConfig,
+    ):
+        self.calls = calls
+        self.parallel = parallel
+        self.cfg = workers
+        self.model = model
+        self.cache = cache
 
-    async def _start_group(self) -> None:
-        try:
-            await self._run_startup()
-        except WorkerGroupFailed as exc:
-            self.fail_group(str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any start-up bug must fail the group, loudly
-            logger.exception("worker group start-up crashed")
-            self.fail_group(f"start-up failed: {exc}")
-
-    async def _run_startup(self) -> None:
+    async def run(self, master_addr: str, master_port: int) -> int:
+        """Bring every attached rank to serving; the KV blocks each rank allocated."""
         par, cfg = self.parallel, self.cfg
         t0 = time.monotonic()
-        await self._init_distributed()
+        await self._init_distributed(master_addr, master_port)
         logger.info("group formed: world size %d (%.1f s)", par.world_size, time.monotonic() - t0)
 
         load = worker_pb2.ControlMessage(
@@ -45,7 +72,7 @@ class GroupStartup:
             )
         )
         t0 = time.monotonic()
-        await self._call_all(load, cfg.startup_timeout_s, "load_model")
+        await self.calls.call_all(load, cfg.startup_timeout_s, "load_model")
         logger.info("model loaded on all ranks in %.1f s", time.monotonic() - t0)
 
         num_blocks = await self._profile_memory()
@@ -54,27 +81,19 @@ class GroupStartup:
                 num_blocks=num_blocks, block_size=self.cache.block_size
             )
         )
-        await self._call_all(init, cfg.startup_timeout_s, "init_kv_cache")
-        self.num_gpu_blocks = num_blocks
-        self.state = "ready"
-        self.last_success = time.monotonic()
-        self.failure_reason = ""
-        logger.info("worker group ready: %d KV blocks of %d tokens", num_blocks,
-                    self.cache.block_size)
-        self._on_ready(num_blocks)
+        await self.calls.call_all(init, cfg.startup_timeout_s, "init_kv_cache")
+        return num_blocks
 
-    async def _init_distributed(self) -> None:
+    async def _init_distributed(self, master_addr: str, master_port: int) -> None:
         """Tell every rank where rank 0's store is; they must meet concurrently."""
         par = self.parallel
-        master = self.handles[0]
-        call_id, call = self._new_call(set(self.handles))
-        for rank, handle in self.handles.items():
+
+        def command_for(rank: int) -> worker_pb2.ControlMessage:
             # The one per-rank command: it carries the rank itself.
-            msg = worker_pb2.ControlMessage(
-                call_id=call_id,
+            return worker_pb2.ControlMessage(
                 init_distributed=worker_pb2.InitDistributed(
-                    master_addr=master.host,
-                    master_port=master.dist_port,
+                    master_addr=master_addr,
+                    master_port=master_port,
                     world_size=par.world_size,
                     rank=rank,
                     tensor_parallel_size=par.tensor_parallel_size,
@@ -82,9 +101,11 @@ class GroupStartup:
                     timeout_s=self.cfg.distributed_timeout_s,
                 ),
             )
-            handle.outbox.put_nowait(msg.SerializeToString())
+
         # The store timeout fires first on the workers, with their own message.
-        await self._await_call(call, self.cfg.distributed_timeout_s + 30, "init_distributed")
+        await self.calls.call_each(
+            command_for, self.cfg.distributed_timeout_s + 30, "init_distributed"
+        )
 
     async def _profile_memory(self) -> int:
         profile = worker_pb2.ControlMessage(
@@ -94,7 +115,7 @@ class GroupStartup:
                 gpu_memory_utilization=self.cache.gpu_memory_utilization,
             )
         )
-        replies = await self._call_all(profile, self.cfg.startup_timeout_s, "profile_memory")
+        replies = await self.calls.call_all(profile, self.cfg.startup_timeout_s, "profile_memory")
         per_rank = {rank: r.memory_profile.num_blocks for rank, r in replies.items()}
         weights = {rank: round(r.memory_profile.weights_bytes / 2**20, 1)
                    for rank, r in sorted(replies.items())}

@@ -1,17 +1,19 @@
 """The executor: owns the worker group and is the only code that talks to workers.
 
 Workers dial in (worker_service.py) and register; once world_size ranks are
-attached the executor drives the start-up handshake (init_distributed ->
-load_model -> profile_memory (min over ranks) -> init_kv_cache) and reports
-the group ready. Each engine step it serializes the SchedulerOutput once,
-writes the same bytes to every worker stream and waits for the output rank
-only. Any lost stream, silent worker, worker error or missed step deadline
-fails the whole group: pending calls raise WorkerGroupFailed at once, the
-survivors are told to shut down, and the group re-forms from registration.
+attached the executor runs the start-up handshake (GroupStartup, which it
+owns and lends its call API: init_distributed -> load_model -> profile_memory
+(min over ranks) -> init_kv_cache) and reports the group ready. Each engine
+step it serializes the SchedulerOutput once, writes the same bytes to every
+worker stream and waits for the output rank only. Any lost stream, silent
+worker, worker error or missed step deadline fails the whole group: pending
+calls raise WorkerGroupFailed at once, the survivors are told to shut down,
+and the group re-forms from registration.
 
 Threading: registration, replies and start-up run on the asyncio loop; the
 engine thread calls execute_model(), which hands bytes to the loop with
-call_soon_threadsafe and blocks on a concurrent future.
+call_soon_threadsafe and blocks on a concurrent future. Readers on any thread
+(readiness, the metrics scrape, the API) take one immutable status() snapshot.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import grpc
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
 from controlplane.executor.group_startup import GroupStartup
+from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState, RankStatus
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
@@ -59,10 +64,20 @@ class WorkerHandle:
     last_forward_time_s: float = 0.0
 
     def describe(self) -> str:
-        return f"rank {self.rank} ({self.host}, pid {self.pid})"
+        return self.snapshot().describe()
+
+    def snapshot(self) -> RankStatus:
+        return RankStatus(
+            rank=self.rank,
+            host=self.host,
+            device=self.device,
+            pid=self.pid,
+            last_seen=self.last_seen,
+            last_forward_time_s=self.last_forward_time_s,
+        )
 
 
-class Executor(GroupStartup):
+class Executor:
     def __init__(
         self,
         parallel: ParallelConfig,
@@ -74,29 +89,33 @@ class Executor(GroupStartup):
     ):
         self.parallel = parallel
         self.cfg = workers
-        self.model = model
-        self.cache = cache
         self._on_ready = on_ready
         self._on_failed = on_failed
+        self._block_size = cache.block_size
+        self._group_startup = GroupStartup(self, parallel, workers, model, cache)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.handles: dict[int, WorkerHandle] = {}
-        self.state = "forming"  # forming -> starting -> ready -> (failed ->) forming
-        self.failure_reason = ""
-        self.num_gpu_blocks = 0
+        # The group: written on the loop only, under _lock, so that status()
+        # (from any thread) never sees one transition half done.
+        self._lock = threading.Lock()
+        self._handles: dict[int, WorkerHandle] = {}
+        self._state = GroupState.FORMING
+        self._failure_reason = ""
+        self._num_gpu_blocks = 0
+        self._failure_counts: dict[FailureKind, int] = {}
         self._pending: dict[int, PendingCall] = {}
         self._call_ids = itertools.count(1)
         self._watchdog: asyncio.Task | None = None
-        self._startup: asyncio.Task | None = None
+        self._startup_task: asyncio.Task | None = None
         # Readiness: when a step or canary last completed, and whether a step
         # is on the wire right now (a long step is progress, not silence).
-        self.last_success = 0.0
-        self.step_in_flight = False
-        # Per-step counters for metrics and benchmarks.
+        # Single values the engine thread writes too, so outside the lock.
+        self._last_success = 0.0
+        self._step_in_flight = False
+        # Per-step counters for metrics and benchmarks, read on the engine
+        # thread right after execute_model returns.
         self.last_step_bytes = 0
         # Broadcast -> output rank reply of the latest step (engine thread).
         self.last_round_trip_s = 0.0
-        # Group failures by reason (metrics.FAILURE_REASONS), read at scrape time.
-        self.failure_counts: dict[str, int] = {}
 
     # ---- lifecycle on the event loop -------------------------------------
 
@@ -105,18 +124,26 @@ class Executor(GroupStartup):
         self._watchdog = loop.create_task(self._watch_heartbeats())
 
     async def stop(self) -> None:
-        for task in (self._watchdog, self._startup):
+        for task in (self._watchdog, self._startup_task):
             if task is not None:
                 task.cancel()
-        self._shutdown_workers("controlplane is shutting down")
+        with self._lock:
+            handles = self._detach_all()
+        self._shutdown_workers(handles, "controlplane is shutting down")
 
-    def status_message(self) -> str:
-        attached = len(self.handles)
-        world = self.parallel.world_size
-        if self.state == "ready":
-            return f"ready: {world} ranks attached"
-        why = f" (last failure: {self.failure_reason})" if self.failure_reason else ""
-        return f"worker group {self.state}: {attached}/{world} ranks attached{why}"
+    def status(self) -> ExecutorStatus:
+        """One consistent, immutable view of the group (any thread)."""
+        with self._lock:
+            return ExecutorStatus(
+                state=self._state,
+                world_size=self.parallel.world_size,
+                ranks=tuple(h.snapshot() for _, h in sorted(self._handles.items())),
+                failure_reason=self._failure_reason,
+                failure_counts=MappingProxyType(dict(self._failure_counts)),
+                last_success=self._last_success,
+                step_in_flight=self._step_in_flight,
+                num_gpu_blocks=self._num_gpu_blocks,
+            )
 
     # ---- registration (called by worker_service on the loop) -------------
 
@@ -134,24 +161,27 @@ class Executor(GroupStartup):
                 "wrong or missing worker auth token (set --auth-token / KVLOOM_AUTH_TOKEN "
                 "to the controlplane's)",
             )
-        if self.state != "forming":
+        if self._state is not GroupState.FORMING:
             raise RegistrationRefused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"all {world} ranks are already attached (group is {self.state})",
+                f"all {world} ranks are already attached (group is {self._state.value})",
             )
         rank = self._pick_rank(req, world)
         handle = WorkerHandle(
             rank=rank, host=req.host, device=req.device, dist_port=req.dist_port, pid=req.pid
         )
-        self.handles[rank] = handle
+        with self._lock:
+            self._handles[rank] = handle
+            attached = len(self._handles)
+            if attached == world:
+                self._state = GroupState.STARTING
         logger.info(
             "worker registered: %s device=%s (%d/%d ranks)",
-            handle.describe(), req.device, len(self.handles), world,
+            handle.describe(), req.device, attached, world,
         )
-        if len(self.handles) == world:
-            self.state = "starting"
+        if attached == world:
             assert self._loop is not None
-            self._startup = self._loop.create_task(self._start_group())
+            self._startup_task = self._loop.create_task(self._start_group())
         return handle
 
     def _pick_rank(self, req: worker_pb2.RegisterRequest, world: int) -> int:
@@ -163,8 +193,8 @@ class Executor(GroupStartup):
                     f"(tensor_parallel_size {self.parallel.tensor_parallel_size} x "
                     f"pipeline_parallel_size {self.parallel.pipeline_parallel_size})",
                 )
-            if req.rank in self.handles:
-                taken = self.handles[req.rank]
+            if req.rank in self._handles:
+                taken = self._handles[req.rank]
                 raise RegistrationRefused(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"rank {req.rank} is already taken by {taken.describe()}",
@@ -172,7 +202,7 @@ class Executor(GroupStartup):
             return req.rank
         # Auto ranks must not steal a rank an explicitly-ranked worker may claim,
         # but with mixed modes the lowest free rank is the only sane choice.
-        return min(r for r in range(world) if r not in self.handles)
+        return min(r for r in range(world) if r not in self._handles)
 
     def on_message(self, handle: WorkerHandle, msg: worker_pb2.WorkerMessage) -> None:
         handle.last_seen = time.monotonic()
@@ -192,56 +222,92 @@ class Executor(GroupStartup):
             self.fail_group(f"rank {handle.rank} failed in {err.kind}: {err.message}")
 
     def on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
-        if self.handles.get(handle.rank) is not handle:
+        if self._handles.get(handle.rank) is not handle:
             return  # a worker we already let go
-        self.fail_group(f"worker {handle.describe()} disconnected: {reason}", "disconnected")
+        self.fail_group(
+            f"worker {handle.describe()} disconnected: {reason}", FailureKind.DISCONNECTED
+        )
+
+    # ---- start-up (loop thread) -------------------------------------------
+
+    async def _start_group(self) -> None:
+        try:
+            master = self._handles[0]
+            num_blocks = await self._group_startup.run(master.host, master.dist_port)
+        except WorkerGroupFailed as exc:
+            self.fail_group(str(exc))
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any start-up bug must fail the group, loudly
+            logger.exception("worker group start-up crashed")
+            self.fail_group(f"start-up failed: {exc}")
+            return
+        with self._lock:
+            self._num_gpu_blocks = num_blocks
+            self._state = GroupState.READY
+            self._last_success = time.monotonic()
+            self._failure_reason = ""
+        logger.info("worker group ready: %d KV blocks of %d tokens", num_blocks,
+                    self._block_size)
+        self._on_ready(num_blocks)
 
     # ---- failure ---------------------------------------------------------
 
-    def fail_group(self, reason: str, kind: str | None = None) -> None:
+    def fail_group(self, reason: str, kind: FailureKind | None = None) -> None:
         """Fail every pending call, stop the survivors, re-open registration (loop thread).
 
-        kind is the metrics label; by default a failure while starting is
-        "startup" and one while serving is "worker_error".
+        By default a failure while starting is STARTUP and one while serving
+        is WORKER_ERROR.
         """
-        if self.state == "forming" and not self.handles:
+        if self._state is GroupState.FORMING and not self._handles:
             return
-        kind = kind or ("startup" if self.state == "starting" else "worker_error")
-        self.failure_counts[kind] = self.failure_counts.get(kind, 0) + 1
-        logger.error("worker group failed (%s): %s", kind, reason)
-        was_live = self.state in ("starting", "ready")
-        self.failure_reason = reason
-        self.state = "forming"
+        if kind is None:
+            starting = self._state is GroupState.STARTING
+            kind = FailureKind.STARTUP if starting else FailureKind.WORKER_ERROR
+        logger.error("worker group failed (%s): %s", kind.value, reason)
+        was_live = self._state is not GroupState.FORMING
+        with self._lock:
+            self._failure_counts[kind] = self._failure_counts.get(kind, 0) + 1
+            self._failure_reason = reason
+            self._state = GroupState.FORMING
+            handles = self._detach_all()
         exc = WorkerGroupFailed(reason)
         for call in self._pending.values():
             call.fail(exc)
         self._pending.clear()
-        if self._startup is not None and not self._startup.done():
-            self._startup.cancel()
-        self._shutdown_workers(reason)
+        if self._startup_task is not None and not self._startup_task.done():
+            self._startup_task.cancel()
+        self._shutdown_workers(handles, reason)
         if was_live:
             self._on_failed(reason)
 
-    def _shutdown_workers(self, reason: str) -> None:
+    def _detach_all(self) -> list[WorkerHandle]:
+        """Let every worker go (caller holds _lock); their streams end after shutdown."""
+        handles = list(self._handles.values())
+        self._handles = {}
+        return handles
+
+    @staticmethod
+    def _shutdown_workers(handles: list[WorkerHandle], reason: str) -> None:
         data = worker_pb2.ControlMessage(shutdown=worker_pb2.Shutdown(reason=reason))
         raw = data.SerializeToString()
-        for handle in self.handles.values():
+        for handle in handles:
             handle.outbox.put_nowait(raw)
             handle.outbox.put_nowait(None)
-        self.handles = {}
 
     async def _watch_heartbeats(self) -> None:
         period = max(0.2, self.cfg.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for handle in list(self.handles.values()):
+            for handle in list(self._handles.values()):
                 silent = now - handle.last_seen
                 if silent > self.cfg.heartbeat_timeout_s:
                     self.fail_group(
                         f"worker {handle.describe()} sent nothing for {silent:.1f} s "
                         f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:.0f} s)",
-                        "heartbeat_timeout",
+                        FailureKind.HEARTBEAT_TIMEOUT,
                     )
                     break
 
@@ -252,7 +318,7 @@ class Executor(GroupStartup):
         command.call_id, call = self._new_call(expected)
         raw = command.SerializeToString()
         call.nbytes = len(raw)
-        for handle in self.handles.values():
+        for handle in self._handles.values():
             handle.outbox.put_nowait(raw)
         return call
 
@@ -261,8 +327,25 @@ class Executor(GroupStartup):
         call = self._pending[call_id] = PendingCall(expected)
         return call_id, call
 
-    async def _call_all(self, command: worker_pb2.ControlMessage, timeout: float, what: str):
-        return await self._await_call(self._send(command, set(self.handles)), timeout, what)
+    async def call_all(
+        self, command: worker_pb2.ControlMessage, timeout_s: float, what: str
+    ) -> dict[int, worker_pb2.WorkerMessage]:
+        """Send one command to every attached rank; their replies by rank (loop thread)."""
+        return await self._await_call(self._send(command, set(self._handles)), timeout_s, what)
+
+    async def call_each(
+        self,
+        command_for: Callable[[int], worker_pb2.ControlMessage],
+        timeout_s: float,
+        what: str,
+    ) -> dict[int, worker_pb2.WorkerMessage]:
+        """Send command_for(rank) to each attached rank as one call (loop thread)."""
+        call_id, call = self._new_call(set(self._handles))
+        for rank, handle in self._handles.items():
+            command = command_for(rank)
+            command.call_id = call_id
+            handle.outbox.put_nowait(command.SerializeToString())
+        return await self._await_call(call, timeout_s, what)
 
     async def _await_call(self, call: PendingCall, timeout: float, what: str):
         try:
@@ -276,25 +359,25 @@ class Executor(GroupStartup):
     async def canary(self, timeout_s: float) -> None:
         """Ping every rank through its command queue; a rank that does not answer
         in time (its main thread is stuck) fails the group."""
-        if self.state != "ready":
+        if self._state is not GroupState.READY:
             return
         try:
-            await self._call_all(worker_pb2.ControlMessage(ping=worker_pb2.Ping()), timeout_s,
-                                 "canary")
+            await self.call_all(worker_pb2.ControlMessage(ping=worker_pb2.Ping()), timeout_s,
+                                "canary")
         except WorkerGroupFailed as exc:
-            if self.state == "ready":
-                self.fail_group(str(exc), "heartbeat_timeout")
+            if self._state is GroupState.READY:
+                self.fail_group(str(exc), FailureKind.HEARTBEAT_TIMEOUT)
             return
-        self.last_success = time.monotonic()
+        self._last_success = time.monotonic()
 
     # ---- step (engine thread) -------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step and wait for the output rank's reply (engine thread)."""
-        if self.state != "ready" or self._loop is None:
-            raise WorkerGroupFailed(self.status_message())
+        if self._state is not GroupState.READY or self._loop is None:
+            raise WorkerGroupFailed(self.status().describe())
         command = worker_pb2.ControlMessage(execute_model=scheduler_output_to_proto(so))
-        self.step_in_flight = True
+        self._step_in_flight = True
         try:
             t_send = time.perf_counter()
             call = self._send_from_engine_thread(command)
@@ -304,8 +387,8 @@ class Executor(GroupStartup):
             reply = self._wait_for_output_rank(call)
             self.last_round_trip_s = time.perf_counter() - t_send
         finally:
-            self.step_in_flight = False
-        self.last_success = time.monotonic()
+            self._step_in_flight = False
+        self._last_success = time.monotonic()
         return model_runner_output_from_proto(reply.model_runner_output)
 
     def _send_from_engine_thread(self, command: worker_pb2.ControlMessage) -> PendingCall:
@@ -315,8 +398,8 @@ class Executor(GroupStartup):
 
         def send() -> None:
             try:
-                if self.state != "ready":
-                    raise WorkerGroupFailed(self.status_message())
+                if self._state is not GroupState.READY:
+                    raise WorkerGroupFailed(self.status().describe())
                 sent.set_result(self._send(command, {self.parallel.output_rank}))
             except Exception as exc:  # noqa: BLE001 - handed to the engine thread
                 sent.set_exception(exc)
@@ -333,6 +416,6 @@ class Executor(GroupStartup):
                 f"({self.cfg.step_timeout_s:.0f} s)"
             )
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self.fail_group, reason, "step_timeout")
+            self._loop.call_soon_threadsafe(self.fail_group, reason, FailureKind.STEP_TIMEOUT)
             raise WorkerGroupFailed(reason) from None
         return replies[self.parallel.output_rank]

@@ -11,8 +11,8 @@ metric object:
   * observe() runs on the asyncio loop with each step's StepRecord and
     outputs (handed over in the call_soon_threadsafe that already carries the
     outputs to the client streams) and feeds counters and histograms;
-  * _ScrapeCollector reads live state (scheduler stats snapshot, worker
-    handles, executor failure counts) when Prometheus scrapes, on the HTTP
+  * _ScrapeCollector reads live state (scheduler stats snapshot, the
+    executor's status snapshot) when Prometheus scrapes, on the HTTP
     thread, so gauges and the heartbeat age are exact at scrape time;
   * the API edge counts accepted requests (by priority class), aborts and
     (metrics_grpc) gRPC calls directly.
@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from controlplane.config import ControlPlaneConfig
 from controlplane.core.outputs import EngineCoreOutput
+from controlplane.executor.status import ExecutorStatus, FailureKind
 from controlplane.metrics.records import (
     FINISH_REASONS,
     PRIORITY_CLASSES,
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 # Closed label sets, so a series exists (at 0) before its first event and
 # label cardinality cannot grow with traffic.
 ABORT_SOURCES = ("client_cancel", "deadline", "abort_call")
-FAILURE_REASONS = ("disconnected", "heartbeat_timeout", "step_timeout", "worker_error", "startup")
+FAILURE_REASONS = tuple(kind.value for kind in FailureKind)
 
 # vLLM's buckets, extended downwards where a CPU tiny model is faster than a GPU.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -218,7 +219,9 @@ class ControlPlaneMetrics:
 
 
 class _ScrapeCollector:
-    """Gauges read from live state at scrape time (HTTP thread; reads only)."""
+    """Gauges read from live state at scrape time (HTTP thread; reads only).
+
+    The executor is read through one status() snapshot per scrape."""
 
     def __init__(self, metrics: ControlPlaneMetrics, engine, executor):
         self.metrics = metrics
@@ -227,9 +230,10 @@ class _ScrapeCollector:
 
     def collect(self) -> Iterable[Metric]:
         m = self.metrics.model_name
+        status = self.executor.status()
         yield from self._scheduler_gauges(m)
-        yield self._cache_config_info(m)
-        yield from self._worker_metrics(m)
+        yield self._cache_config_info(m, status)
+        yield from self._worker_metrics(m, status)
 
     def _scheduler_gauges(self, m: str) -> Iterable[Metric]:
         stats = self.engine.last_stats if self.engine.scheduler is not None else None
@@ -245,12 +249,12 @@ class _ScrapeCollector:
             g.add_metric([m], value)
             yield g
 
-    def _cache_config_info(self, m: str) -> Metric:
+    def _cache_config_info(self, m: str, status: ExecutorStatus) -> Metric:
         cache = self.metrics.config.cache
         labels = {
             "model_name": m,
             "block_size": str(cache.block_size),
-            "num_gpu_blocks": str(self.executor.num_gpu_blocks),
+            "num_gpu_blocks": str(status.num_gpu_blocks),
             "num_gpu_blocks_override": str(cache.num_gpu_blocks_override or 0),
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
@@ -261,11 +265,10 @@ class _ScrapeCollector:
         g.add_metric(list(labels.values()), 1.0)
         return g
 
-    def _worker_metrics(self, m: str) -> Iterable[Metric]:
-        ex = self.executor
-        handles = dict(ex.handles)  # one atomic copy; the loop may replace it
+    def _worker_metrics(self, m: str, status: ExecutorStatus) -> Iterable[Metric]:
+        handles = {r.rank: r for r in status.ranks}
         now = time.monotonic()
-        output_rank = ex.parallel.output_rank
+        output_rank = self.metrics.config.parallel.output_rank
         up = GaugeMetricFamily("kvloom_worker_up", "1 while the rank's stream is attached.",
                                labels=["model_name", "rank"])
         age = GaugeMetricFamily("kvloom_worker_heartbeat_age_seconds", "Seconds since the rank "
@@ -273,7 +276,7 @@ class _ScrapeCollector:
         fwd = GaugeMetricFamily("kvloom_worker_last_forward_time_seconds", "The rank's latest "
                                 "forward pass (heartbeat; step reply for the output rank).",
                                 labels=["model_name", "rank"])
-        for rank in range(ex.parallel.world_size):
+        for rank in range(status.world_size):
             handle = handles.get(rank)
             up.add_metric([m, str(rank)], 1.0 if handle is not None else 0.0)
             if handle is None:
@@ -284,10 +287,9 @@ class _ScrapeCollector:
             fwd.add_metric([m, str(rank)], last)
         ready = GaugeMetricFamily("kvloom_worker_group_ready", "1 while the worker group "
                                   "serves steps.", labels=["model_name"])
-        ready.add_metric([m], 1.0 if ex.state == "ready" else 0.0)
+        ready.add_metric([m], 1.0 if status.ready else 0.0)
         failures = CounterMetricFamily("kvloom_worker_failures", "Worker group failures by "
                                        "reason.", labels=["model_name", "reason"])
-        counts = dict(ex.failure_counts)
-        for reason in FAILURE_REASONS:
-            failures.add_metric([m, reason], counts.get(reason, 0))
+        for kind in FailureKind:
+            failures.add_metric([m, kind.value], status.failure_counts.get(kind, 0))
         yield from (up, age, fwd, ready, failures)

@@ -14,6 +14,7 @@ import pytest
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
 from controlplane.core.outputs import CachedRequestData, SchedulerOutput
 from controlplane.executor.grpc_executor import Executor, WorkerGroupFailed
+from controlplane.executor.status import FailureKind, GroupState
 from controlplane.executor.worker_service import WorkerControlService
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -177,6 +178,10 @@ def test_startup_broadcast_and_failure():
             num_blocks = await asyncio.wait_for(h.ready, 10)
             assert num_blocks == 25  # the minimum over ranks
             assert sorted(w.rank for w in workers) == [0, 1]
+            ready = h.executor.status()
+            assert ready.state is GroupState.READY and ready.num_gpu_blocks == 25
+            assert [r.rank for r in ready.ranks] == [0, 1] and ready.last_success > 0
+            assert ready.describe() == "ready: 2 ranks attached"
 
             # execute_model blocks, so it runs on a thread like the engine's.
             out = await asyncio.to_thread(h.executor.execute_model, _step(["a", "b"]))
@@ -203,7 +208,13 @@ def test_startup_broadcast_and_failure():
             await asyncio.to_thread(thread.join, 5)
             assert not thread.is_alive()
             assert "rank 0" in result["error"] and "disconnected" in result["error"]
-            assert h.failed and h.executor.state == "forming"
+            status = h.executor.status()
+            assert h.failed and status.state is GroupState.FORMING
+            assert status.failure_counts == {FailureKind.DISCONNECTED: 1}
+            assert status.num_attached == 0 and "rank 0" in status.failure_reason
+            assert status.describe().startswith("worker group forming: 0/2 ranks attached")
+            # A snapshot taken earlier is a moment, not a view: it did not change.
+            assert ready.state is GroupState.READY and ready.num_attached == 2
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -14,6 +14,7 @@ from prometheus_client.exposition import generate_latest
 
 from controlplane.config import ControlPlaneConfig, ModelConfig
 from controlplane.core.sched_stats import SchedulerStats
+from controlplane.executor.status import ExecutorStatus, GroupState
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from workerd.metrics import WorkerMetrics
 
@@ -24,8 +25,8 @@ def _exported_names() -> set[str]:
     config = ControlPlaneConfig(model=ModelConfig(model="/m", served_model_name="m",
                                                   worker_model_path="/m"))
     engine = SimpleNamespace(scheduler=object(), last_stats=SchedulerStats())
-    executor = SimpleNamespace(handles={}, parallel=config.parallel, state="forming",
-                               num_gpu_blocks=0, failure_counts={})
+    status = ExecutorStatus(state=GroupState.FORMING, world_size=config.parallel.world_size)
+    executor = SimpleNamespace(status=lambda: status)
     worker = WorkerMetrics()
     worker.registered(0)
     worker._forward.labels("m", "0").observe(0.01)

@@ -17,7 +17,12 @@ from controlplane.core.outputs import EngineCoreOutput
 from controlplane.core.request import FinishReason
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.executor.grpc_executor import WorkerHandle
-from controlplane.metrics.exporter import ControlPlaneMetrics, one_two_five_buckets
+from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
+from controlplane.metrics.exporter import (
+    FAILURE_REASONS,
+    ControlPlaneMetrics,
+    one_two_five_buckets,
+)
 from controlplane.metrics.records import (
     PRIORITY_CLASSES,
     CounterDeltas,
@@ -130,9 +135,10 @@ def metrics():
     h0 = WorkerHandle(rank=0, host="h", device="cpu", dist_port=1, pid=1)
     h0.last_seen = time.monotonic() - 3.0
     h0.last_forward_time_s = 0.02
-    executor = SimpleNamespace(
-        handles={0: h0}, parallel=config.parallel, state="ready", num_gpu_blocks=64,
-        failure_counts={"heartbeat_timeout": 2})
+    status = ExecutorStatus(
+        state=GroupState.READY, world_size=config.parallel.world_size, ranks=(h0.snapshot(),),
+        num_gpu_blocks=64, failure_counts={FailureKind.HEARTBEAT_TIMEOUT: 2})
+    executor = SimpleNamespace(status=lambda: status)
     return ControlPlaneMetrics(config, engine, executor), stats, engine
 
 
@@ -164,7 +170,17 @@ def test_registry_exposes_step_and_request_metrics(metrics):
     assert _get(s, "kvloom_worker_last_forward_time_seconds", rank="0") == 0.02
     assert _get(s, "kvloom_worker_failures_total", reason="heartbeat_timeout") == 2
     assert _get(s, "kvloom_worker_failures_total", reason="step_timeout") == 0
+    assert _get(s, "kvloom_worker_group_ready") == 1
+    info = next(dict(labels) for name, labels in s if name == "kvloom_cache_config_info")
+    assert info["num_gpu_blocks"] == "64"
     assert all(dict(labels).get("model_name") == "tiny" for _, labels in s)
+
+
+def test_failure_reason_labels_are_the_failure_kinds():
+    # Dashboards and alerts match these label values: they must not drift.
+    assert FAILURE_REASONS == (
+        "disconnected", "heartbeat_timeout", "step_timeout", "worker_error", "startup")
+    assert {k.value for k in FailureKind} == set(FAILURE_REASONS)
 
 
 def test_gauges_drop_to_zero_without_a_scheduler(metrics):

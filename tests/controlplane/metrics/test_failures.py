@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from controlplane.executor.grpc_executor import WorkerGroupFailed
+from controlplane.executor.status import FailureKind, GroupState
 from kvloom.worker.v1 import worker_pb2
 from tests.controlplane.executor.test_grpc_executor import FakeWorker, Harness, _step
 
@@ -48,16 +49,16 @@ def test_round_trip_heartbeat_and_disconnect_are_recorded():
             beat = worker_pb2.Heartbeat(last_forward_time_s=0.25)
             await w0.outbox.put(worker_pb2.WorkerMessage(heartbeat=beat))
             for _ in range(100):
-                if h.executor.handles[0].last_forward_time_s:
+                if h.executor.status().rank(0).last_forward_time_s:
                     break
                 await asyncio.sleep(0.02)
-            assert h.executor.handles[0].last_forward_time_s == pytest.approx(0.25)
+            assert h.executor.status().rank(0).last_forward_time_s == pytest.approx(0.25)
             tasks[workers.index(w0)].cancel()
             for _ in range(100):
-                if h.executor.failure_counts:
+                if h.executor.status().failure_counts:
                     break
                 await asyncio.sleep(0.02)
-            assert h.executor.failure_counts == {"disconnected": 1}
+            assert h.executor.status().failure_counts == {FailureKind.DISCONNECTED: 1}
             await _stop(tasks)
 
     asyncio.run(scenario())
@@ -70,8 +71,9 @@ def test_step_error_fails_the_group_as_worker_error():
             with pytest.raises(WorkerGroupFailed, match="boom"):
                 await asyncio.to_thread(h.executor.execute_model, _step(["a"]))
             await asyncio.sleep(0.1)
-            assert h.executor.failure_counts == {"worker_error": 1}
-            assert h.executor.state == "forming" and h.failed
+            status = h.executor.status()
+            assert status.failure_counts == {FailureKind.WORKER_ERROR: 1}
+            assert status.state is GroupState.FORMING and h.failed
             await _stop(tasks)
 
     asyncio.run(scenario())

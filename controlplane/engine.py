@@ -20,7 +20,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
-from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import (
+    EngineCoreOutput,
+    EngineErrorCode,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from controlplane.core.request import FinishReason, Request, RequestStatus, finish_reason_of
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.worker_calls import WorkerGroupFailed
@@ -141,7 +146,9 @@ class EngineCore:
         except ValueError as exc:
             # The API edge validates first; this is the scheduler's last word
             # (e.g. a request that needs more KV blocks than the pool has).
-            self._emit([self._error_output(request, str(exc), "INVALID_ARGUMENT")], None)
+            self._emit(
+                [self._error_output(request, str(exc), EngineErrorCode.INVALID_ARGUMENT)], None
+            )
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         if self.scheduler is None:
@@ -215,7 +222,7 @@ class EngineCore:
 
     @staticmethod
     def _error_output(
-        request: Request, reason: str, code: str = "UNAVAILABLE"
+        request: Request, reason: str, code: EngineErrorCode = EngineErrorCode.UNAVAILABLE
     ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id,

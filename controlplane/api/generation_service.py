@@ -21,10 +21,10 @@ import grpc
 
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.sample_stream import SampleStream
-from controlplane.api.tokenize_service import TokenizeMixin
+from controlplane.api.tokenize_service import TokenizeService
 from controlplane.api.validation import InvalidRequest, Limits, ValidatedRequest, validate
 from controlplane.config import ControlPlaneConfig
-from controlplane.core.outputs import EngineCoreOutput
+from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import Request
 from controlplane.engine import EngineCore
 from controlplane.model_info import ModelInfo
@@ -34,7 +34,7 @@ from kvloom.v1 import generation_pb2, generation_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
+class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
         config: ControlPlaneConfig,
@@ -65,6 +65,7 @@ class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
         self._in_flight: dict[str, list[str]] = {}
         self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+        self.tokenize_service = TokenizeService(tokenizer, self.limits.vocab_size)
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -187,6 +188,12 @@ class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
                 self.metrics.request_aborted("abort_call", len(children))
         return generation_pb2.AbortResponse(num_aborted=len(parents))
 
+    async def Tokenize(self, request, context):
+        return await self.tokenize_service.tokenize(request, context)
+
+    async def Detokenize(self, request, context):
+        return await self.tokenize_service.detokenize(request, context)
+
     async def GetModelInfo(self, request, context):
         info = self.model_info
         msg = generation_pb2.ModelInfo(
@@ -224,8 +231,16 @@ class GenerationService(TokenizeMixin, generation_pb2_grpc.GenerationServicer):
         )
 
 
-def _status(name: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+# Total over EngineErrorCode (a test checks it): the core never names a gRPC status.
+GRPC_STATUS: dict[EngineErrorCode, grpc.StatusCode] = {
+    EngineErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    EngineErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    EngineErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def _status(code: EngineErrorCode) -> grpc.StatusCode:
+    return GRPC_STATUS[code]
 
 
 def _special_tokens(tokenizer) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """Tokenize / Detokenize RPCs of kvloom.v1.Generation, kept apart from Generate.
 
-They use the same tokenizer and chat template as Generate, so a client can
-see exactly which token ids a prompt becomes.
+GenerationService owns one TokenizeService and delegates both RPCs to it. It
+uses the same tokenizer and chat template as Generate, so a client can see
+exactly which token ids a prompt becomes.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from kvloom.v1 import generation_pb2 as pb
 MAX_TOKENIZE_CHARS = 1 << 20
 
 
-class TokenizeMixin:
-    """Mixed into GenerationService; expects self.tokenizer and self.limits."""
+class TokenizeService:
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+    async def tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         kind = request.WhichOneof("input")
         try:
             if kind == "text":
@@ -49,13 +52,13 @@ class TokenizeMixin:
             )
         )
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        bad = [t for t in request.token_ids if t >= self.limits.vocab_size]
+    async def detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        bad = [t for t in request.token_ids if t >= self.vocab_size]
         if bad:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"token_ids {bad[:5]} are outside the vocabulary "
-                f"(vocab size {self.limits.vocab_size})",
+                f"(vocab size {self.vocab_size})",
             )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(

@@ -8,6 +8,7 @@ knows about grpc.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from controlplane.core.request import FinishReason, SamplingParams
@@ -95,6 +96,19 @@ class ModelRunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
+class EngineErrorCode(enum.Enum):
+    """Why the engine ended a request with an error; the API edge maps each to
+    a gRPC status (generation_service.GRPC_STATUS), nothing here knows grpc."""
+
+    # The worker group failed, is not ready, or the controlplane is stopping:
+    # the request may succeed if retried later.
+    UNAVAILABLE = "unavailable"
+    # The scheduler refused the request itself (e.g. it can never fit the pool).
+    INVALID_ARGUMENT = "invalid_argument"
+    # A bug in the engine, not the request's fault nor the group's.
+    INTERNAL = "internal"
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """New tokens (and maybe the end) of one request after one step."""
@@ -107,8 +121,8 @@ class EngineCoreOutput:
     num_output_tokens: int = 0
     # Message for FinishReason.ERROR (e.g. the worker group failed).
     error: str | None = None
-    # gRPC status name the API edge reports for `error`.
-    error_code: str = "UNAVAILABLE"
+    # What kind of error `error` is; the API edge picks the gRPC status.
+    error_code: EngineErrorCode = EngineErrorCode.UNAVAILABLE
     # One entry per new token when the request asked for logprobs.
     new_logprobs: list[TokenLogprobs] | None = None
     # Prompt logprobs computed this step (prefill chunks), when asked for.

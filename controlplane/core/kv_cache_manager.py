@@ -91,41 +91,44 @@ class KVCacheManager:
         the newly allocated blocks (possibly empty), or None with nothing
         changed when the pool cannot supply them.
         """
-        req_id = request.request_id
-        block_size = self.block_size
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_after = num_computed + num_new_tokens
-        req_blocks = self.req_to_blocks.get(req_id)
-        num_have = len(req_blocks) if req_blocks is not None else 0
-        if new_computed_blocks:
-            num_have += len(new_computed_blocks)
-        num_new_blocks = (num_tokens_after + block_size - 1) // block_size - num_have
-
-        if num_new_blocks <= 0 and new_computed_blocks is None and req_blocks is not None:
-            # Hot path: a decode step inside an already allocated block.
-            if (
-                self.enable_caching
-                and num_tokens_after // block_size > self.num_cached_blocks[req_id]
-            ):
-                self.cache_full_blocks(request, num_tokens_after)
-            return _NO_BLOCKS
-        return self._allocate_slow(request, num_new_blocks, num_tokens_after, new_computed_blocks)
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is not None and new_computed_blocks is None:
+            # Hot path, taken for nearly every running request every step: a
+            # decode inside an already allocated block. Kept to a few lookups
+            # because the scheduler calls it once per running request.
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            block_size = self.block_size
+            if num_tokens_after <= len(req_blocks) * block_size:
+                if (
+                    self.enable_caching
+                    and num_tokens_after // block_size
+                    > self.num_cached_blocks[request.request_id]
+                ):
+                    self.cache_full_blocks(request, num_tokens_after)
+                return _NO_BLOCKS
+        return self._allocate_slow(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks
+        )
 
     def _allocate_slow(
         self,
         request: Request,
-        num_new_blocks: int,
-        num_tokens_after: int,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None,
     ) -> list[KVCacheBlock] | None:
         pool = self.block_pool
+        req_id = request.request_id
+        block_size = self.block_size
         computed = new_computed_blocks or []
+        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        req_blocks = self.req_to_blocks.get(req_id)
+        num_have = len(computed) + (len(req_blocks) if req_blocks is not None else 0)
+        num_new_blocks = (num_tokens_after + block_size - 1) // block_size - num_have
         # A cached block that is free still counts as free until we touch it.
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
             return None
-        req_id = request.request_id
-        req_blocks = self.req_to_blocks.get(req_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_blocks[req_id] = 0

@@ -77,3 +77,11 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def blocks_needed(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a request holds at its longest. The API edge and the
+    scheduler both admit with this, so the edge never refuses what fits."""
+    # The last sampled token is never fed back to the model, so it needs no
+    # KV slot: a request writes KV for at most prompt + max_tokens - 1 tokens.
+    return cdiv(num_prompt_tokens + max_tokens - 1, block_size)

@@ -49,6 +49,16 @@ def finish_reason_of(status: RequestStatus) -> FinishReason | None:
     return _FINISH_REASON.get(status)
 
 
+def exceeds_max_model_len(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
+    """The length rule of admission, used by the API edge and the scheduler.
+
+    Every sampled token counts, the last one too (as vLLM), so a request that
+    passes reaches max_tokens no later than max_model_len: the scheduler's stop
+    rules need no length check besides max_tokens.
+    """
+    return num_prompt_tokens + max_tokens > max_model_len
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Resolved sampling and stopping parameters (API defaults already applied)."""

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.kv_cache_manager import KVCacheManager
-from controlplane.core.kv_cache_utils import cdiv
+from controlplane.core.kv_cache_utils import blocks_needed
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -32,7 +32,12 @@ from controlplane.core.outputs import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from controlplane.core.request import Request, RequestStatus, finish_reason_of
+from controlplane.core.request import (
+    Request,
+    RequestStatus,
+    exceeds_max_model_len,
+    finish_reason_of,
+)
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
 
@@ -87,16 +92,15 @@ class Scheduler:
             raise ValueError(f"request {req_id!r} has an empty prompt")
         if max_tokens < 1:
             raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        if num_prompt + max_tokens > self.max_model_len:
+        if exceeds_max_model_len(num_prompt, max_tokens, self.max_model_len):
             raise ValueError(
                 f"request {req_id!r}: prompt ({num_prompt} tokens) + max_tokens "
                 f"({max_tokens}) exceeds max_model_len ({self.max_model_len})"
             )
-        # The last sampled token is never fed back, so it needs no KV slot.
-        blocks_needed = cdiv(num_prompt + max_tokens - 1, self.block_size)
-        if blocks_needed > self.num_gpu_blocks:
+        num_blocks = blocks_needed(num_prompt, max_tokens, self.block_size)
+        if num_blocks > self.num_gpu_blocks:
             raise ValueError(
-                f"request {req_id!r} needs {blocks_needed} KV blocks but the pool "
+                f"request {req_id!r} needs {num_blocks} KV blocks but the pool "
                 f"has only {self.num_gpu_blocks}; it could never be scheduled"
             )
         cfg = self.scheduler_config
@@ -186,14 +190,7 @@ class Scheduler:
         """Decodes and unfinished prefills, in running order. The diff columns
         are filled in the same pass: at 1k requests a second pass shows up."""
         running = self.running
-        kv = self.kv_cache_manager
-        allocate = kv.allocate_slots
-        # The common case, a decode inside an allocated block, is decided here
-        # without a call (allocate_slots' own fast path, inlined for 1k reqs).
-        req_to_blocks = kv.req_to_blocks
-        num_cached_blocks = kv.num_cached_blocks
-        caching = kv.enable_caching
-        block_size = self.block_size
+        allocate = self.kv_cache_manager.allocate_slots
         threshold = self.scheduler_config.long_prefill_token_threshold
         c_ids = cached.req_ids
         c_resumed = cached.resumed_from_preemption
@@ -214,25 +211,18 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            req_id = request.request_id
-            num_after = num_computed + num_new
-            if num_after <= len(req_to_blocks[req_id]) * block_size:
-                if caching and num_after // block_size > num_cached_blocks[req_id]:
-                    kv.cache_full_blocks(request, num_after)
-                new_block_ids = []
-            else:
-                new_blocks = allocate(request, num_new)
+            new_blocks = allocate(request, num_new)
+            if new_blocks is None:
+                new_blocks, budget, i = self._make_room(
+                    request, num_new, i, budget, cached, num_scheduled, preempted
+                )
                 if new_blocks is None:
-                    new_blocks, budget, i = self._make_room(
-                        request, num_new, i, budget, cached, num_scheduled, preempted
-                    )
-                    if new_blocks is None:
-                        break
-                new_block_ids = [b.block_id for b in new_blocks]
+                    break
+            req_id = request.request_id
             c_ids.append(req_id)
             c_resumed.append(False)
             c_tokens.append(all_ids[request.num_tokens_sent :])
-            c_blocks.append(new_block_ids)
+            c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
             c_computed.append(num_computed)
             request.num_tokens_sent = num_all
             request.num_computed_tokens = num_computed + num_new
@@ -382,7 +372,6 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         scheduled = scheduler_output.num_scheduled_tokens
-        max_model_len = self.max_model_len
         any_finished = False
         logprobs = model_runner_output.logprobs
         for i, (req_id, token_id) in enumerate(
@@ -392,10 +381,8 @@ class Scheduler:
             # Aborted or preempted after this output was scheduled: drop the token.
             if request is None or request.status is not _RUNNING or req_id not in scheduled:
                 continue
-            output_ids = request.output_token_ids
-            output_ids.append(token_id)
-            request.all_token_ids.append(token_id)
-            num_output = len(output_ids)
+            request.append_output_token_ids(token_id)
+            num_output = len(request.output_token_ids)
             params = request.sampling_params
             status = None
             stop_token_id = None
@@ -405,9 +392,9 @@ class Scheduler:
                 elif token_id in params.stop_token_ids:
                     status = _STOPPED
                     stop_token_id = token_id
-            if status is None and (
-                num_output >= params.max_tokens or len(request.all_token_ids) >= max_model_len
-            ):
+            # max_tokens is the only length cap needed: add_request refused
+            # every request whose prompt + max_tokens exceeds max_model_len.
+            if status is None and num_output >= params.max_tokens:
                 status = _LENGTH
             finish_reason = None
             if status is not None:

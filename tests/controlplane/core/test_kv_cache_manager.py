@@ -117,6 +117,18 @@ def test_decode_allocates_only_when_crossing_a_block():
     assert kv.block_pool.blocks[0].block_hash == req.block_hashes[0]
 
 
+def test_decode_that_fills_its_block_registers_it_without_allocating():
+    kv = KVCacheManager(10, BS)
+    req = make_request(list(range(3)))
+    admit(kv, req)
+    req.append_output_token_ids(7)
+    assert len(kv.allocate_slots(req, 1)) == 0  # token 4 fills block 0 exactly
+    # The fast path (no new block) still registers the block it filled.
+    assert kv.block_pool.blocks[0].block_hash == req.block_hashes[0]
+    req.num_computed_tokens += 1
+    assert kv.get_computed_blocks(make_request(list(range(3)) + [7, 9]))[1] == 4
+
+
 def test_salted_requests_do_not_share():
     kv = KVCacheManager(20, BS)
     a = make_request(list(range(9)))

@@ -304,14 +304,30 @@ def test_stop_token_ids_record_the_token():
     assert req.status is RequestStatus.FINISHED_STOPPED and req.stop_token_id == 66
 
 
-def test_max_tokens_and_max_model_len_cap_length():
+def test_max_tokens_caps_length():
     outs = run_one(make_scheduler(), make_request(4, max_tokens=2), [7, 7, 7])
     assert len(outs) == 2 and outs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_max_model_len_is_enforced_by_admission_alone():
+    # update_from_output stops on max_tokens only; admission must make that
+    # enough: a request that fits exactly ends at max_model_len tokens, even
+    # after a preemption, and one token more is refused up front.
     sched = make_scheduler(max_model_len=10)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request(6, max_tokens=5))
     req = make_request(6, max_tokens=4)
     sched.add_request(req)
-    outs = run_one(sched, make_request(8, max_tokens=2), [7, 7, 7])
-    assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 2
+    outs = []
+    for tok in [7, 7, 7, 7, 7]:
+        so, o = step(sched, {req.request_id: tok})
+        outs.extend(o)
+        if len(outs) == 2:
+            sched.reset_for_recompute()  # recompute must not lose the length cap
+        if o and o[-1].finished:
+            break
+    assert outs[-1].finish_reason is FinishReason.LENGTH and req.num_tokens == 10
+    assert [o.num_output_tokens for o in outs] == [1, 2, 3, 4]
 
 
 def test_finished_request_frees_blocks_at_once():

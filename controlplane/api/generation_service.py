@@ -24,6 +24,7 @@ from controlplane.api.sample_stream import SampleStream
 from controlplane.api.tokenize_service import TokenizeService
 from controlplane.api.validation import InvalidRequest, Limits, ValidatedRequest, validate
 from controlplane.config import ControlPlaneConfig
+from controlplane.core.kv_cache_utils import blocks_needed
 from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import Request
 from controlplane.engine import EngineCore
@@ -97,8 +98,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stats = self.engine.last_stats
         if stats is None or not stats.num_total_blocks:
             return
-        block_size = self.config.cache.block_size
-        need = -(-(len(v.prompt_token_ids) + v.params.max_tokens) // block_size)
+        need = blocks_needed(
+            len(v.prompt_token_ids), v.params.max_tokens, self.config.cache.block_size
+        )
         if need > stats.num_total_blocks:
             raise InvalidRequest(
                 f"prompt + sampling.max_tokens need {need} KV blocks but the whole pool has "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from controlplane.core.request import SamplingParams
+from controlplane.core.request import SamplingParams, exceeds_max_model_len
 from kvloom.v1 import generation_pb2
 
 MAX_REQUEST_ID_LEN = 256
@@ -253,12 +253,11 @@ def validate(
     priority = check_priority(request.priority, limits.scheduling_policy)
     params = resolve_sampling(request.sampling, limits)
     prompt = resolve_prompt(request, tokenizer, limits)
-    total = len(prompt) + params.max_tokens
-    if total > limits.max_model_len:
+    if exceeds_max_model_len(len(prompt), params.max_tokens, limits.max_model_len):
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) = "
-            f"{total} exceeds the max model length {limits.max_model_len}: shorten the "
-            f"prompt or lower max_tokens"
+            f"{len(prompt) + params.max_tokens} exceeds the max model length "
+            f"{limits.max_model_len}: shorten the prompt or lower max_tokens"
         )
     return ValidatedRequest(
         request_id=request.request_id,

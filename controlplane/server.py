@@ -5,7 +5,7 @@ health, reflection) and the worker port (WorkerControl) — while EngineCore
 runs on its own thread. Health has two names: "" is live as soon as the
 process answers; "kvloom.v1.Generation" is SERVING only while the worker
 group is ready. With --metrics-port, Prometheus metrics are served on a
-thread of their own (controlplane/metrics.py).
+thread of their own (controlplane/metrics/exporter.py).
 """
 
 from __future__ import annotations

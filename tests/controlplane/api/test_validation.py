@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+from types import SimpleNamespace
 
+import grpc
 import pytest
 
+from controlplane.api.generation_service import GenerationService
+from controlplane.api.output_router import OutputRouter
 from controlplane.api.validation import MAX_ABS_PRIORITY, InvalidRequest, Limits, validate
 from kvloom.v1 import generation_pb2 as pb
 
@@ -129,3 +134,65 @@ def test_priority_is_checked_before_the_prompt_is_tokenized():
 
     with pytest.raises(InvalidRequest, match="priority"):
         validate(pb.GenerateRequest(text="a", priority=3), Exploding(), LIMITS)
+
+
+# --- the service wires policy and priority through --------------------------
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise _Aborted(details)
+
+    def time_remaining(self):
+        return None
+
+
+def _service(policy: str):
+    config = SimpleNamespace(
+        scheduler=SimpleNamespace(max_model_len=64, max_num_seqs=8, policy=policy),
+        server=SimpleNamespace(max_waiting_requests=8),
+        cache=SimpleNamespace(block_size=16),
+    )
+    info = SimpleNamespace(vocab_size=100, sampling_defaults=(), eos_token_ids=frozenset())
+    added, accepted = [], []
+    engine = SimpleNamespace(last_stats=None, add_request=added.append,
+                             abort_requests=lambda ids: None)
+    metrics = SimpleNamespace(request_accepted=lambda p, n: accepted.append((p, n)),
+                              request_aborted=lambda source, n: None)
+    service = GenerationService(config, info, _Tok(), engine, OutputRouter(),
+                                lambda: None, lambda: 1, metrics)
+    return service, added, accepted
+
+
+async def _start(service, request, context):
+    """Run Generate until it waits for engine outputs (or aborts)."""
+    task = asyncio.ensure_future(service.Generate(request, context).__anext__())
+    for _ in range(10):
+        await asyncio.sleep(0)
+    if task.done():
+        task.result()
+    task.cancel()
+
+
+def test_fcfs_server_refuses_nonzero_priority_with_invalid_argument():
+    service, added, accepted = _service("fcfs")
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(_start(service, _with_priority(-1), context))
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "schedules fcfs" in context.details
+    assert added == [] and accepted == []
+
+
+def test_priority_server_hands_priority_to_every_sample():
+    service, added, accepted = _service("priority")
+    request = _with_priority(-4)
+    request.sampling.n = 2
+    asyncio.run(_start(service, request, _Context()))
+    assert [r.priority for r in added] == [-4, -4]
+    assert accepted == [(-4, 2)]

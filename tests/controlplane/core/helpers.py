@@ -1,14 +1,24 @@
-"""Factories for scheduler tests: configs, requests, a fake model step, and a
-mirror of the worker-side request state rebuilt only from SchedulerOutput."""
+"""Factories for scheduler tests: configs, requests, a model stand-in that
+returns the tokens a test dictates, and random add/abort/step/failover programs.
+
+Torch-free, like controlplane/core. Nothing here models the worker: the
+workers' side of the same diffs (state rebuilt from SchedulerOutput, KV slots,
+who samples) is checked against a real workerd Worker in
+tests/controlplane/executor/test_worker_view.py, which runs these programs
+through tests.inprocess.InProcessExecutor.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable
+
+from hypothesis import strategies as st
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
-from controlplane.core.request import Request, SamplingParams
+from controlplane.core.request import Request, RequestStatus, SamplingParams
 from controlplane.core.scheduler import Scheduler
 
 EOS = 2
@@ -66,8 +76,11 @@ def make_request(
 def model_output(
     sched: Scheduler, so: SchedulerOutput, tokens: dict[str, int] | None = None
 ) -> ModelRunnerOutput:
-    """One token for each scheduled request whose tokens are all computed after
-    the step (schedule() has already advanced num_computed_tokens)."""
+    """A stand-in for the model's output, so scheduler tests can dictate the
+    sampled tokens (EOS, stop ids) no real model produces on demand: tokens
+    [req_id], else 7. Who samples is read off the scheduler's own requests
+    (context complete once schedule() advanced num_computed_tokens); it keeps
+    no state, so it cannot drift from the controlplane."""
     tokens = tokens or {}
     req_ids, sampled = [], []
     for req_id in so.num_scheduled_tokens:
@@ -84,46 +97,174 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None):
     return so, outs
 
 
-@dataclass
-class MirroredRequest:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    in_batch: bool = True
+# ---- random programs -------------------------------------------------------------
+
+PROGRAM_MAX_MODEL_LEN = 48
+STOP = 55
+# Two shared prefixes so that prompts often share full blocks.
+PREFIXES = ([100 + i % 3 for i in range(24)], [200 + i % 5 for i in range(24)])
+
+program_configs = st.fixed_dictionaries(
+    {
+        "num_blocks": st.integers(10, 30),
+        "block_size": st.sampled_from([2, 4]),
+        "max_num_seqs": st.integers(1, 6),
+        "max_num_batched_tokens": st.integers(4, 32),
+        "enable_prefix_caching": st.sampled_from([True, True, False]),
+        "long_prefill_token_threshold": st.sampled_from([0, 3]),
+        "policy": st.sampled_from(["fcfs", "priority"]),
+    }
+)
+_add_op = st.tuples(
+    st.just("add"),
+    st.integers(0, 2),  # which prefix (2 = none)
+    st.integers(1, 30),  # prompt length
+    st.integers(1, 12),  # max_tokens
+    st.integers(0, 3),  # priority
+)
+_step_op = st.tuples(st.just("step"), st.lists(st.sampled_from([7, 7, 7, EOS, STOP]), max_size=8))
+_abort_op = st.tuples(st.just("abort"), st.integers(0, 10))
+program_ops = st.lists(
+    st.one_of(_add_op, _add_op, _step_op, _step_op, _step_op, _abort_op, st.just(("reset",))),
+    min_size=8,
+    max_size=50,
+)
 
 
-@dataclass
-class WorkerMirror:
-    """What a worker knows, rebuilt from diffs exactly as _update_states would."""
-
-    reqs: dict[str, MirroredRequest] = field(default_factory=dict)
-
-    def apply(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.reqs.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
-            if req_id in self.reqs:
-                self.reqs[req_id].in_batch = False
-        for new in so.scheduled_new_reqs:
-            self.reqs[new.req_id] = MirroredRequest(
-                list(new.prompt_token_ids) + list(new.output_token_ids),
-                list(new.block_ids),
-                new.num_computed_tokens,
+def random_program(rng, length: int) -> list[tuple]:
+    """A long program from a random.Random: tight pools reliably reach
+    preemption, prefix hits and failover, which shrinking-friendly ones rarely do."""
+    program = []
+    for _ in range(length):
+        r = rng.random()
+        if r < 0.3:
+            program.append(
+                ("add", rng.randrange(3), rng.randint(1, 30), rng.randint(1, 12), rng.randrange(4))
             )
-        c = so.scheduled_cached_reqs
-        for i, req_id in enumerate(c.req_ids):
-            m = self.reqs[req_id]
-            m.token_ids.extend(c.new_token_ids[i])
-            if c.resumed_from_preemption[i]:
-                m.block_ids = list(c.new_block_ids[i])
-            else:
-                # A running request's progress must match what we computed.
-                assert m.num_computed_tokens == c.num_computed_tokens[i], req_id
-                m.block_ids.extend(c.new_block_ids[i])
-            m.num_computed_tokens = c.num_computed_tokens[i]
-            m.in_batch = True
-        for req_id, n in so.num_scheduled_tokens.items():
-            self.reqs[req_id].num_computed_tokens += n
+        elif r < 0.9:
+            program.append(("step", [rng.choice([7, 7, 7, 7, EOS, STOP]) for _ in range(5)]))
+        elif r < 0.98:
+            program.append(("abort", rng.randrange(10)))
+        else:
+            program.append(("reset",))
+    return program
+
+
+# Runs one step's SchedulerOutput: model_output above, or a real worker.
+Execute = Callable[[Scheduler, SchedulerOutput], ModelRunnerOutput]
+
+
+class ProgramRunner:
+    """Plays a program's ops against a real Scheduler, checking the step
+    invariants and the block pool after every op.
+
+    execute runs each step (the stand-in, or a real worker); the program's
+    tokens then replace whatever it sampled, row by row. on_reset runs on a
+    failover, after the scheduler's reset_for_recompute (a real group re-forms).
+    """
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        execute: Execute = model_output,
+        on_reset: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.sched = sched
+        self.execute = execute
+        self.on_reset = on_reset
+        self.next_id = 0
+        self.num_steps = 0
+
+    def run(self, program: list[tuple]) -> None:
+        for op in program:
+            getattr(self, op[0])(*op[1:])
+            check_pool(self.sched)
+
+    def drain(self, max_steps: int = 2000) -> None:
+        """Step until every request finished, then once more so the last
+        finished ids reach the workers."""
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step([7])
+            check_pool(self.sched)
+        assert not self.sched.has_unfinished_requests()
+        self.step([7])
+
+    def add(self, which: int, length: int, max_tokens: int, priority: int) -> None:
+        base = PREFIXES[which] if which < 2 else []
+        tail = [300 + self.next_id * 50 + i for i in range(length)]
+        prompt = (base + tail)[:length]
+        req = make_request(
+            prompt,
+            max_tokens,
+            f"q{self.next_id}",
+            priority,
+            min_tokens=1,
+            stop_token_ids=(STOP,),
+            arrival_time=float(self.next_id),
+        )
+        self.next_id += 1
+        bs = self.sched.block_size
+        fits = -(-(length + max_tokens - 1) // bs) <= self.sched.num_gpu_blocks
+        if length + max_tokens > PROGRAM_MAX_MODEL_LEN or not fits:
+            try:
+                self.sched.add_request(req)
+            except ValueError:
+                return
+            raise AssertionError("oversized request was admitted")
+        self.sched.add_request(req)
+
+    def step(self, tokens: list[int]) -> None:
+        sched = self.sched
+        so = sched.schedule()
+        cfg = sched.scheduler_config
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(sched.running) <= cfg.max_num_seqs
+        out = self.execute(sched, so)
+        self.num_steps += 1
+        tokens = tokens or [7]
+        out.sampled_token_ids = [tokens[i % len(tokens)] for i in range(len(out.req_ids))]
+        outs = sched.update_from_output(so, out)
+        assert [o.request_id for o in outs] == out.req_ids
+        for o in outs:
+            if o.finished:
+                assert sched.get_request(o.request_id) is None
+
+    def abort(self, idx: int) -> None:
+        ids = list(self.sched.requests)
+        if ids:
+            req_id = ids[idx % len(ids)]
+            done = self.sched.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+            assert done == [req_id]
 
     def reset(self) -> None:
-        self.reqs.clear()
+        self.sched.reset_for_recompute()
+        self.on_reset()
+
+
+def check_pool(sched: Scheduler) -> None:
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    free = [b.block_id for b in pool.free_block_queue]
+    assert len(free) == len(set(free)) == pool.get_num_free_blocks()
+    owners = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    assert not set(free) & set(owners), "a block is both free and owned"
+    for block in pool.blocks:
+        assert block.ref_cnt == owners.get(block.block_id, 0)
+    assert len(free) + len(owners) == pool.num_blocks
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+    assert sum(b.block_hash is not None for b in pool.blocks) == len(
+        pool.cached_block_hash_to_block
+    )
+    running_ids = {r.request_id for r in sched.running}
+    assert set(kv.req_to_blocks) == running_ids
+    for req in sched.running:
+        assert req.status is RequestStatus.RUNNING
+        assert len(kv.req_to_blocks[req.request_id]) * kv.block_size >= req.num_computed_tokens
+    for req in sched.waiting:
+        assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert req.num_computed_tokens == 0
+    assert len(sched.running) + len(sched.waiting) == sched.get_num_unfinished_requests()

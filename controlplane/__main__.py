@@ -1,7 +1,8 @@
 """`kvloom-controlplane` / `python -m controlplane`: flags -> frozen config -> serve.
 
-Every flag is also read from a KVLOOM_* environment variable (e.g.
---max-num-seqs from KVLOOM_MAX_NUM_SEQS).
+The flags are the config dataclasses' fields (controlplane/config.py declares
+each one's default, help and bounds). Every flag is also read from a KVLOOM_*
+environment variable (e.g. --max-num-seqs from KVLOOM_MAX_NUM_SEQS).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from controlplane.config import (
     ServerConfig,
     WorkerGroupConfig,
 )
+from controlplane.config_args import add_config_group, config_from_args
 from controlplane.model_info import ModelInfo, read_model_info
 from kvloom.envargs import EnvArgumentParser
 from kvloom.server.logs import setup_logging
@@ -26,64 +28,36 @@ from kvloom.server.logs import setup_logging
 logger = logging.getLogger("controlplane")
 
 
+# Argument groups in --help order; their option() fields are the flags.
+CONFIG_GROUPS = (
+    ("model", ModelConfig),
+    ("parallelism", ParallelConfig),
+    ("cache", CacheConfig),
+    ("scheduler", SchedulerConfig),
+    ("worker group", WorkerGroupConfig),
+    ("server", ServerConfig),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = EnvArgumentParser(prog="kvloom-controlplane", description=__doc__.splitlines()[0])
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default="", help="checkpoint dir; empty = the embedded default model")
-    m.add_argument("--served-model-name", default="", help="name reported to clients")
-    m.add_argument("--worker-model-path", default="",
-                   help="the checkpoint path as the workers see it (default: --model)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--max-model-len", type=int, default=0,
-                   help="longest prompt+output; 0 = the model's max_position_embeddings")
-    m.add_argument("--seed", type=int, default=0, help="seed of the workers' default generator")
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    par.add_argument("--pp-layer-partition", default="",
-                     help="comma-separated layers per pipeline stage, e.g. 16,14")
-    c = p.add_argument_group("cache")
-    c.add_argument("--block-size", type=int, default=16)
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    c.add_argument("--num-gpu-blocks-override", type=int, default=0)
-    c.add_argument("--kv-cache-memory-bytes", type=int, default=0,
-                   help="KV cache bytes per rank; 0 = derived from device memory")
-    c.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s = p.add_argument_group("scheduler")
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    s.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    srv = p.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=50051, help="client API port")
-    srv.add_argument("--worker-port", type=int, default=50052, help="port workers dial")
-    srv.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics; 0 = off")
-    srv.add_argument("--auth-token", default="", help="shared secret workers must present")
-    srv.add_argument("--max-waiting-requests", type=int, default=1024,
-                     help="requests allowed to wait beyond --max-num-seqs before new ones "
-                          "get RESOURCE_EXHAUSTED")
-    srv.add_argument("--drain-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish after SIGTERM")
-    srv.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024,
-                     help="largest gRPC message accepted or sent")
-    srv.add_argument("--step-timeout", type=float, default=60.0,
-                     help="seconds before a step with no reply fails the worker group")
-    srv.add_argument("--heartbeat-timeout", type=float, default=30.0)
-    srv.add_argument("--startup-timeout", type=float, default=600.0)
-    srv.add_argument("--log-level", default="INFO")
+    p = EnvArgumentParser(
+        prog="kvloom-controlplane",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {title: add_config_group(p, cls, title) for title, cls in CONFIG_GROUPS}
+    # Not config fields. --max-model-len is checked against the checkpoint and
+    # becomes SchedulerConfig.max_model_len in build_config.
+    groups["model"].add_argument(
+        "--max-model-len", type=int, default=0,
+        help="longest prompt + output; 0 = the model's max_position_embeddings")
+    p.add_argument("--log-level", default="INFO", help="logging level of the controlplane")
     return p
 
 
-def _positive(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-
-
-def build_config(args: argparse.Namespace, p: argparse.ArgumentParser):
-    _positive(p, args, "tensor_parallel_size", "pipeline_parallel_size", "block_size",
-              "max_num_seqs", "max_num_batched_tokens")
+def build_config(
+    args: argparse.Namespace, p: argparse.ArgumentParser
+) -> tuple[ControlPlaneConfig, ModelInfo]:
     model_path = args.model
     if not model_path:
         from kvloom.server.default_model import default_model_dir
@@ -94,50 +68,21 @@ def build_config(args: argparse.Namespace, p: argparse.ArgumentParser):
     except (OSError, ValueError, KeyError) as exc:
         p.error(f"--model {model_path!r}: {exc}")
     max_model_len = args.max_model_len or info.max_position_embeddings
-    if max_model_len > info.max_position_embeddings:
-        p.error(f"--max-model-len {max_model_len} exceeds the model's "
-                f"max_position_embeddings {info.max_position_embeddings}")
-    partition = tuple(int(x) for x in args.pp_layer_partition.split(",") if x.strip())
+    if not 0 < max_model_len <= info.max_position_embeddings:
+        p.error(f"--max-model-len {max_model_len} must be in 1..{info.max_position_embeddings}, "
+                f"the model's max_position_embeddings")
     config = ControlPlaneConfig(
-        model=ModelConfig(
+        model=config_from_args(
+            ModelConfig, args,
             model=model_path,
             served_model_name=args.served_model_name or os.path.basename(model_path.rstrip("/")),
             worker_model_path=args.worker_model_path or model_path,
-            dtype=args.dtype,
-            max_model_len=max_model_len,
-            seed=args.seed,
         ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_gpu_blocks_override=args.num_gpu_blocks_override or None,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            policy=args.scheduling_policy,
-        ),
-        parallel=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            pp_layer_partition=partition,
-        ),
-        workers=WorkerGroupConfig(
-            auth_token=args.auth_token,
-            step_timeout_s=args.step_timeout,
-            startup_timeout_s=args.startup_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-        ),
-        server=ServerConfig(
-            host=args.host, port=args.port, worker_port=args.worker_port,
-            metrics_port=args.metrics_port, max_message_bytes=args.max_message_bytes,
-            max_waiting_requests=args.max_waiting_requests,
-            drain_timeout_s=args.drain_timeout,
-        ),
+        cache=config_from_args(CacheConfig, args),
+        scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len),
+        parallel=config_from_args(ParallelConfig, args),
+        workers=config_from_args(WorkerGroupConfig, args),
+        server=config_from_args(ServerConfig, args),
     )
     return config, info
 

@@ -2,55 +2,66 @@
 
 Each component receives only the piece it needs: the scheduler gets
 SchedulerConfig and CacheConfig, the executor ParallelConfig and
-WorkerGroupConfig, the API server ServerConfig.
+WorkerGroupConfig, the API server ServerConfig. Every field is also a
+command-line flag (config_args.option), so its default and help live here only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controlplane.config_args import option
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # Checkpoint directory (config.json, *.safetensors, tokenizer files).
-    model: str
-    served_model_name: str
-    # Path the workers load from; differs from `model` when they mount it elsewhere.
-    worker_model_path: str
-    dtype: str = "float32"
-    # Longest prompt + output accepted; 0 = the model's max_position_embeddings.
-    max_model_len: int = 0
-    seed: int = 0
+    # The three paths/names are resolved by __main__ before the tree is built.
+    model: str = option("", "checkpoint dir; empty = the embedded default model")
+    served_model_name: str = option("", "name reported to clients; empty = the checkpoint dir's")
+    # Differs from `model` when the workers mount the checkpoint elsewhere.
+    worker_model_path: str = option(
+        "", "the checkpoint path as the workers see it; empty = --model"
+    )
+    dtype: str = option("float32", "weights and activations", choices=(
+        "float32", "bfloat16", "float16"))
+    seed: int = option(0, "seed of the workers' default generator", ge=0)
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    # Fixed pool size, overriding what the workers profile (tests, benchmarks).
-    num_gpu_blocks_override: int | None = None
-    # Bytes each rank may spend on KV cache; 0 = derive from device memory.
-    kv_cache_memory_bytes: int = 0
-    gpu_memory_utilization: float = 0.9
+    block_size: int = option(16, "tokens per KV block", ge=1)
+    enable_prefix_caching: bool = option(True, "reuse the KV of cached prompt prefixes")
+    num_gpu_blocks_override: int = option(
+        0, "fixed KV pool size in blocks, overriding what the workers profile "
+        "(tests, benchmarks); 0 = profile", ge=0)
+    kv_cache_memory_bytes: int = option(
+        0, "KV cache bytes per rank; 0 = derived from device memory", ge=0)
+    gpu_memory_utilization: float = option(
+        0.9, "share of device memory a rank may use (weights, activations, KV)", gt=0, le=1)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = option(256, "most requests in one step", ge=1)
+    max_num_batched_tokens: int = option(8192, "token budget of one step", ge=1)
+    # Longest prompt + output. Not a flag of its own: __main__ resolves it from
+    # --max-model-len and the checkpoint (0 = max_position_embeddings), so the
+    # scheduler and the API edge always see a real limit.
     max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    # Cap on prefill tokens one request may take in a step; 0 = no cap.
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"  # or "priority"
+    enable_chunked_prefill: bool = option(
+        True, "split long prefills across steps instead of refusing prompts over the budget")
+    long_prefill_token_threshold: int = option(
+        0, "most prefill tokens one request may take in a step; 0 = no cap", ge=0)
+    policy: str = option("fcfs", "which waiting request goes first; priority: smaller "
+                         "value first", flag="--scheduling-policy", choices=("fcfs", "priority"))
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # Layers per pipeline stage; empty = even split.
-    pp_layer_partition: tuple[int, ...] = ()
+    tensor_parallel_size: int = option(1, "ranks per pipeline stage", aliases=("-tp",), ge=1)
+    pipeline_parallel_size: int = option(1, "pipeline stages", aliases=("-pp",), ge=1)
+    pp_layer_partition: tuple[int, ...] = option(
+        (), "comma-separated layers per pipeline stage, e.g. 16,14; empty = even split", ge=1)
 
     @property
     def world_size(self) -> int:
@@ -64,30 +75,35 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class WorkerGroupConfig:
-    # Shared secret workers must present; empty = not checked.
-    auth_token: str = ""
-    # A step with no reply from the output rank for this long fails the group.
-    step_timeout_s: float = 60.0
-    # Start-up commands (load, profile) may take this long per rank.
-    startup_timeout_s: float = 600.0
-    # Rendezvous timeout handed to torch.distributed.
-    distributed_timeout_s: float = 120.0
-    # A worker that has sent nothing (reply or heartbeat) for this long is dead.
-    heartbeat_timeout_s: float = 30.0
+    auth_token: str = option("", "shared secret workers must present; empty = not checked")
+    step_timeout_s: float = option(
+        60.0, "seconds before a step with no reply fails the worker group",
+        flag="--step-timeout", gt=0)
+    startup_timeout_s: float = option(
+        600.0, "seconds each rank may take per start-up command (load, profile)",
+        flag="--startup-timeout", gt=0)
+    distributed_timeout_s: float = option(
+        120.0, "rendezvous timeout handed to torch.distributed, seconds",
+        flag="--distributed-timeout", gt=0)
+    heartbeat_timeout_s: float = option(
+        30.0, "seconds a worker may send nothing (reply or heartbeat) before it counts as "
+        "dead", flag="--heartbeat-timeout", gt=0)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    worker_port: int = 50052
-    metrics_port: int = 0
-    # Largest gRPC message accepted or sent, bytes.
-    max_message_bytes: int = 64 * 1024 * 1024
-    # Requests beyond max_num_seqs that may wait; more get RESOURCE_EXHAUSTED.
-    max_waiting_requests: int = 1024
-    # On SIGTERM, in-flight requests get this long to finish before shutdown.
-    drain_timeout_s: float = 30.0
+    host: str = option("127.0.0.1", "address the gRPC ports and /metrics bind")
+    port: int = option(50051, "client API port", ge=0, le=65535)
+    worker_port: int = option(50052, "port workers dial", ge=0, le=65535)
+    metrics_port: int = option(0, "Prometheus /metrics; 0 = off", ge=0, le=65535)
+    max_message_bytes: int = option(
+        64 * 1024 * 1024, "largest gRPC message accepted or sent", ge=1)
+    max_waiting_requests: int = option(
+        1024, "requests allowed to wait beyond --max-num-seqs before new ones get "
+        "RESOURCE_EXHAUSTED", ge=0)
+    drain_timeout_s: float = option(
+        30.0, "seconds in-flight requests get to finish after SIGTERM",
+        flag="--drain-timeout", ge=0)
 
 
 @dataclass(frozen=True)

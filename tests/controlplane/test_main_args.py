@@ -1,0 +1,138 @@
+"""controlplane flags come from the config dataclasses: same defaults, the
+flag spellings deployments use, hostile values refused naming the flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from controlplane.__main__ import CONFIG_GROUPS, build_config, build_parser
+from controlplane.config_args import flag_of, option_fields
+
+# Fields that are no flag: build_config resolves them at start-up.
+RESOLVED = {("SchedulerConfig", "max_model_len")}
+
+# Every spelling the launcher, compose file, Helm chart and tests pass today.
+DEPLOYED_FLAGS = [
+    "--model=/m", "--served-model-name=m", "--worker-model-path=/w", "--dtype=bfloat16",
+    "--max-model-len=64", "--seed=3", "--tensor-parallel-size=2", "-tp=2",
+    "--pipeline-parallel-size=2", "-pp=2", "--pp-layer-partition=1,1", "--pp-layer-partition=",
+    "--block-size=32", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--num-gpu-blocks-override=0", "--kv-cache-memory-bytes=1024",
+    "--gpu-memory-utilization=0.5", "--max-num-seqs=8", "--max-num-batched-tokens=64",
+    "--long-prefill-token-threshold=0", "--scheduling-policy=priority", "--host=0.0.0.0",
+    "--port=1", "--worker-port=2", "--metrics-port=0", "--auth-token=t",
+    "--max-waiting-requests=0", "--drain-timeout=0", "--max-message-bytes=1024",
+    "--step-timeout=5", "--heartbeat-timeout=3", "--startup-timeout=9", "--log-level=DEBUG",
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_kvloom_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("KVLOOM_"):
+            monkeypatch.delenv(name)
+
+
+def _all_fields():
+    for _, cls in CONFIG_GROUPS:
+        for field in dataclasses.fields(cls):
+            yield cls, field
+
+
+def test_every_field_is_a_flag_defaulting_to_the_dataclass_default():
+    args = build_parser().parse_args([])
+    for cls, field in _all_fields():
+        if (cls.__name__, field.name) in RESOLVED:
+            assert field not in option_fields(cls)
+            continue
+        assert field in option_fields(cls), f"{cls.__name__}.{field.name} has no flag"
+        assert getattr(args, field.name) == field.default, flag_of(field)
+
+
+def test_help_shows_defaults():
+    text = " ".join(build_parser().format_help().split())
+    assert "--block-size BLOCK_SIZE tokens per KV block [env KVLOOM_BLOCK_SIZE] (default: 16)" \
+        in text
+    assert "--step-timeout STEP_TIMEOUT" in text and "(default: 60.0)" in text
+
+
+@pytest.mark.parametrize("flag", DEPLOYED_FLAGS)
+def test_deployed_flag_spellings_parse(flag):
+    build_parser().parse_args([flag])
+
+
+def test_flags_land_in_their_fields():
+    args = build_parser().parse_args(
+        ["-tp", "2", "--pp-layer-partition", "16,14", "--scheduling-policy", "priority",
+         "--step-timeout", "5", "--no-enable-prefix-caching"]
+    )
+    assert (args.tensor_parallel_size, args.pp_layer_partition, args.policy) == (
+        2, (16, 14), "priority")
+    assert args.step_timeout_s == 5.0 and args.enable_prefix_caching is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--block-size", "0"], "--block-size"),
+        (["--max-num-seqs", "-1"], "--max-num-seqs"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (["-tp", "0"], "--tensor-parallel-size"),
+        (["--pipeline-parallel-size", "-2"], "--pipeline-parallel-size"),
+        (["--pp-layer-partition", "4,0"], "--pp-layer-partition"),
+        (["--step-timeout", "0"], "--step-timeout"),
+        (["--heartbeat-timeout", "-1"], "--heartbeat-timeout"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+        (["--port", "-1"], "--port"),
+        (["--num-gpu-blocks-override", "-4"], "--num-gpu-blocks-override"),
+        (["--scheduling-policy", "lifo"], "--scheduling-policy"),
+    ],
+)
+def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert f"argument {named}" in err, err
+
+
+def test_hostile_env_value_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("KVLOOM_BLOCK_SIZE", "0")
+    with pytest.raises(SystemExit, match="KVLOOM_BLOCK_SIZE='0': must be >= 1"):
+        build_parser().parse_args([])
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "tiny"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
+        "max_position_embeddings": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+    }))
+    return str(path)
+
+
+def _build(argv):
+    parser = build_parser()
+    return build_config(parser.parse_args(argv), parser)
+
+
+def test_build_config_resolves_start_up_values(model_dir):
+    config, info = _build(["--model", model_dir])
+    assert config.scheduler.max_model_len == info.max_position_embeddings == 128
+    assert config.model.served_model_name == "tiny"
+    assert config.model.worker_model_path == model_dir
+    assert config.cache == type(config.cache)()
+    assert _build(["--model", model_dir, "--max-model-len", "64"])[0].scheduler.max_model_len == 64
+
+
+@pytest.mark.parametrize("value", ["129", "-1"])
+def test_max_model_len_outside_the_model_is_refused(model_dir, value, capsys):
+    with pytest.raises(SystemExit):
+        _build(["--model", model_dir, "--max-model-len", value])
+    assert f"--max-model-len {value} must be in 1..128" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Fixtures that start real daemons as OS processes on loopback.
+"""Fixtures that start real daemons as OS processes on loopback (and, from
+tests.torch_fixtures, the tiny checkpoint they serve).
 
 Every cluster is torn down (SIGTERM, then SIGKILL) when its fixture ends,
 whether or not the test passed.
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvloom.cli.launcher import Cluster, ClusterSpec
+from tests.torch_fixtures import tiny_model_dir  # noqa: F401 (a fixture)
 
 
 class _Tee(io.TextIOBase):

@@ -1,8 +1,10 @@
 """The embedded default model: cache location, atomic locked conversion, and a
-real GGUF -> safetensors conversion whose logits match the GGUF model."""
+real GGUF -> safetensors conversion whose every tensor and config value matches
+an independent reading of the GGUF file."""
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import time
@@ -12,8 +14,6 @@ import pytest
 import torch
 
 from kvloom.server import default_model as dm
-
-torch.set_num_threads(1)
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -127,50 +127,113 @@ def test_converted_config_and_chat_template(converted):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == config["eos_token_id"]
 
 
+# An independent reading of the GGUF: the gguf package's reader and dequantizer
+# with llama.cpp's tensor names, not transformers' GGUF loader (which the
+# conversion itself uses).
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    blk, layer, part, suffix = gguf_name.split(".")
+    assert blk == "blk" and suffix == "weight", gguf_name
+    return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.weight"
+
+
+def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert_hf_to_gguf permute() of q_proj/k_proj rows: HF
+    rotates the two halves of each head, GGML interleaved pairs, so the
+    converter reorders every head's rows from [half0, half1] to pairs."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _gguf_field(reader, key: str):
+    return reader.fields[key].contents()
+
+
+@pytest.fixture(scope="module")
+def gguf_reader():
+    from gguf import GGUFReader
+
+    return GGUFReader(str(dm.gguf_path()))
+
+
 @pytest.mark.slow
-def test_embedding_equals_dequantized_gguf_tensor(converted):
-    # An independent path to the weights: gguf's own reader and dequantizer.
-    from gguf import GGUFReader, dequantize
+def test_every_tensor_equals_the_dequantized_gguf_tensor(converted, gguf_reader):
+    from gguf import dequantize
     from safetensors import safe_open
 
-    reader = GGUFReader(str(dm.gguf_path()))
-    raw = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    expected = torch.from_numpy(dequantize(raw.data, raw.tensor_type).copy())
+    heads = _gguf_field(gguf_reader, "llama.attention.head_count")
+    kv_heads = _gguf_field(gguf_reader, "llama.attention.head_count_kv")
+    assert (heads, kv_heads) == (9, 3)
+    expected_names = {_hf_name(t.name) for t in gguf_reader.tensors}
+    # 30 layers x 9 tensors, the embedding and the final norm; lm_head is tied.
+    assert len(expected_names) == 30 * 9 + 2
     with safe_open(converted / "model.safetensors", framework="pt") as handle:
-        saved = handle.get_tensor("model.embed_tokens.weight")
-    assert saved.dtype == torch.float32
-    torch.testing.assert_close(saved, expected.reshape(saved.shape))
+        assert set(handle.keys()) - {"lm_head.weight"} == expected_names
+        for tensor in gguf_reader.tensors:
+            name = _hf_name(tensor.name)
+            saved = handle.get_tensor(name)
+            want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+            want = want.reshape(saved.shape)
+            if name.endswith("q_proj.weight"):
+                want = _unpermute_rotary_rows(want, heads)
+            elif name.endswith("k_proj.weight"):
+                want = _unpermute_rotary_rows(want, kv_heads)
+            assert saved.dtype == torch.float32, name
+            torch.testing.assert_close(saved, want, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.slow
-def test_logits_match_the_gguf_model(converted):
+def test_config_equals_the_gguf_metadata(converted, gguf_reader):
+    config = json.loads((converted / "config.json").read_text())
+    field = functools.partial(_gguf_field, gguf_reader)
+    assert field("general.architecture") == "llama"
+    assert config["num_hidden_layers"] == field("llama.block_count")
+    assert config["hidden_size"] == field("llama.embedding_length")
+    assert config["intermediate_size"] == field("llama.feed_forward_length")
+    assert config["num_attention_heads"] == field("llama.attention.head_count")
+    assert config["num_key_value_heads"] == field("llama.attention.head_count_kv")
+    assert config["head_dim"] == field("llama.rope.dimension_count")
+    assert config["rms_norm_eps"] == pytest.approx(
+        field("llama.attention.layer_norm_rms_epsilon"), rel=1e-6
+    )
+    assert config["rope_parameters"]["rope_theta"] == field("llama.rope.freq_base")
+    assert config["vocab_size"] == field("llama.vocab_size")
+    assert config["max_position_embeddings"] == field("llama.context_length")
+    assert config["bos_token_id"] == field("tokenizer.ggml.bos_token_id")
+    assert config["eos_token_id"] == field("tokenizer.ggml.eos_token_id")
+
+
+@pytest.mark.slow
+def test_converted_model_is_a_language_model(converted):
+    # A sanity check that the weights make a working model, not noise.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(converted)
     ids = torch.tensor([tokenizer.encode("The capital of France is")])
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-    reference = _reference_gguf_model()
     with torch.no_grad():
-        got = model(ids).logits
-        want = reference(ids).logits
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    # A sanity check that the weights are a language model, not noise.
-    assert tokenizer.decode(got[0, -1].argmax()).strip() == "Paris"
-
-
-def _reference_gguf_model():
-    from transformers.utils import is_accelerate_available
-
-    source = dm.gguf_path()
-    if is_accelerate_available():
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32
-        ).eval()
-    # Without accelerate, from_pretrained(gguf_file=) refuses; the converter's
-    # loader is transformers' GGUF reader minus that device-placement step.
-    return dm.load_gguf_model(source)
+        logits = model(ids).logits
+    assert tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
 
 
 @pytest.mark.slow

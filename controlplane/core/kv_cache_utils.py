@@ -79,9 +79,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_num_computed_tokens(num_prompt_tokens: int, max_tokens: int) -> int:
+    """Most tokens a request ever runs through the model (and so writes KV for)."""
+    # The last sampled token is never fed back to the model, so it needs no
+    # KV slot and no place in a step's token budget.
+    return num_prompt_tokens + max_tokens - 1
+
+
 def blocks_needed(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
     """KV blocks a request holds at its longest. The API edge and the
     scheduler both admit with this, so the edge never refuses what fits."""
-    # The last sampled token is never fed back to the model, so it needs no
-    # KV slot: a request writes KV for at most prompt + max_tokens - 1 tokens.
-    return cdiv(num_prompt_tokens + max_tokens - 1, block_size)
+    return cdiv(max_num_computed_tokens(num_prompt_tokens, max_tokens), block_size)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.kv_cache_manager import KVCacheManager
-from controlplane.core.kv_cache_utils import blocks_needed
+from controlplane.core.kv_cache_utils import blocks_needed, max_num_computed_tokens
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -104,9 +104,8 @@ class Scheduler:
                 f"has only {self.num_gpu_blocks}; it could never be scheduled"
             )
         cfg = self.scheduler_config
-        if not cfg.enable_chunked_prefill and num_prompt + max_tokens - 1 > (
-            cfg.max_num_batched_tokens
-        ):
+        num_computed_at_most = max_num_computed_tokens(num_prompt, max_tokens)
+        if not cfg.enable_chunked_prefill and num_computed_at_most > cfg.max_num_batched_tokens:
             # Without chunking a (re)computed sequence must fit one step's budget.
             raise ValueError(
                 f"request {req_id!r}: prompt + max_tokens exceeds max_num_batched_tokens "

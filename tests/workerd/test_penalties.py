@@ -5,7 +5,9 @@ Each is checked against transformers' own logits processor (or, for the
 OpenAI-style presence/frequency penalties, a per-token hand reference) on the
 same logits, then through the Sampler: greedy rows must take the argmax of the
 processed logits and sampled rows may only reach the tokens the reference
-keeps. Rows that use no knob must come out exactly as before.
+keeps. A mixed batch must draw, row by row, what a plain per-row reference
+(penalties token by token, then the documented exponential race on the row's
+own generator) draws: rows that use no knob sample their raw logits exactly.
 """
 
 from __future__ import annotations
@@ -198,14 +200,100 @@ def test_sampled_rows_never_reach_a_token_the_reference_removed(seed):
     assert support <= allowed and len(support) > 1
 
 
-def test_no_knob_batch_builds_nothing_and_matches_old_path():
+def _reference_penalized(row, prompt, output, repetition=1.0, presence=0.0, frequency=0.0):
+    """One row, token by token in plain Python: repetition on every prompt or
+    output token (divide a positive logit, multiply a negative one; HF and
+    vLLM), then presence once and frequency per occurrence on output tokens
+    (OpenAI and vLLM)."""
+    out = row.tolist()
+    for tok in set(prompt) | set(output):
+        out[tok] = out[tok] / repetition if out[tok] > 0 else out[tok] * repetition
+    for tok in set(output):
+        out[tok] -= presence + frequency * output.count(tok)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _reference_sample(row, temperature, top_p, generator):
+    """One row's draw as the Sampler documents it: argmax when greedy, else the
+    exponential race argmax(p / q) over the top-p nucleus, q ~ Exp(1) from the
+    request's own generator."""
+    if temperature == 0.0:
+        return int(row.argmax())
+    probs = (row / temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    nucleus, mass = [], 0.0
+    for tok in order:
+        if mass >= top_p:
+            break
+        nucleus.append(tok)
+        mass += probs[tok].item()
+    kept = torch.zeros_like(probs)
+    kept[nucleus] = probs[nucleus]
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((kept / noise).argmax())
+
+
+# (temperature, top_p, repetition, presence, frequency) per row: rows 0-2 use
+# no penalty and must sample their raw logits, untouched by their neighbours.
+_MIXED_ROWS = [
+    (0.0, 1.0, 1.0, 0.0, 0.0),
+    (0.9, 0.8, 1.0, 0.0, 0.0),
+    (1.5, 1.0, 1.0, 0.0, 0.0),
+    (0.8, 1.0, 1.6, 0.4, 0.3),
+    (0.0, 1.0, 1.3, 0.0, 0.0),
+    (1.2, 0.9, 1.0, 1.5, 0.0),
+    (0.0, 1.0, 1.0, 0.0, 2.0),
+]
+
+
+def test_no_knob_batch_builds_nothing():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8)]
     md = SamplingMetadata.from_params(params, [None, None])
     assert md.penalties is None and md.min_tokens_mask is None and md.min_p is None
-    logits = _logits(2, 70)
-    a = Sampler(_gen(5))(logits, md)
-    b = Sampler(_gen(5))(logits, md)
-    assert torch.equal(a, b) and a[0].item() == int(logits[0].argmax())
+
+
+def test_mixed_batch_samples_like_a_per_row_reference():
+    n = len(_MIXED_ROWS)
+    moved = 0
+    for seed in range(32):
+        logits = _logits(n, 80 + seed)
+        prompts = [_tokens(90 + seed * n + i, 6) for i in range(n)]
+        outputs = [_tokens(190 + seed * n + i, 8) for i in range(n)]
+        params = [
+            SamplingParams(temperature=t, top_p=tp, seed=seed * n + i, repetition_penalty=r,
+                           presence_penalty=pr, frequency_penalty=f)
+            for i, (t, tp, r, pr, f) in enumerate(_MIXED_ROWS)
+        ]
+        md = _metadata(params, prompts, outputs, [_gen(seed * n + i) for i in range(n)])
+        raw = logits.clone()
+        got = Sampler(_gen(999))(logits, md).tolist()
+        assert torch.equal(logits, raw)
+        for i, (t, tp, r, pr, f) in enumerate(_MIXED_ROWS):
+            row = _reference_penalized(logits[i], prompts[i], outputs[i], r, pr, f)
+            assert got[i] == _reference_sample(row, t, tp, _gen(seed * n + i)), (seed, i)
+            if (r, pr, f) != (1.0, 0.0, 0.0):
+                moved += got[i] != _reference_sample(logits[i], t, tp, _gen(seed * n + i))
+    # The penalties change what penalized rows draw, so the check is not vacuous.
+    assert moved > 0
+
+
+def test_penalized_logits_match_the_per_row_reference():
+    n = len(_MIXED_ROWS)
+    logits = _logits(n, 120)
+    prompts = [_tokens(121 + i, 6) for i in range(n)]
+    outputs = [_tokens(141 + i, 8) for i in range(n)]
+    params = [
+        SamplingParams(temperature=t, repetition_penalty=r, presence_penalty=pr,
+                       frequency_penalty=f)
+        for t, _, r, pr, f in _MIXED_ROWS
+    ]
+    md = _metadata(params, prompts, outputs)
+    got = logits.clone()
+    apply_penalties(got, md.penalties)
+    for i, (_, _, r, pr, f) in enumerate(_MIXED_ROWS):
+        want = _reference_penalized(logits[i], prompts[i], outputs[i], r, pr, f)
+        torch.testing.assert_close(got[i], want, msg=f"row {i}")
+    assert not torch.equal(got, logits)
 
 
 def test_penalties_need_the_output_tokens():

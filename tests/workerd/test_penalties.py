@@ -24,8 +24,6 @@ from workerd.penalties import apply_penalties
 from workerd.sampler import Sampler, SamplingMetadata, apply_min_p
 from workerd.sched_output import SamplingParams
 
-torch.set_num_threads(1)
-
 VOCAB = 40
 
 

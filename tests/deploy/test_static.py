@@ -45,7 +45,7 @@ def test_prometheus_rule_matches_compose_alerts():
     chart = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     compose_rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
     compose = {r["alert"]: r for g in compose_rules["groups"] for r in g["rules"]}
-    assert chart.keys() == compose.keys()
+    assert compose and chart.keys() == compose.keys()
     for name, rule in compose.items():
         assert chart[name]["expr"] == rule["expr"], name
         assert chart[name]["annotations"] == rule["annotations"], name
@@ -59,7 +59,9 @@ def test_prometheus_rule_matches_compose_alerts():
     (monitor,) = by_kind(docs, "ServiceMonitor")
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
     # Both Services carry the port the ServiceMonitor scrapes.
-    for service in by_kind(docs, "Service"):
+    services = by_kind(docs, "Service")
+    assert len(services) == 2
+    for service in services:
         assert "metrics" in [p["name"] for p in service["spec"]["ports"]]
 
 
@@ -80,6 +82,7 @@ def test_one_worker_pod_per_rank(tp, pp):
 def test_services_route_before_readiness():
     docs = render()
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    assert len(services) == 2  # the API Service and the workers' headless one
     for service in services.values():
         assert service["spec"]["publishNotReadyAddresses"] is True
     (sts,) = by_kind(docs, "StatefulSet")
@@ -131,6 +134,7 @@ def test_prometheus_scrapes_every_kvloom_service():
     targets = {
         t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
+    scraped = {"kvloom-controlplane": 0, "kvloom-workerd": 0}
     for name, svc in services.items():
         command = svc.get("command") or []
         if command[:1] == ["kvloom-controlplane"]:
@@ -138,6 +142,11 @@ def test_prometheus_scrapes_every_kvloom_service():
             assert f"{name}:{port}" in targets
         elif command[:1] == ["kvloom-workerd"]:
             assert f"{name}:{svc['environment']['KVLOOM_METRICS_PORT']}" in targets
+        else:
+            continue
+        scraped[command[0]] += 1
+    # The loop found the daemons it checks: one controlplane, a worker per rank.
+    assert scraped["kvloom-controlplane"] == 1 and scraped["kvloom-workerd"] >= 2, scraped
 
 
 def test_compose_ranks_and_dependencies():
@@ -175,7 +184,9 @@ def test_dockerfile_matches_the_package():
         for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
-    for source in re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile, flags=re.MULTILINE):
+    copied = re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile, flags=re.MULTILINE)
+    assert copied, "no COPY from the build context found in the Dockerfile"
+    for source in copied:
         for path in source.split():
             assert path not in ignored, f"{path} is COPYed but .dockerignore drops it"
             assert (ROOT / path).exists(), path

@@ -1,0 +1,317 @@
+"""The worker group in this process: the real controlplane meets the real worker.
+
+InProcessExecutor has the gRPC Executor's execute_model(SchedulerOutput) ->
+ModelRunnerOutput and takes every step the way the wire does: the
+controlplane's wire module builds the ControlMessage, it is serialized and
+parsed back, a real workerd Worker dispatches it through its command table
+(workerd.wire -> ModelRunner -> workerd.wire), and the reply is serialized,
+parsed and converted by the controlplane's wire module. Start-up is the group
+handshake at world size 1 (init_distributed on a free loopback port ->
+load_model -> profile_memory -> init_kv_cache), sent through the same path.
+A WorkerError reply raises WorkerGroupFailed, resolved by the executor's own
+PendingCall, exactly as the gRPC executor raises it.
+
+It imports both daemons, so it lives in tests/, never in controlplane/ or
+workerd/. The factories below build a Scheduler or an EngineCore over it.
+
+replay_rank replays the bytes an executor broadcast on one rank of a TP x PP
+group, for tests that check every layout answers the same steps the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.scheduler import Scheduler
+from controlplane.engine import EngineCore
+from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
+from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
+from controlplane.metrics.records import StepRecord
+from kvloom.worker.v1 import worker_pb2
+from workerd.model_runner import ModelRunner
+from workerd.worker import Worker
+
+BLOCK_SIZE = 4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def call_worker(
+    worker: Worker, command: worker_pb2.ControlMessage, rank: int = 0
+) -> worker_pb2.WorkerMessage | None:
+    """One command through bytes, the worker's table and bytes back; None when
+    the rank stays silent. An error reply raises WorkerGroupFailed."""
+    raw = command.SerializeToString()
+    reply = worker.handle(worker_pb2.ControlMessage.FromString(raw))
+    if reply is None:
+        return None
+    reply = worker_pb2.WorkerMessage.FromString(reply.SerializeToString())
+    if reply.call_id != command.call_id:
+        raise WorkerGroupFailed(
+            f"rank {rank} answered call {reply.call_id} to call {command.call_id}"
+        )
+    call = PendingCall({rank})
+    call.add_reply(rank, reply)
+    return call.future.result(timeout=0)[rank]
+
+
+def handshake(
+    worker: Worker,
+    model: str | Any,
+    *,
+    block_size: int = BLOCK_SIZE,
+    num_gpu_blocks: int | None = None,
+    kv_cache_memory_bytes: int = 0,
+    dtype: str = "float32",
+    seed: int = 0,
+    rank: int = 0,
+    tp: int = 1,
+    pp: int = 1,
+    master_port: int | None = None,
+    call_ids: Callable[[], int] | None = None,
+) -> int:
+    """The group start-up on one rank; returns the KV block count it was given.
+
+    model is a checkpoint dir (sent in LoadModel), or a stand-in model object
+    installed in place of the load: its runner is then the real ModelRunner
+    over that object, and everything after (profile, KV cache, steps) is real.
+    """
+
+    next_id = call_ids or itertools.count(1).__next__
+
+    def call(**command) -> worker_pb2.WorkerMessage | None:
+        return call_worker(worker, worker_pb2.ControlMessage(call_id=next_id(), **command), rank)
+
+    call(
+        init_distributed=worker_pb2.InitDistributed(
+            master_addr="127.0.0.1",
+            master_port=master_port or free_port(),
+            world_size=tp * pp,
+            rank=rank,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            timeout_s=60,
+        )
+    )
+    if isinstance(model, str | os.PathLike):
+        call(load_model=worker_pb2.LoadModel(model_path=str(model), dtype=dtype, seed=seed))
+    else:
+        # Stand-in models skip the checkpoint load, nothing else.
+        runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed)
+        runner.model = model
+        worker.runner = runner
+    profile = call(
+        profile_memory=worker_pb2.ProfileMemory(
+            block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes
+        )
+    )
+    num_blocks = num_gpu_blocks or profile.memory_profile.num_blocks
+    call(init_kv_cache=worker_pb2.InitKVCache(num_blocks=num_blocks, block_size=block_size))
+    return num_blocks
+
+
+class InProcessExecutor:
+    """The gRPC Executor's step interface over one Worker in this process."""
+
+    def __init__(
+        self,
+        model: str | Any,
+        *,
+        block_size: int = BLOCK_SIZE,
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 0,
+        seed: int = 0,
+        dtype: str = "float32",
+    ):
+        if num_gpu_blocks is None and not kv_cache_memory_bytes:
+            raise ValueError("size the KV cache: num_gpu_blocks or kv_cache_memory_bytes")
+        self._startup = dict(
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            seed=seed,
+            dtype=dtype,
+        )
+        self.model = model
+        self.block_size = block_size
+        self._call_ids = itertools.count(1)
+        self.worker: Worker | None = None
+        self.failure_reason = ""
+        self.num_gpu_blocks = 0
+        # Every execute_model command as broadcast, and the reply each got.
+        self.sent: list[bytes] = []
+        self.replies: list[ModelRunnerOutput] = []
+        self.last_step_bytes = 0
+        self.start_group()
+
+    def start_group(self) -> int:
+        """(Re-)form the group: a fresh Worker, the whole handshake; KV block count."""
+        self.close()
+        self.worker = Worker("cpu")
+        self.num_gpu_blocks = handshake(
+            self.worker, self.model, call_ids=self._call_ids.__next__, **self._startup
+        )
+        self.failure_reason = ""
+        return self.num_gpu_blocks
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.worker is None:
+            raise WorkerGroupFailed(f"worker group is down: {self.failure_reason}")
+        command = worker_pb2.ControlMessage(
+            call_id=next(self._call_ids), execute_model=scheduler_output_to_proto(so)
+        )
+        raw = command.SerializeToString()
+        self.last_step_bytes = len(raw)
+        self.sent.append(raw)
+        try:
+            reply = call_worker(self.worker, command)
+        except WorkerGroupFailed as exc:
+            # As the gRPC executor: the failed group runs no more steps.
+            self.failure_reason = str(exc)
+            self.close()
+            raise
+        out = model_runner_output_from_proto(reply.model_runner_output)
+        self.replies.append(out)
+        return out
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The worker's ModelRunner, for tests that look at worker-side state."""
+        assert self.worker is not None and self.worker.runner is not None
+        return self.worker.runner
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+class SlotProbeModel:
+    """A stand-in model for tests that run thousands of steps through a real worker.
+
+    Its KV cache is one float per slot, and forward writes each input token id
+    into its slot through the runner's real slot mapping, so a test can read
+    back what attention would see. Every row predicts PROBE_TOKEN. It holds no
+    request state: that is all the real ModelRunner's.
+    """
+
+    PROBE_TOKEN = 7
+    hidden_size = 1
+    num_local_layers = 1
+    vocab_size = 64
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size)
+
+    def parameters(self):
+        return iter(())
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
+        cache = kv_caches[0]
+        cache.view(-1)[attn_metadata.slot_mapping] = input_ids.to(cache.dtype)
+        return input_ids.to(torch.float32).unsqueeze(-1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((hidden.shape[0], self.vocab_size), -1e9)
+        logits[:, self.PROBE_TOKEN] = 0.0
+        return logits
+
+
+# ---- factories ------------------------------------------------------------------
+
+
+def scheduler_config(**overrides) -> SchedulerConfig:
+    defaults = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
+    return SchedulerConfig(**{**defaults, **overrides})
+
+
+def make_scheduler(
+    executor: InProcessExecutor, *, enable_prefix_caching: bool = True, **scheduler_overrides
+) -> Scheduler:
+    """A real Scheduler over the KV blocks the executor's worker was given."""
+    return Scheduler(
+        scheduler_config(**scheduler_overrides),
+        CacheConfig(block_size=executor.block_size, enable_prefix_caching=enable_prefix_caching),
+        executor.num_gpu_blocks,
+    )
+
+
+def run_step(
+    scheduler: Scheduler, executor: InProcessExecutor
+) -> tuple[SchedulerOutput, ModelRunnerOutput, list[EngineCoreOutput]]:
+    """One EngineCore step, synchronously: schedule -> worker -> update_from_output."""
+    so = scheduler.schedule()
+    out = executor.execute_model(so)
+    return so, out, scheduler.update_from_output(so, out)
+
+
+def make_engine(
+    executor: InProcessExecutor,
+    emit: Callable[[list[EngineCoreOutput], StepRecord | None], None],
+    *,
+    enable_prefix_caching: bool = True,
+    **scheduler_overrides,
+) -> EngineCore:
+    """An EngineCore stepping through the executor (not started, no group yet)."""
+    return EngineCore(
+        scheduler_config(**scheduler_overrides),
+        CacheConfig(block_size=executor.block_size, enable_prefix_caching=enable_prefix_caching),
+        executor.execute_model,
+        emit,
+    )
+
+
+# ---- a TP x PP rank replaying a broadcast -------------------------------------------
+
+
+def replay_rank(
+    rank: int,
+    tp: int,
+    pp: int,
+    port: int,
+    model_dir: str,
+    num_blocks: int,
+    sent: list[bytes],
+    out_dir: str,
+) -> None:
+    """One spawned rank of a tp x pp group: the handshake, then every broadcast
+    command in order; saves the serialized replies (None where it stayed silent)."""
+    torch.set_num_threads(1)
+    worker = Worker("cpu")
+    try:
+        handshake(
+            worker, model_dir, num_gpu_blocks=num_blocks, rank=rank, tp=tp, pp=pp,
+            master_port=port,
+        )
+        replies = []
+        for raw in sent:
+            reply = call_worker(worker, worker_pb2.ControlMessage.FromString(raw), rank)
+            replies.append(None if reply is None else reply.SerializeToString())
+        torch.save(replies, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        worker.close()
+
+
+def replayed_outputs(path) -> list[ModelRunnerOutput | None]:
+    """A replay_rank file, converted as the controlplane converts replies."""
+    raws = torch.load(path, weights_only=False)
+    return [
+        None
+        if raw is None
+        else model_runner_output_from_proto(
+            worker_pb2.WorkerMessage.FromString(raw).model_runner_output
+        )
+        for raw in raws
+    ]

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from workerd.distributed import ParallelState
+from workerd.models import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,9 @@ def load_model(
     dtype: torch.dtype,
     pp_layer_partition: tuple[int, ...] = (),
 ) -> nn.Module:
-    from workerd.models import get_model_class
-
+    """Build this rank's shard of the checkpoint at model_path (the class from
+    config.json's architectures, via the workerd.models registry) and load its
+    weights."""
     config = load_config(model_path)
     archs = getattr(config, "architectures", None) or []
     if not archs:

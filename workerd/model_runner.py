@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from workerd import distributed, models
+from workerd import distributed
 from workerd.attn_metadata import AttentionMetadata
 from workerd.distributed import IntermediateTensors, ParallelState
 from workerd.input_batch import CachedRequestState, InputBatch
@@ -42,6 +42,7 @@ from workerd.logprobs import (
     prompt_logprobs,
     prompt_target,
 )
+from workerd.model_loader import load_model
 from workerd.sampler import Sampler, SamplingMetadata
 from workerd.sched_output import ModelRunnerOutput, SchedulerOutput
 
@@ -102,7 +103,7 @@ class ModelRunner:
     # ---- start-up -------------------------------------------------------
 
     def load_model(self) -> None:
-        self.model = models.get_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
+        self.model = load_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
 
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

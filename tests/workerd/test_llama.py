@@ -8,8 +8,9 @@ import torch
 
 from tests.factories import build_attn_metadata, make_tiny_llama, paged_step
 from workerd.distributed import single_process_state
+from workerd.model_loader import load_model
 from workerd.models import get_model_class
-from workerd.models.llama import get_model, pp_layer_range
+from workerd.models.llama import pp_layer_range
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -24,7 +25,7 @@ def hf_model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return get_model(tiny_model_dir, single_process_state(), torch.float32)
+    return load_model(tiny_model_dir, single_process_state(), torch.float32)
 
 
 def _caches(model, num_blocks=32):
@@ -160,7 +161,7 @@ def test_tied_odd_heads_llama3_rope_matches_hf(tmp_path):
             "original_max_position_embeddings": 16,
         },
     )
-    model = get_model(str(path), single_process_state(), torch.float32)
+    model = load_model(str(path), single_process_state(), torch.float32)
     assert model.lm_head.weight is model.embed_tokens.weight
     hf = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     assert hf.config.rope_parameters["rope_type"] == "llama3"

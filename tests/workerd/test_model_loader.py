@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import workerd.model_loader as model_loader
 from tests.factories import layout_state, make_tiny_llama
-from workerd.models.llama import get_model
+from workerd.model_loader import load_model
 
 
 def _full(path) -> dict[str, torch.Tensor]:
@@ -61,7 +61,7 @@ def test_tp_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
     calls = []
     real = model_loader.safe_open
     monkeypatch.setattr(model_loader, "safe_open", lambda *a, **k: _SpyHandle(real(*a, **k), calls))
-    model = get_model(tiny_model_dir, layout_state(tp_size=2, tp_rank=1), torch.float32)
+    model = load_model(tiny_model_dir, layout_state(tp_size=2, tp_rank=1), torch.float32)
     assert calls and {kind for kind, _, _ in calls} == {"get_slice", "read"}
     full = _full(tiny_model_dir)
     # Only this rank's half of every split tensor ever left the file.
@@ -90,7 +90,7 @@ def test_tp_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
 def test_replicated_kv_heads_when_tp_exceeds_kv_heads(tiny_model_dir):
     full = _full(tiny_model_dir)["model.layers.0.self_attn.k_proj.weight"]  # 2 KV heads x 16
     for tp_rank, kv_head in [(0, 0), (1, 0), (2, 1), (3, 1)]:
-        model = get_model(tiny_model_dir, layout_state(tp_size=4, tp_rank=tp_rank), torch.float32)
+        model = load_model(tiny_model_dir, layout_state(tp_size=4, tp_rank=tp_rank), torch.float32)
         assert model.num_kv_heads == 1
         k = model.layers[0].self_attn.k_proj.weight
         torch.testing.assert_close(k, full[kv_head * 16 : (kv_head + 1) * 16])
@@ -101,7 +101,7 @@ def test_pp_stage_loads_only_its_layers(tmp_path, monkeypatch):
     calls = []
     real = model_loader.safe_open
     monkeypatch.setattr(model_loader, "safe_open", lambda *a, **k: _SpyHandle(real(*a, **k), calls))
-    model = get_model(str(path), layout_state(pp_size=2, pp_rank=1), torch.float32, (1, 3))
+    model = load_model(str(path), layout_state(pp_size=2, pp_rank=1), torch.float32, (1, 3))
     assert (model.start_layer, model.end_layer, model.num_local_layers) == (1, 4, 3)
     assert model.embed_tokens is None
     read = {name for _, name, _ in calls}
@@ -115,8 +115,8 @@ def test_pp_stage_loads_only_its_layers(tmp_path, monkeypatch):
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):
-    one = get_model(str(make_tiny_llama(tmp_path / "one")), layout_state(), torch.float32)
-    many = get_model(
+    one = load_model(str(make_tiny_llama(tmp_path / "one")), layout_state(), torch.float32)
+    many = load_model(
         str(make_tiny_llama(tmp_path / "many", num_shards=4)), layout_state(), torch.float32
     )
     a, b = dict(one.named_parameters()), dict(many.named_parameters())
@@ -126,7 +126,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path):
 
 
 def test_bfloat16_load(tiny_model_dir):
-    model = get_model(tiny_model_dir, layout_state(), torch.bfloat16)
+    model = load_model(tiny_model_dir, layout_state(), torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rotary_emb.inv_freq.dtype == torch.float32
 
@@ -139,4 +139,4 @@ def test_missing_tensor_is_named(tmp_path):
 
     save_file(full, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks 1 tensors: model\.layers\.2\.mlp\.gate_proj"):
-        get_model(str(path), layout_state(), torch.float32)
+        load_model(str(path), layout_state(), torch.float32)

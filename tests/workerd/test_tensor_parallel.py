@@ -20,7 +20,8 @@ from workerd.distributed import (
     send_intermediate,
     single_process_state,
 )
-from workerd.models.llama import get_model, tp_head_layout
+from workerd.model_loader import load_model
+from workerd.models.llama import tp_head_layout
 
 BLOCK_SIZE = 4
 TABLES = [[7, 2, 9, 0, 5], [3, 8, 1, 6]]
@@ -60,7 +61,7 @@ def _worker(rank, world_size, tp, pp, port, model_dir, out_dir):
     torch.set_num_threads(1)
     ps = init_parallel_state(rank, world_size, tp, pp, "127.0.0.1", port, 60.0, torch.device("cpu"))
     try:
-        model = get_model(model_dir, ps, torch.float32)
+        model = load_model(model_dir, ps, torch.float32)
         outputs = _run_schedule(model, ps)
         if ps.is_last_pp_rank:
             torch.save(outputs, os.path.join(out_dir, f"logits_tp{ps.tp_rank}.pt"))
@@ -94,7 +95,7 @@ def test_parallel_layout_matches_single_process(
 ):
     model_dir = tiny_model_dir if model == "gqa" else mqa_model_dir
     ps = single_process_state()
-    reference = _run_schedule(get_model(model_dir, ps, torch.float32), ps)
+    reference = _run_schedule(load_model(model_dir, ps, torch.float32), ps)
     mp.spawn(
         _worker,
         args=(tp * pp, tp, pp, _free_port(), model_dir, str(tmp_path)),
@@ -118,7 +119,7 @@ def test_head_layouts():
         tp_head_layout(6, 3, 2, 0)
 
 
-def test_indivisible_layout_refused_by_get_model(tmp_path):
+def test_indivisible_layout_refused_by_load_model(tmp_path):
     path = make_tiny_llama(tmp_path, num_layers=1, hidden_size=48, num_heads=6, num_kv_heads=3)
     ps = ParallelState(
         rank=0, world_size=4, tp_size=4, pp_size=1, tp_rank=0, pp_rank=0, device=torch.device("cpu")
@@ -126,7 +127,7 @@ def test_indivisible_layout_refused_by_get_model(tmp_path):
     with pytest.raises(
         ValueError, match="num_attention_heads=6 is not divisible by tensor_parallel_size=4"
     ):
-        get_model(str(path), ps, torch.float32)
+        load_model(str(path), ps, torch.float32)
 
 
 def test_rendezvous_timeout_names_missing_ranks():

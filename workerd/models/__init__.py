@@ -2,6 +2,8 @@
 
 config.json's `architectures[0]` selects the class; anything not listed is
 refused up front with the supported names, rather than failing mid-load.
+workerd.model_loader asks this registry for the class and builds it; nothing
+here knows how weights are loaded.
 """
 
 from __future__ import annotations
@@ -27,11 +29,3 @@ def get_model_class(architecture: str):
 
     module, cls = _REGISTRY[architecture]
     return getattr(importlib.import_module(module), cls)
-
-
-def get_model(model_path: str, ps, dtype, pp_layer_partition: tuple[int, ...] = ()):
-    """Build this rank's shard of the checkpoint at model_path (architecture from
-    its config.json) and load its weights; see workerd.model_loader."""
-    from workerd.model_loader import load_model
-
-    return load_model(model_path, ps, dtype, pp_layer_partition)

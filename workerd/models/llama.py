@@ -231,13 +231,3 @@ class MistralForCausalLM(LlamaForCausalLM):
         if getattr(config, "sliding_window", None):
             raise ValueError("MistralForCausalLM with sliding_window is not supported")
         super().__init__(config, ps, pp_layer_partition)
-
-
-def get_model(
-    model_path: str, ps: ParallelState, dtype: torch.dtype, pp_layer_partition: tuple[int, ...] = ()
-) -> LlamaForCausalLM:
-    """Build this rank's shard of the checkpoint at model_path and load its weights
-    (same as workerd.models.get_model: the class comes from config.json)."""
-    from workerd.model_loader import load_model
-
-    return load_model(model_path, ps, dtype, pp_layer_partition)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: install, lint, stale-stub check, pytest.
+# Arguments go to pytest, e.g. the fast tier (README, Development):
+#   scripts/test.sh -m "not slow and not integration and not gpu"
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

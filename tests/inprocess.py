@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.request import Request
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine import EngineCore
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
@@ -255,6 +257,91 @@ def run_step(
     so = scheduler.schedule()
     out = executor.execute_model(so)
     return so, out, scheduler.update_from_output(so, out)
+
+
+StepHook = Callable[[SchedulerOutput, ModelRunnerOutput], None]
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    executor: InProcessExecutor,
+    arrivals: dict[int, list[Request]],
+    on_step: StepHook | None = None,
+    max_steps: int = 1000,
+) -> list[tuple[SchedulerOutput, ModelRunnerOutput, list[EngineCoreOutput]]]:
+    """Steps until every request finished (arrivals[i] are added before step i),
+    then once more so the workers hear of the last finished ids. on_step sees
+    each step after the worker ran it, before update_from_output."""
+    steps = []
+    for i in range(max_steps):
+        for request in arrivals.get(i, ()):
+            scheduler.add_request(request)
+        if not scheduler.has_unfinished_requests() and i > max(arrivals, default=0):
+            break
+        so = scheduler.schedule()
+        out = executor.execute_model(so)
+        if on_step is not None:
+            on_step(so, out)
+        steps.append((so, out, scheduler.update_from_output(so, out)))
+    else:
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+    executor.execute_model(scheduler.schedule())
+    return steps
+
+
+class ScheduleWatch:
+    """An on_step hook for run_to_completion: records what the real scheduler
+    did to which request, so a test can assert its scenario really happened
+    (events[name] -> req ids), and checks the worker followed each preemption
+    (state kept, out of the batch) and resume (the block list replaced)."""
+
+    def __init__(self, scheduler: Scheduler, executor: InProcessExecutor):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.events: dict[str, set[str]] = defaultdict(set)
+        self._blocks: dict[str, list[int]] = {}
+        self._freed: dict[str, list[int]] = {}
+
+    def __call__(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        runner = self.executor.runner
+        kv = self.scheduler.kv_cache_manager
+        events = self.events
+        for new in so.scheduled_new_reqs:
+            if so.num_scheduled_tokens[new.req_id] < len(new.prompt_token_ids):
+                assert new.req_id not in out.req_ids, "a partial prefill chunk sampled"
+                events["chunked_prefill"].add(new.req_id)
+        for req_id in so.preempted_req_ids:
+            assert req_id in runner.requests and req_id not in runner.input_batch
+            self._freed[req_id] = self._blocks.pop(req_id, [])
+            events["preempted"].add(req_id)
+            if self.scheduler.get_request(req_id).num_output_tokens > 0:
+                events["preempted_after_sampling"].add(req_id)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if not cached.resumed_from_preemption[i]:
+                continue
+            request = self.scheduler.get_request(req_id)
+            block_ids = kv.get_block_ids(req_id)
+            assert runner.requests[req_id].block_ids == block_ids, req_id
+            events["resumed"].add(req_id)
+            if request.num_computed_tokens < request.num_tokens:
+                events["recomputed_in_chunks"].add(req_id)
+            if block_ids != self._freed.get(req_id):
+                events["resumed_into_other_blocks"].add(req_id)
+        for req_id in so.num_scheduled_tokens:
+            block_ids = self._blocks[req_id] = kv.get_block_ids(req_id)
+            for other, freed in self._freed.items():
+                if other != req_id and set(freed) & set(block_ids):
+                    events["reused_freed_blocks"].add(req_id)
+
+
+def output_tokens(steps) -> dict[str, list[int]]:
+    """Each request's tokens, as its EngineCoreOutputs streamed them."""
+    tokens: dict[str, list[int]] = {}
+    for _, _, outputs in steps:
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
 
 
 def make_engine(

@@ -4,9 +4,11 @@ sampled tokens.
 The first half drives _update_states/_prepare_inputs/execute_model with
 hand-written diffs and a fake model whose logits name the input token, so
 every expectation is visible in the test. The second half runs the tiny Llama
-checkpoint through hand-built step sequences (chunked prefill, decodes, a
-preemption resumed into new blocks and recomputed from 0) and checks the
-greedy tokens against transformers' generate on the same weights.
+checkpoint under the real controlplane Scheduler, each step through
+tests.inprocess.InProcessExecutor (both wire modules, bytes, a real Worker):
+chunked prefill, preemption resumed into other blocks and recomputed from 0 in
+chunks, prefix-cache hits on another request's KV, seeded sampling; every
+output is checked against transformers on the same weights.
 """
 
 from __future__ import annotations
@@ -19,24 +21,28 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from tests.controlplane.core.helpers import make_request
 from tests.factories import layout_state
-from tests.workerd.runner_harness import (
-    E2E_BLOCK_SIZE,
-    MAX_NEW_TOKENS,
-    Controlplane,
-    cached,
+from tests.inprocess import (
+    BLOCK_SIZE,
+    InProcessExecutor,
+    ScheduleWatch,
     free_port,
-    make_prompts,
-    make_runner,
-    new_req,
+    make_scheduler,
+    output_tokens,
     replay_rank,
-    step,
+    replayed_outputs,
+    run_to_completion,
 )
+from tests.integration.reference import hf_greedy
 from workerd import distributed, kv_cache
 from workerd.distributed import IntermediateTensors, ParallelState, single_process_state
 from workerd.model_runner import ModelRunner
 from workerd.sched_output import (
+    CachedRequestData,
+    NewRequestData,
     SamplingParams,
+    SchedulerOutput,
 )
 
 torch.set_num_threads(1)
@@ -45,6 +51,36 @@ BS = 4  # block size of the hand-written diffs
 
 
 # ---- diff builders ------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def new_req(req_id, prompt, block_ids, computed=0, outputs=(), params=GREEDY):
+    return NewRequestData(req_id, list(prompt), list(outputs), params, list(block_ids), computed)
+
+
+def cached(*entries):
+    """entries: (req_id, new_token_ids, new_block_ids, num_computed_tokens, resumed)."""
+    data = CachedRequestData()
+    for req_id, tokens, blocks, computed, resumed in entries:
+        data.req_ids.append(req_id)
+        data.new_token_ids.append(list(tokens))
+        data.new_block_ids.append(list(blocks))
+        data.num_computed_tokens.append(computed)
+        data.resumed_from_preemption.append(resumed)
+    return data
+
+
+def step(step_id, sched, new=(), cached_reqs=None, finished=(), preempted=()):
+    return SchedulerOutput(
+        step_id=step_id,
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached_reqs or CachedRequestData(),
+        num_scheduled_tokens=dict(sched),
+        total_num_scheduled_tokens=sum(sched.values()),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+    )
 
 
 # ---- fake model -----------------------------------------------------------------
@@ -295,119 +331,129 @@ def test_kv_cache_sizing_with_explicit_budget():
     assert 1 <= num_blocks <= (4 << 30) // 32
 
 
-# ---- end to end with the tiny Llama ---------------------------------------------
+# ---- end to end: the real scheduler, the tiny Llama ------------------------------
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+MAX_NEW_TOKENS = 8
 
 
-def _hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+def _prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run_mixed_schedule(cp: Controlplane, prompts: dict[str, list[int]]) -> None:
-    """Five requests to MAX_NEW_TOKENS outputs: chunked prefill, a preemption
-    resumed into new blocks and recomputed from 0 in two chunks, finishes."""
-    runner = cp.runner
-    r0, r1, r2, r3, r4 = prompts
-    # r1's prefill is split 8 + 5: the first chunk must sample nothing.
-    out = cp.step({r0: -1, r1: 8, r2: -1}, new={k: prompts[k] for k in (r0, r1, r2)})
-    assert out.req_ids == [r0, r2]
-    cp.step({r0: 1, r1: -1, r2: 1})
-    cp.step({r0: 1, r1: 1, r2: 1, r3: -1}, new={r3: prompts[r3]})
-    # r2 is preempted; r4 arrives and takes r2's freed blocks (overwriting its KV).
-    freed = list(cp.blocks[r2])
-    cp.step({r0: 1, r1: 1, r3: 1, r4: -1}, new={r4: prompts[r4]}, preempted=[r2])
-    assert set(freed) & set(cp.blocks[r4])
-    assert r2 in runner.requests and r2 not in runner.input_batch
-    cp.decode(r0, r1, r3, r4)
-    # r2 comes back into a new, non-contiguous block list and recomputes its
-    # prompt and outputs from 0, in two chunks; the token it sampled just
-    # before preemption reaches the workers only now.
-    cp.step({r0: 1, r1: 1, r3: 1, r4: 1, r2: 6}, resumed=[r2])
-    blocks = cp.blocks[r2]
-    assert runner.requests[r2].block_ids == blocks != freed
-    assert any(b - a != 1 for a, b in zip(blocks, blocks[1:], strict=False))
-    assert cp.computed[r2] < len(cp.tokens[r2])
-    cp.step({r0: 1, r1: 1, r2: -1, r3: 1, r4: 1})
-    for _ in range(2 * MAX_NEW_TOKENS):
-        live = [r for r in cp.tokens if r not in cp.finished]
-        done = [r for r in live if len(cp.outputs(r)) >= MAX_NEW_TOKENS]
-        running = [r for r in live if r not in done]
-        # Finished requests are reported in the next step's finished_req_ids.
-        out = cp.step(dict.fromkeys(running, 1), finished=done)
-        assert not set(done) & set(runner.requests)
-        if not running:
-            assert out.req_ids == [] and runner.input_batch.num_reqs == 0
-            break
-    else:
-        pytest.fail("requests did not finish")
-    assert runner.requests == {}
+def _greedy(req_id: str, prompt: list[int], **kwargs):
+    """Greedy and never stopping at EOS, like the reference's generate."""
+    kwargs.setdefault("max_tokens", MAX_NEW_TOKENS)
+    return make_request(prompt, req_id=req_id, temperature=0.0, ignore_eos=True, **kwargs)
 
 
-def test_greedy_matches_transformers_through_chunks_preemption_and_recompute(
-    tiny_model_dir, hf_model
-):
-    runner = make_runner(tiny_model_dir)
-    prompts = make_prompts(runner.model.vocab_size, [7, 13, 3, 10, 5])
-    cp = Controlplane(runner, num_blocks=48)
-    _run_mixed_schedule(cp, prompts)
+def _run_mixed_schedule(model_dir: str):
+    """Five greedy requests, two arriving later, on 8 KV blocks with a 10-token
+    budget and no prefix cache, so the real scheduler chunks prefills, preempts,
+    hands the freed blocks to others and recomputes the victims from 0, in
+    chunks, into other blocks. Returns (executor, prompts, steps, events)."""
+    executor = InProcessExecutor(model_dir, num_gpu_blocks=8)
+    sched = make_scheduler(executor, max_num_batched_tokens=10, enable_prefix_caching=False)
+    prompts = dict(zip(["r0", "r1", "r2", "r3", "r4"], _prompts([7, 13, 3, 10, 5]), strict=True))
+    r = {req_id: _greedy(req_id, prompt) for req_id, prompt in prompts.items()}
+    watch = ScheduleWatch(sched, executor)
+    arrivals = {0: [r["r0"], r["r1"], r["r2"]], 2: [r["r3"]], 3: [r["r4"]]}
+    steps = run_to_completion(sched, executor, arrivals, on_step=watch)
+    return executor, prompts, steps, watch.events
+
+
+def test_greedy_matches_transformers_through_chunks_preemption_and_recompute(tiny_model_dir):
+    executor, prompts, steps, events = _run_mixed_schedule(tiny_model_dir)
+    # The scenario happened (the watch checked the worker at each event).
+    for event in (
+        "chunked_prefill",
+        "preempted",
+        "reused_freed_blocks",
+        "recomputed_in_chunks",
+        "resumed_into_other_blocks",
+    ):
+        assert events[event], event
+    tokens = output_tokens(steps)
     for req_id, prompt in prompts.items():
-        expected = _hf_greedy(hf_model, prompt)
-        # generate stops early at EOS; the runner never stops by itself.
-        assert len(expected) >= 3
-        assert cp.outputs(req_id)[: len(expected)] == expected, req_id
+        assert tokens[req_id] == hf_greedy(tiny_model_dir, prompt, MAX_NEW_TOKENS), req_id
+    # The last step told the worker about the last finishes.
+    assert executor.runner.requests == {} and executor.runner.input_batch.num_reqs == 0
+
+
+def test_prefix_cache_hit_reads_another_requests_kv(tiny_model_dir):
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=16)
+    sched = make_scheduler(executor)
+    shared, tail_a, tail_b = _prompts([12, 3, 2])
+    a, b = _greedy("a", shared + tail_a), _greedy("b", shared + tail_b)
+    steps = run_to_completion(sched, executor, {0: [a], 2: [b]})
+    (new_b,) = [n for so, _, _ in steps for n in so.scheduled_new_reqs if n.req_id == "b"]
+    # b's first three blocks are a's: the worker must read a's KV for them.
+    a_blocks = steps[0][0].scheduled_new_reqs[0].block_ids
+    assert new_b.num_computed_tokens == 12 and new_b.block_ids[:3] == a_blocks[:3]
+    tokens = output_tokens(steps)
+    for req in (a, b):
+        assert tokens[req.request_id] == hf_greedy(
+            tiny_model_dir, req.prompt_token_ids, MAX_NEW_TOKENS
+        ), req.request_id
+
+
+def _sample_alone(model_dir: str, prompt: list[int], worker_seed: int, n: int, **params):
+    executor = InProcessExecutor(model_dir, num_gpu_blocks=16, seed=worker_seed)
+    sched = make_scheduler(executor)
+    req = make_request(prompt, max_tokens=n, req_id="s", ignore_eos=True, **params)
+    return output_tokens(run_to_completion(sched, executor, {0: [req]}))["s"]
 
 
 def test_seeded_request_reproducible_across_batches_and_preemption(tiny_model_dir):
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
-    prompts = make_prompts(500, [6, 9, 4])
+    seeded = dict(temperature=1.0, top_p=0.95, seed=42)
+    s_prompt, u_prompt, g_prompt = _prompts([6, 9, 4])
     n = 6
+    reference = _sample_alone(tiny_model_dir, s_prompt, 0, n, **seeded)
+    # The worker's generator (LoadModel.seed) is not used; the request's seed is.
+    assert _sample_alone(tiny_model_dir, s_prompt, 7, n, **seeded) == reference
+    assert _sample_alone(tiny_model_dir, s_prompt, 0, n, **{**seeded, "seed": 43}) != reference
 
-    def alone(params, worker_seed):
-        cp = Controlplane(make_runner(tiny_model_dir, seed=worker_seed), 48, {"s": params})
-        cp.step({"s": -1}, new={"s": prompts["r0"]})
-        while len(cp.outputs("s")) < n:
-            cp.decode("s")
-        return cp.outputs("s")
+    # The same request among an unseeded sampler and a greedy one: prefilled
+    # in two chunks, preempted after sampling (lowest priority) and recomputed
+    # from 0 into other blocks.
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=7, seed=3)
+    sched = make_scheduler(
+        executor, max_num_batched_tokens=8, enable_prefix_caching=False, policy="priority"
+    )
 
-    reference = alone(seeded, worker_seed=0)
-    assert alone(seeded, worker_seed=7) == reference  # the worker's generator is not used
-    assert alone(SamplingParams(temperature=1.0, top_p=0.95, seed=43), 0) != reference
+    def req(req_id, prompt, arrival, priority=0, **params):
+        return make_request(
+            prompt, max_tokens=n, req_id=req_id, priority=priority, arrival_time=arrival,
+            ignore_eos=True, **params,
+        )
 
-    # Same request among an unseeded sampler and a greedy one, prefilled in two
-    # chunks, preempted and recomputed from 0 into new blocks.
-    params = {"s": seeded, "u": SamplingParams(temperature=1.0)}
-    cp = Controlplane(make_runner(tiny_model_dir, seed=3), 48, params)
-    cp.step({"u": -1, "g": -1}, new={"u": prompts["r1"], "g": prompts["r2"]})
-    cp.step({"u": 1, "g": 1, "s": 4}, new={"s": prompts["r0"]})
-    cp.step({"s": -1, "u": 1, "g": 1})
-    cp.decode("g", "s", "u")
-    cp.step({"u": 1, "g": 1}, preempted=["s"])
-    cp.step({"g": 1, "s": -1, "u": 1}, resumed=["s"])
-    while len(cp.outputs("s")) < n:
-        cp.decode("u", "s", "g")
-    assert cp.outputs("s")[:n] == reference
+    arrivals = {
+        0: [req("u", u_prompt, 0.0, temperature=1.0), req("g", g_prompt, 0.0, temperature=0.0)],
+        1: [req("s", s_prompt, 1.0, priority=9, **seeded)],
+    }
+    watch = ScheduleWatch(sched, executor)
+    tokens = output_tokens(run_to_completion(sched, executor, arrivals, on_step=watch))
+    for event in ("chunked_prefill", "preempted_after_sampling", "recomputed_in_chunks"):
+        assert "s" in watch.events[event], event
+    assert tokens["s"] == reference
+    assert tokens["g"] == hf_greedy(tiny_model_dir, g_prompt, n)
+
+
+def make_runner(model_dir: str, num_blocks: int) -> ModelRunner:
+    runner = ModelRunner(single_process_state(), model_dir, torch.float32, seed=0)
+    runner.load_model()
+    runner.init_kv_cache(num_blocks, BLOCK_SIZE)
+    return runner
 
 
 def test_real_model_kv_cache_geometry(tiny_model_dir):
     runner = make_runner(tiny_model_dir, num_blocks=6)
     m = runner.model
     # K and V, every local layer, block_size tokens of num_kv_heads x head_dim floats.
-    per_block = 2 * m.num_local_layers * E2E_BLOCK_SIZE * m.num_kv_heads * m.head_dim * 4
-    assert runner.profile_num_blocks(E2E_BLOCK_SIZE, 10 * per_block + 1, 0.9) == (10, per_block)
+    per_block = 2 * m.num_local_layers * BLOCK_SIZE * m.num_kv_heads * m.head_dim * 4
+    assert runner.profile_num_blocks(BLOCK_SIZE, 10 * per_block + 1, 0.9) == (10, per_block)
     assert len(runner.kv_caches) == m.num_local_layers
-    assert all(c.shape == m.kv_cache_shape(6, E2E_BLOCK_SIZE) for c in runner.kv_caches)
+    assert all(c.shape == m.kv_cache_shape(6, BLOCK_SIZE) for c in runner.kv_caches)
     # One process holds the whole checkpoint: every tensor in it, nothing more.
     with safe_open(f"{tiny_model_dir}/model.safetensors", framework="pt") as f:
         checkpoint_bytes = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # noqa: SIM118
@@ -416,21 +462,20 @@ def test_real_model_kv_cache_geometry(tiny_model_dir):
 
 @pytest.mark.slow
 def test_tp2_pp2_ranks_replaying_the_broadcast_match_single_process(tiny_model_dir, tmp_path):
-    runner = make_runner(tiny_model_dir)
-    cp = Controlplane(runner, num_blocks=48)
-    _run_mixed_schedule(cp, make_prompts(runner.model.vocab_size, [7, 13, 3, 10, 5]))
+    executor, _, _, _ = _run_mixed_schedule(tiny_model_dir)
     tp, pp = 2, 2
     mp.spawn(
         replay_rank,
-        args=(tp, pp, free_port(), tiny_model_dir, cp.history, str(tmp_path)),
+        args=(tp, pp, free_port(), tiny_model_dir, executor.num_gpu_blocks, executor.sent,
+              str(tmp_path)),
         nprocs=tp * pp,
         join=True,
     )
     output_rank = (pp - 1) * tp
     for rank in range(tp * pp):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        got = replayed_outputs(tmp_path / f"rank{rank}.pt")
         if rank != output_rank:
             assert all(o is None for o in got), rank
             continue
-        for (_, want), have in zip(cp.history, got, strict=True):
+        for want, have in zip(executor.replies, got, strict=True):
             assert (have.req_ids, have.sampled_token_ids) == (want.req_ids, want.sampled_token_ids)

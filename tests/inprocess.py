@@ -307,7 +307,8 @@ class ScheduleWatch:
         kv = self.scheduler.kv_cache_manager
         events = self.events
         for new in so.scheduled_new_reqs:
-            if so.num_scheduled_tokens[new.req_id] < len(new.prompt_token_ids):
+            context = len(new.prompt_token_ids) + len(new.output_token_ids)
+            if new.num_computed_tokens + so.num_scheduled_tokens[new.req_id] < context:
                 assert new.req_id not in out.req_ids, "a partial prefill chunk sampled"
                 events["chunked_prefill"].add(new.req_id)
         for req_id in so.preempted_req_ids:

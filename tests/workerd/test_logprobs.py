@@ -1,5 +1,6 @@
-"""The tiny Llama through the model runner with the new sampling knobs, against
-transformers on the same weights.
+"""The tiny Llama with the sampling knobs, under the real controlplane Scheduler
+(each step through tests.inprocess.InProcessExecutor: both wire modules, bytes,
+a real Worker), against transformers on the same weights.
 
 * Sampled-token logprobs (logprob, 1-based rank, top-N) equal log_softmax of
   transformers' logits at the same position, for greedy and seeded sampling,
@@ -8,8 +9,9 @@ transformers on the same weights.
   every position >= 1; the partial chunk returns its share without sampling,
   and a recompute after preemption does not return them twice.
 * Greedy with repetition_penalty equals generate(repetition_penalty=...),
-  and min_tokens holds EOS off like generate(min_new_tokens=...).
-* (slow) TP=2 x PP=2 ranks replaying the same steps return the same logprobs.
+  and min_tokens (the scheduler's stop ids, masked on the worker) holds EOS
+  off like generate(min_new_tokens=...).
+* (slow) TP=2 x PP=2 ranks replaying the same broadcast return the same logprobs.
 """
 
 from __future__ import annotations
@@ -18,14 +20,19 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.workerd.runner_harness import (
-    Controlplane,
+from controlplane.core.request import FinishReason, Request, SamplingParams
+from tests.controlplane.core.helpers import make_request
+from tests.factories import TOKENIZER_VOCAB_SIZE
+from tests.inprocess import (
+    InProcessExecutor,
+    ScheduleWatch,
     free_port,
-    make_prompts,
-    make_runner,
+    make_scheduler,
+    output_tokens,
     replay_rank,
+    replayed_outputs,
+    run_to_completion,
 )
-from workerd.sched_output import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -58,35 +65,53 @@ def _check_entry(entry, ref_row: torch.Tensor, token: int, num_top: int) -> None
     torch.testing.assert_close(torch.tensor(entry.top_logprobs), top.values, atol=ATOL, rtol=0)
 
 
+def _prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, TOKENIZER_VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
+
+
+def _request(req_id, prompt, max_tokens, priority=0, arrival=0.0, **params):
+    params.setdefault("temperature", 0.0)
+    return make_request(
+        prompt, max_tokens=max_tokens, req_id=req_id, priority=priority, arrival_time=arrival,
+        ignore_eos=True, **params,
+    )
+
+
 def test_sampled_token_logprobs_match_transformers(tiny_model_dir, hf_model):
     params = {
-        "g": SamplingParams(temperature=0.0, logprobs=5),
-        "s": SamplingParams(temperature=1.0, seed=7, logprobs=0),
-        "n": SamplingParams(temperature=0.0),
+        "g": dict(logprobs=5),
+        "s": dict(temperature=1.0, seed=7, logprobs=0),
+        "n": dict(),
         # Penalties change what is sampled, never the (raw) logprobs.
-        "p": SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=3.0),
+        "p": dict(logprobs=3, repetition_penalty=3.0),
     }
-    runner = make_runner(tiny_model_dir)
-    prompts = dict(
-        zip(params, make_prompts(runner.model.vocab_size, [9, 6, 5, 7]).values(), strict=True)
-    )
-    cp = Controlplane(runner, num_blocks=48, params=params)
+    prompts = dict(zip(params, _prompts([9, 6, 5, 7]), strict=True))
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=48)
+    sched = make_scheduler(executor)
+    reqs = [_request(r, prompts[r], 7, **params[r]) for r in params]
+    steps = run_to_completion(sched, executor, {0: reqs})
     entries: dict[str, list] = {r: [] for r in params}
-    out = cp.step({r: -1 for r in params}, new=prompts)
-    for _ in range(6):
-        assert len(out.logprobs) == len(out.req_ids)
-        for req_id, entry in zip(out.req_ids, out.logprobs, strict=True):
-            assert (entry is None) == (params[req_id].logprobs is None)
-            entries[req_id].append(entry)
-        out = cp.decode(*params)
+    for _, out, outputs in steps:
+        if out.req_ids:
+            # The worker's reply: aligned with req_ids, None for "did not ask".
+            assert len(out.logprobs) == len(out.req_ids)
+            for req_id, entry in zip(out.req_ids, out.logprobs, strict=True):
+                assert (entry is None) == ("logprobs" not in params[req_id])
+        for o in outputs:
+            if o.new_logprobs is not None:
+                entries[o.request_id].extend(o.new_logprobs)
+    tokens = output_tokens(steps)
     ranks = []
     for req_id, p in params.items():
-        if p.logprobs is None:
+        if "logprobs" not in p:
+            assert entries[req_id] == []
             continue
-        outputs = cp.outputs(req_id)[: len(entries[req_id])]
+        outputs = tokens[req_id]
+        assert len(entries[req_id]) == len(outputs) == 7
         ref = _hf_logprobs(hf_model, prompts[req_id] + outputs)
         for j, (token, entry) in enumerate(zip(outputs, entries[req_id], strict=True)):
-            _check_entry(entry, ref[len(prompts[req_id]) - 1 + j], token, p.logprobs)
+            _check_entry(entry, ref[len(prompts[req_id]) - 1 + j], token, p["logprobs"])
             ranks.append(entry.rank)
     # Greedy rows rank 1; the sampled and penalized rows must reach lower ranks.
     assert all(e.rank == 1 for e in entries["g"])
@@ -94,48 +119,53 @@ def test_sampled_token_logprobs_match_transformers(tiny_model_dir, hf_model):
 
 
 def test_prompt_logprobs_over_two_chunks_match_transformers(tiny_model_dir, hf_model):
-    params = {
-        "a": SamplingParams(temperature=0.0, prompt_logprobs=4, logprobs=2),
-        "b": SamplingParams(temperature=0.0),
-        "z": SamplingParams(temperature=0.0, prompt_logprobs=0),
-    }
-    runner = make_runner(tiny_model_dir)
-    lengths = [11, 5, 6]
-    prompts = dict(
-        zip(params, make_prompts(runner.model.vocab_size, lengths).values(), strict=True)
+    """a (11 tokens) arrives last under a 16-token budget: its prompt is split
+    5 + 6. On 7 blocks without prefix cache, as the lowest priority, it is then
+    preempted after sampling and recomputed from 0 in chunks."""
+    a_prompt, b_prompt, z_prompt = _prompts([11, 5, 6])
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=7)
+    sched = make_scheduler(
+        executor, max_num_batched_tokens=16, enable_prefix_caching=False, policy="priority"
     )
-    cp = Controlplane(runner, num_blocks=48, params=params)
+    reqs = [
+        _request("b", b_prompt, 10, arrival=0.0),
+        _request("z", z_prompt, 10, arrival=1.0, prompt_logprobs=0),
+        _request("a", a_prompt, 6, priority=9, arrival=2.0, prompt_logprobs=4, logprobs=2),
+    ]
+    watch = ScheduleWatch(sched, executor)
+    steps = run_to_completion(sched, executor, {0: reqs}, on_step=watch)
+    for event in ("preempted_after_sampling", "recomputed_in_chunks"):
+        assert "a" in watch.events[event], event
+
     # Chunk 1 of a (5 of 11 tokens) samples nothing but returns positions 1..5:
     # its last position predicts token 5, the first one of the next chunk.
-    out = cp.step({"a": 5, "b": -1, "z": -1}, new=prompts)
-    assert out.req_ids == ["b", "z"]
+    (so, out, _), (_, out2, _) = steps[:2]
+    assert so.num_scheduled_tokens == {"b": 5, "z": 6, "a": 5}
+    assert sorted(out.req_ids) == ["b", "z"]
     chunks = {c.req_id: c for c in out.prompt_logprobs}
-    assert set(chunks) == {"a", "z"}
-    first = chunks["a"]
-    assert (first.start_position, len(first.positions)) == (1, 5)
-    assert (chunks["z"].start_position, len(chunks["z"].positions)) == (1, 5)
-    out = cp.step({"a": -1, "b": 1, "z": 1})
-    (second,) = out.prompt_logprobs
+    assert {r: (c.start_position, len(c.positions)) for r, c in chunks.items()} == {
+        "a": (1, 5),
+        "z": (1, 5),
+    }
     # Positions 6..10; position 10's logits predict the first output instead.
+    (second,) = out2.prompt_logprobs
     assert (second.req_id, second.start_position, len(second.positions)) == ("a", 6, 5)
-    assert "a" in out.req_ids and out.logprobs[out.req_ids.index("a")] is not None
+    assert out2.logprobs[out2.req_ids.index("a")] is not None
 
-    for req_id, chunk_list, num_top in (("a", [first, second], 4), ("z", [chunks["z"]], 0)):
-        prompt = prompts[req_id]
+    # What the controlplane hands the client streams: each chunk exactly once,
+    # none again for the recompute after preemption.
+    streamed = {"a": [], "z": []}
+    for _, _, outputs in steps:
+        for o in outputs:
+            if o.prompt_logprobs is not None:
+                streamed[o.request_id].append(o.prompt_logprobs)
+    assert [(c.start_position, len(c.positions)) for c in streamed["a"]] == [(1, 5), (6, 5)]
+    for req_id, prompt, num_top in (("a", a_prompt, 4), ("z", z_prompt, 0)):
         ref = _hf_logprobs(hf_model, prompt)
-        entries = [e for c in chunk_list for e in c.positions]
+        entries = [e for c in streamed[req_id] for e in c.positions]
         assert len(entries) == len(prompt) - 1
         for p, entry in enumerate(entries, start=1):
             _check_entry(entry, ref[p - 1], prompt[p], num_top)
-
-    # Preempted after its prompt was done, then recomputed from 0 in two
-    # chunks: no prompt logprobs the second time.
-    cp.decode("a", "b", "z")
-    cp.step({"b": 1, "z": 1}, preempted=["a"])
-    out = cp.step({"a": 6, "b": 1, "z": 1}, resumed=["a"])
-    out2 = cp.step({"a": -1, "b": 1, "z": 1})
-    assert out.prompt_logprobs == [] and out2.prompt_logprobs == []
-    assert "a" in out2.req_ids
 
 
 def _hf_generate(hf_model, prompt, n, **kwargs):
@@ -149,97 +179,94 @@ def _hf_generate(hf_model, prompt, n, **kwargs):
 def test_greedy_repetition_penalty_matches_transformers_generate(tiny_model_dir, hf_model):
     n = 10
     penalty = 1.8
-    params = {
-        "r0": SamplingParams(temperature=0.0, repetition_penalty=penalty),
-        "r1": SamplingParams(temperature=0.0, repetition_penalty=penalty),
-        "plain": SamplingParams(temperature=0.0),
-    }
-    runner = make_runner(tiny_model_dir, num_blocks=64)
-    lengths = [8, 12, 8]
-    prompts = dict(
-        zip(params, make_prompts(runner.model.vocab_size, lengths).values(), strict=True)
-    )
-    prompts["plain"] = prompts["r0"]
-    cp = Controlplane(runner, num_blocks=64, params=params)
-    # r1 prefills in two chunks next to the others.
-    cp.step({"r0": -1, "r1": 5, "plain": -1}, new=prompts)
-    cp.step({"r0": 1, "r1": -1, "plain": 1})
-    while len(cp.outputs("r1")) < n:
-        cp.decode(*[r for r in params if len(cp.outputs(r)) < n])
+    r0, r1 = _prompts([8, 12])
+    prompts = {"r0": r0, "plain": r0, "r1": r1}
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=64)
+    # r1 arrives last under a 21-token budget: it prefills in two chunks
+    # next to the others (plain shares r0's prompt, so it hits r0's blocks).
+    sched = make_scheduler(executor, max_num_batched_tokens=21)
+    reqs = [
+        _request("r0", r0, n, repetition_penalty=penalty),
+        _request("plain", r0, n),
+        _request("r1", r1, n, repetition_penalty=penalty),
+    ]
+    watch = ScheduleWatch(sched, executor)
+    tokens = output_tokens(run_to_completion(sched, executor, {0: reqs}, on_step=watch))
+    assert watch.events["chunked_prefill"] == {"r1"}
     differs = False
     for req_id in ("r0", "r1"):
         expected = _hf_generate(hf_model, prompts[req_id], n, repetition_penalty=penalty)
         assert len(expected) >= 3
-        assert cp.outputs(req_id)[: len(expected)] == expected, req_id
+        assert tokens[req_id][: len(expected)] == expected, req_id
         differs |= expected != _hf_generate(hf_model, prompts[req_id], n)[: len(expected)]
     # The penalty must matter for the comparison to mean anything, and the
     # unpenalized row in the same batch must stay plain greedy.
     assert differs
     plain = _hf_generate(hf_model, prompts["plain"], n)
-    assert cp.outputs("plain")[: len(plain)] == plain
+    assert tokens["plain"][: len(plain)] == plain
 
 
 def test_min_tokens_holds_off_eos_like_transformers(tiny_model_dir, hf_model):
     """A prompt whose greedy continuation hits EOS early: with min_tokens the
-    runner keeps generating exactly like generate(min_new_tokens=...)."""
+    scheduler sends EOS as a stop id the worker masks, and the request keeps
+    generating exactly like generate(min_new_tokens=...)."""
     eos = hf_model.config.eos_token_id
-    runner = make_runner(tiny_model_dir, num_blocks=64)
-    vocab = runner.model.vocab_size
     # Find a prompt whose plain greedy output contains EOS within a few tokens.
     prompt = None
     g = torch.Generator().manual_seed(3)
     for _ in range(200):
-        cand = torch.randint(2, vocab, (6,), generator=g).tolist()
+        cand = torch.randint(2, TOKENIZER_VOCAB_SIZE, (6,), generator=g).tolist()
         if eos in _hf_generate(hf_model, cand, 6):
             prompt = cand
             break
     if prompt is None:
         pytest.skip("no prompt of the tiny model reaches EOS quickly")
     n = 8
-    params = SamplingParams(temperature=0.0, min_tokens=n, min_tokens_stop_ids=(eos,))
-    cp = Controlplane(runner, num_blocks=64, params={"m": params})
-    cp.step({"m": -1}, new={"m": prompt})
-    while len(cp.outputs("m")) < n:
-        cp.decode("m")
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=64)
+    sched = make_scheduler(executor)
+    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
+    req = Request("m", prompt, params, eos_token_ids=frozenset({eos}))
+    steps = run_to_completion(sched, executor, {0: [req]})
     expected = _hf_generate(hf_model, prompt, n, min_new_tokens=n, eos_token_id=eos)
-    assert eos not in cp.outputs("m")
-    assert cp.outputs("m") == expected
+    tokens = output_tokens(steps)["m"]
+    assert eos not in tokens
+    assert tokens == expected
+    assert steps[-1][2][-1].finish_reason is FinishReason.LENGTH
 
 
 @pytest.mark.slow
 def test_tp2_pp2_ranks_return_the_same_logprobs(tiny_model_dir, tmp_path):
     """Prompt-logprob rows widen the last stage's compute_logits, a TP
     collective: every rank must choose the same rows or the step hangs."""
-    params = {
-        "a": SamplingParams(temperature=0.0, prompt_logprobs=2, logprobs=1),
-        "b": SamplingParams(temperature=0.8, seed=5, logprobs=0, repetition_penalty=1.3),
-        "c": SamplingParams(temperature=0.0),
+    a_prompt, b_prompt, c_prompt = _prompts([10, 6, 7])
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=48)
+    # a arrives second under a 10-token budget: its prompt is split 4 + 6.
+    sched = make_scheduler(executor, max_num_batched_tokens=10)
+    arrivals = {
+        0: [
+            _request("b", b_prompt, 4, temperature=0.8, seed=5, logprobs=0,
+                     repetition_penalty=1.3),
+            _request("a", a_prompt, 4, prompt_logprobs=2, logprobs=1),
+        ],
+        1: [_request("c", c_prompt, 4)],
     }
-    runner = make_runner(tiny_model_dir)
-    lengths = [10, 6, 7]
-    prompts = dict(
-        zip(params, make_prompts(runner.model.vocab_size, lengths).values(), strict=True)
-    )
-    cp = Controlplane(runner, num_blocks=48, params=params)
-    cp.step({"a": 4, "b": -1}, new={"a": prompts["a"], "b": prompts["b"]})
-    cp.step({"a": -1, "b": 1, "c": -1}, new={"c": prompts["c"]})
-    for _ in range(3):
-        cp.decode("a", "b", "c")
+    run_to_completion(sched, executor, arrivals)
     tp, pp = 2, 2
     mp.spawn(
         replay_rank,
-        args=(tp, pp, free_port(), tiny_model_dir, cp.history, str(tmp_path)),
+        args=(tp, pp, free_port(), tiny_model_dir, executor.num_gpu_blocks, executor.sent,
+              str(tmp_path)),
         nprocs=tp * pp,
         join=True,
     )
-    got = torch.load(tmp_path / f"rank{(pp - 1) * tp}.pt", weights_only=False)
+    got = replayed_outputs(tmp_path / f"rank{(pp - 1) * tp}.pt")
 
     def flat(out):
         entries = [e for e in out.logprobs if e is not None]
         entries += [e for c in out.prompt_logprobs for e in c.positions]
         return entries
 
-    for (_, want), have in zip(cp.history, got, strict=True):
+    for want, have in zip(executor.replies, got, strict=True):
         assert (have.req_ids, have.sampled_token_ids) == (want.req_ids, want.sampled_token_ids)
         assert [None if e is None else e.rank for e in have.logprobs] == [
             None if e is None else e.rank for e in want.logprobs
@@ -250,4 +277,5 @@ def test_tp2_pp2_ranks_return_the_same_logprobs(tiny_model_dir, tmp_path):
         for h, w in zip(flat(have), flat(want), strict=True):
             assert h.logprob == pytest.approx(w.logprob, abs=ATOL)
             assert h.top_token_ids == w.top_token_ids
-    assert any(out.prompt_logprobs for _, out in cp.history)
+    assert any(out.prompt_logprobs for out in executor.replies)
+    assert any(len(c.positions) == 4 for out in executor.replies for c in out.prompt_logprobs)

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from tests.controlplane.core.helpers import make_request
-from tests.factories import layout_state
+from tests.factories import TOKENIZER_VOCAB_SIZE, layout_state
 from tests.inprocess import (
     BLOCK_SIZE,
     InProcessExecutor,
@@ -338,7 +338,7 @@ MAX_NEW_TOKENS = 8
 
 def _prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(2, TOKENIZER_VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
 
 
 def _greedy(req_id: str, prompt: list[int], **kwargs):

@@ -1,0 +1,130 @@
+"""workerd.worker.Worker: the closed command table.
+
+Every command the controlplane may send is dispatched by name through an
+explicit table; anything else (a command the worker does not run, or none)
+and every handler failure comes back as a WorkerError naming the command,
+never as an exception out of handle(). Commands sent out of start-up order
+are refused with what is missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloom.worker.v1 import worker_pb2
+from tests.inprocess import free_port
+from workerd.worker import Worker
+
+DISPATCHED = {
+    "init_distributed",
+    "load_model",
+    "profile_memory",
+    "init_kv_cache",
+    "execute_model",
+    "ping",
+}
+_ONEOF = worker_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["command"]
+ALL_COMMANDS = {f.name for f in _ONEOF.fields}
+
+
+def _init_distributed() -> worker_pb2.InitDistributed:
+    return worker_pb2.InitDistributed(
+        master_addr="127.0.0.1", master_port=free_port(), world_size=1, rank=0,
+        tensor_parallel_size=1, pipeline_parallel_size=1, timeout_s=30,
+    )
+
+
+def _send(worker: Worker, call_id: int = 7, **command) -> worker_pb2.WorkerMessage | None:
+    return worker.handle(worker_pb2.ControlMessage(call_id=call_id, **command))
+
+
+def _error_of(reply: worker_pb2.WorkerMessage | None) -> tuple[str, str]:
+    assert reply is not None and reply.WhichOneof("payload") == "error", reply
+    return reply.error.kind, reply.error.message
+
+
+def _command(name: str):
+    return getattr(worker_pb2.ControlMessage(), name).__class__()
+
+
+@pytest.mark.parametrize("name", sorted(ALL_COMMANDS - DISPATCHED))
+def test_commands_outside_the_table_are_refused(name):
+    reply = _send(Worker("cpu"), call_id=3, **{name: _command(name)})
+    assert reply.call_id == 3
+    assert _error_of(reply) == ("dispatch", f"unknown command {name!r}")
+
+
+def test_a_message_without_a_command_is_refused():
+    reply = _send(Worker("cpu"), call_id=4)
+    assert reply.call_id == 4
+    assert _error_of(reply) == ("dispatch", "unknown command None")
+
+
+def test_ping_is_acknowledged_with_its_call_id():
+    reply = _send(Worker("cpu"), call_id=11, ping=worker_pb2.Ping())
+    assert reply.WhichOneof("payload") == "ack" and reply.call_id == 11
+
+
+@pytest.mark.parametrize("name", ["profile_memory", "init_kv_cache", "execute_model"])
+def test_commands_before_load_model_are_refused_by_name(name):
+    worker = Worker("cpu")
+    assert _send(worker, init_distributed=_init_distributed()).WhichOneof("payload") == "ack"
+    kind, message = _error_of(_send(worker, **{name: _command(name)}))
+    assert kind == name
+    assert message == "CommandError: the model is not loaded yet"
+
+
+def test_load_model_before_init_distributed_is_refused(tiny_model_dir):
+    worker = Worker("cpu")
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32")
+    kind, message = _error_of(_send(worker, load_model=load))
+    assert (kind, message) == ("load_model", "CommandError: load_model before init_distributed")
+    assert worker.runner is None
+
+
+@pytest.mark.parametrize("dtype", ["float64", "", "torch.float32"])
+def test_unsupported_dtype_is_refused_before_loading(tiny_model_dir, dtype):
+    worker = Worker("cpu")
+    _send(worker, init_distributed=_init_distributed())
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype=dtype)
+    kind, message = _error_of(_send(worker, load_model=load))
+    assert kind == "load_model"
+    assert f"unsupported dtype {dtype!r}" in message
+    assert "['bfloat16', 'float16', 'float32']" in message
+    assert worker.runner is None
+
+
+def test_handshake_then_steps_and_a_failing_step_is_an_error_reply(tiny_model_dir):
+    worker = Worker("cpu")
+    assert _send(worker, 1, init_distributed=_init_distributed()).call_id == 1
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32")
+    assert _send(worker, 2, load_model=load).WhichOneof("payload") == "ack"
+    budget = worker_pb2.ProfileMemory(block_size=4, kv_cache_memory_bytes=1 << 20)
+    profile = _send(worker, 3, profile_memory=budget)
+    mp = profile.memory_profile
+    assert profile.call_id == 3 and mp.num_blocks == (1 << 20) // mp.bytes_per_block
+    assert mp.weights_bytes == worker.runner.weights_bytes() > 0
+    init = worker_pb2.InitKVCache(num_blocks=8, block_size=4)
+    assert _send(worker, 4, init_kv_cache=init).WhichOneof("payload") == "ack"
+
+    empty = _send(worker, 5, execute_model=worker_pb2.SchedulerOutput(step_id=1))
+    assert empty.call_id == 5 and empty.WhichOneof("payload") == "model_runner_output"
+    assert list(empty.model_runner_output.req_ids) == []
+
+    # A diff for a request this worker never saw: the handler's exception
+    # comes back as an error reply naming the command, and handle() returns.
+    unknown = worker_pb2.SchedulerOutput(step_id=2, total_num_scheduled_tokens=1)
+    c = unknown.scheduled_cached_reqs
+    c.req_ids.append("ghost")
+    c.resumed_from_preemption.append(False)
+    c.num_computed_tokens.append(3)
+    c.num_scheduled_tokens.append(1)
+    c.num_new_token_ids.append(0)
+    c.num_new_block_ids.append(0)
+    reply = _send(worker, 6, execute_model=unknown)
+    assert reply.call_id == 6
+    kind, message = _error_of(reply)
+    assert kind == "execute_model" and message.startswith("KeyError:") and "ghost" in message
+    # Still serving: the controlplane decides what a failed step means.
+    assert _send(worker, 7, ping=worker_pb2.Ping()).WhichOneof("payload") == "ack"
+    worker.close()

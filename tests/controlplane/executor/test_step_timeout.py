@@ -36,6 +36,7 @@ class ScriptedRank:
         self.handle = handle
         self.answer_steps = True
         self.kinds: list[str] = []
+        self.step_call_ids: list[int] = []
         self.shutdown_reason: str | None = None
         self.stream_ended = False
 
@@ -49,6 +50,7 @@ class ScriptedRank:
                 self.shutdown_reason = msg.shutdown.reason
                 continue
             if kind == "execute_model":
+                self.step_call_ids.append(msg.call_id)
                 if not self.answer_steps or self.handle.rank != OUTPUT_RANK:
                     continue
                 req_ids = list(msg.execute_model.scheduled_cached_reqs.req_ids)
@@ -150,7 +152,7 @@ def test_silent_output_rank_fails_the_step_and_the_group():
             with pytest.raises(WorkerGroupFailed, match="missed the step deadline"):
                 await asyncio.to_thread(executor.execute_model, _step(["a"]))
             # A reply that finally arrives for the abandoned step changes nothing.
-            late = worker_pb2.WorkerMessage(call_id=10_000)
+            late = worker_pb2.WorkerMessage(call_id=ranks[OUTPUT_RANK].step_call_ids[-1])
             late.model_runner_output.req_ids.append("a")
             executor.on_message(ranks[OUTPUT_RANK].handle, late)
             await asyncio.sleep(0)

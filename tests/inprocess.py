@@ -12,7 +12,11 @@ A WorkerError reply raises WorkerGroupFailed, resolved by the executor's own
 PendingCall, exactly as the gRPC executor raises it.
 
 It imports both daemons, so it lives in tests/, never in controlplane/ or
-workerd/. The factories below build a Scheduler or an EngineCore over it.
+workerd/. The factories below build a Scheduler or an EngineCore over it;
+run_to_completion steps a Scheduler through it as EngineCore.step does, and
+ScheduleWatch records what the scheduler did so a test can assert its
+scenario (a chunked prefill, a preemption, a resume into other blocks)
+really happened while it checks the worker followed.
 
 replay_rank replays the bytes an executor broadcast on one rank of a TP x PP
 group, for tests that check every layout answers the same steps the same way.
@@ -248,15 +252,6 @@ def make_scheduler(
         CacheConfig(block_size=executor.block_size, enable_prefix_caching=enable_prefix_caching),
         executor.num_gpu_blocks,
     )
-
-
-def run_step(
-    scheduler: Scheduler, executor: InProcessExecutor
-) -> tuple[SchedulerOutput, ModelRunnerOutput, list[EngineCoreOutput]]:
-    """One EngineCore step, synchronously: schedule -> worker -> update_from_output."""
-    so = scheduler.schedule()
-    out = executor.execute_model(so)
-    return so, out, scheduler.update_from_output(so, out)
 
 
 StepHook = Callable[[SchedulerOutput, ModelRunnerOutput], None]

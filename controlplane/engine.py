@@ -57,8 +57,6 @@ class EngineCore:
         self.input_queue: queue.Queue = queue.Queue()
         self.scheduler: Scheduler | None = None
         self._unavailable_reason = "worker group is starting"
-        # Aborts leave finished ids the workers must hear about even when idle.
-        self._flush_pending = False
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.num_steps = 0
@@ -105,7 +103,11 @@ class EngineCore:
 
     def _has_work(self) -> bool:
         sched = self.scheduler
-        return sched is not None and (self._flush_pending or sched.has_unfinished_requests())
+        # Finished ids (aborts, and requests that ended in the last step) must
+        # reach the workers even when nothing else runs, or they keep the state.
+        return sched is not None and (
+            sched.has_unfinished_requests() or sched.has_finished_requests()
+        )
 
     def _process_input_queue(self) -> None:
         if not self._has_work():
@@ -168,7 +170,6 @@ class EngineCore:
             for req_id in finished
             if (request := requests[req_id]) is not None
         ]
-        self._flush_pending = self._flush_pending or bool(finished)
         if outputs:
             self._emit(outputs, None)
 
@@ -177,7 +178,6 @@ class EngineCore:
         t_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         t_scheduled = time.monotonic()
-        self._flush_pending = False
         if scheduler_output.is_empty() and not (
             scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
         ):
@@ -215,7 +215,6 @@ class EngineCore:
         live = self.scheduler.requests.values() if self.scheduler is not None else ()
         outputs = [self._error_output(r, reason) for r in live]
         self.scheduler = None
-        self._flush_pending = False
         if outputs:
             logger.warning("failing %d in-flight request(s): %s", len(outputs), reason)
             self._emit(outputs, None)

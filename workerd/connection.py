@@ -111,6 +111,9 @@ class ControlplaneConnection:
                 logger.error("controlplane closed the stream")
         except grpc.RpcError as exc:
             logger.error("stream to the controlplane broke: %s %s", exc.code().name, exc.details())
+        # Set before the end-of-stream marker: the main thread reads exit_code
+        # as soon as it sees the marker.
+        self.exit_code = code
         self.commands.put(None)
         if busy.is_set():
             # The main thread may be blocked in a collective whose peer is gone.
@@ -118,7 +121,6 @@ class ControlplaneConnection:
             logger.error("main thread still busy %.0f s after the stream ended; exiting",
                          EXIT_GRACE_S)
             os._exit(code)
-        self.exit_code = code
 
     def close(self) -> None:
         self._outbox.put(None)

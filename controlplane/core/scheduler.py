@@ -152,6 +152,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_finished_requests(self) -> bool:
+        """Requests ended since the last schedule(): the next step tells workers."""
+        return bool(self.finished_req_ids)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 

@@ -306,7 +306,7 @@ class Executor:
                 if silent > self.cfg.heartbeat_timeout_s:
                     self.fail_group(
                         f"worker {handle.describe()} sent nothing for {silent:.1f} s "
-                        f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:.0f} s)",
+                        f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:g} s)",
                         FailureKind.HEARTBEAT_TIMEOUT,
                     )
                     break
@@ -353,7 +353,7 @@ class Executor:
         except TimeoutError:
             missing = sorted(call.expected - set(call.replies))
             raise WorkerGroupFailed(
-                f"{what} timed out after {timeout:.0f} s waiting for rank(s) {missing}"
+                f"{what} timed out after {timeout:g} s waiting for rank(s) {missing}"
             ) from None
 
     async def canary(self, timeout_s: float) -> None:
@@ -413,7 +413,7 @@ class Executor:
         except concurrent.futures.TimeoutError:
             reason = (
                 f"output rank {self.parallel.output_rank} missed the step deadline "
-                f"({self.cfg.step_timeout_s:.0f} s)"
+                f"({self.cfg.step_timeout_s:g} s)"
             )
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self.fail_group, reason, FailureKind.STEP_TIMEOUT)

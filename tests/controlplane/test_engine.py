@@ -313,11 +313,13 @@ def test_an_idle_engine_blocks_instead_of_spinning(tiny_model_dir):
     engine.add_request(_greedy("a", _prompt(6, 15), max_tokens=4))
     client.wait_finished("a")
     probe.wait_idle(3)
-    # One step per token (the prompt fits one step), none while idle.
-    assert len(steps) == engine.num_steps == 4
+    # One step per token (the prompt fits one step), then one that only tells
+    # the workers "a" finished, so they drop its state; none while idle.
+    assert len(steps) == engine.num_steps == 5
+    assert "a" not in executor.runner.requests
     engine.shutdown()
     assert not engine._thread.is_alive()
-    assert len(steps) == 4
+    assert len(steps) == 5
     executor.close()
 
 

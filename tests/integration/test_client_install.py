@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,17 @@ def _run(*cmd: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("client_install")
-    # The wheel is built with this environment's setuptools, so the test needs
-    # no build-isolation download; the venv then resolves kvloom's own
+    # Built from a copy of the sources, so setuptools' build/ directory never
+    # lands in the checkout; with this environment's setuptools, so the test
+    # needs no build-isolation download. The venv then resolves kvloom's own
     # dependencies like any user install.
+    src = tmp / "src"
+    for name in ("kvloom", "controlplane", "workerd"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     built = _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                 "--quiet", "-w", str(tmp / "dist"), str(REPO))
+                 "--quiet", "-w", str(tmp / "dist"), str(src))
     assert built.returncode == 0, built.stderr
     wheel = next((tmp / "dist").glob("kvloom-*.whl"))
     venv = tmp / "venv"

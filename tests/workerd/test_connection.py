@@ -364,12 +364,6 @@ class _HandOff(queue.Queue):
             self.main_read_exit_code.wait(WAIT_S)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ControlplaneConnection._read queues the end-of-stream None before it "
-    "sets exit_code, so workerd.__main__ (getattr(conn, 'exit_code', 1) right "
-    "after the None) can exit 1 after a clean Shutdown",
-)
 def test_exit_code_is_known_when_the_end_of_commands_is_seen(controlplane, connections):
     conn, servicer = _registered(controlplane, connections)
     conn.commands = handoff = _HandOff()

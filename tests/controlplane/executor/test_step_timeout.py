@@ -168,11 +168,6 @@ async def _until(cond) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the step-deadline message formats step_timeout_s with '.0f', so a "
-    "sub-second deadline reads 'missed the step deadline (0 s)'",
-)
 def test_sub_second_deadline_is_named_as_configured():
     async def scenario():
         executor, ranks, tasks, failed = await _ready_group(step_timeout_s=0.25)

@@ -71,6 +71,7 @@ class ControlPlane:
             config.cache,
             on_ready=self._on_group_ready,
             on_failed=self._on_group_failed,
+            vocab_size=model_info.vocab_size,
         )
         self.readiness = Readiness(
             self.executor, self._set_serving, canary_timeout_s=config.workers.step_timeout_s

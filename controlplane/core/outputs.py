@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from controlplane.core.request import FinishReason, SamplingParams
 
@@ -49,6 +50,16 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
+class PromptLogprobsWindow(NamedTuple):
+    """Prompt positions a step may return logprobs for, of one request that asked."""
+
+    num_top: int
+    # Positions [start, stop): position p is predicted by computed token p - 1,
+    # so a chunk computing [c, e) covers [c + 1, min(e + 1, num_prompt_tokens)).
+    start: int
+    stop: int
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
@@ -61,6 +72,13 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Preempted this step; workers drop them from the batch but keep state.
     preempted_req_ids: set[str]
+    # Not sent: what the output rank must answer, checked on receipt
+    # (executor/reply_check.py). Requests whose context is complete after this
+    # step sample one token each (a partial prefill chunk samples none); the
+    # value is the logprobs count the request asked for (None: none).
+    sampling_reqs: dict[str, int | None] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and compute prompt positions.
+    prompt_logprobs_windows: dict[str, PromptLogprobsWindow] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

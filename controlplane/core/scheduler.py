@@ -30,6 +30,7 @@ from controlplane.core.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
+    PromptLogprobsWindow,
     SchedulerOutput,
 )
 from controlplane.core.request import (
@@ -179,9 +180,32 @@ class Scheduler:
         self.step_id += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
-        return SchedulerOutput(
+        so = SchedulerOutput(
             self.step_id, new_reqs, cached, num_scheduled, total, finished, preempted
         )
+        self._record_expected_reply(so)
+        return so
+
+    def _record_expected_reply(self, so: SchedulerOutput) -> None:
+        """What the output rank must answer, for the executor's reply check: a
+        request samples when this step completes its context (as the worker
+        decides), and prompt logprobs come only from the positions it computes."""
+        requests = self.requests
+        sampling = so.sampling_reqs
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            request = requests[req_id]
+            params = request.sampling_params
+            num_computed = request.num_computed_tokens  # already advanced by num_new
+            if num_computed == len(request.all_token_ids):
+                sampling[req_id] = params.logprobs
+            # A request that sampled once has had its whole prompt's logprobs.
+            if params.prompt_logprobs is not None and not request.output_token_ids:
+                start = num_computed - num_new + 1
+                stop = min(num_computed + 1, len(request.prompt_token_ids))
+                if start < stop:
+                    so.prompt_logprobs_windows[req_id] = PromptLogprobsWindow(
+                        params.prompt_logprobs, start, stop
+                    )
 
     def _schedule_running(
         self,

@@ -6,9 +6,11 @@ owns and lends its call API: init_distributed -> load_model -> profile_memory
 (min over ranks) -> init_kv_cache) and reports the group ready. Each engine
 step it serializes the SchedulerOutput once, writes the same bytes to every
 worker stream and waits for the output rank only. Any lost stream, silent
-worker, worker error or missed step deadline fails the whole group: pending
+worker, worker error, missed step deadline or reply that does not match its command
+(reply_check.py: a protocol violation) fails the whole group: pending
 calls raise WorkerGroupFailed at once, the survivors are told to shut down,
-and the group re-forms from registration.
+and the group re-forms from registration. A malformed reply never reaches
+the scheduler.
 
 Threading: registration, replies and start-up run on the asyncio loop; the
 engine thread calls execute_model(), which hands bytes to the loop with
@@ -33,8 +35,13 @@ import grpc
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
 from controlplane.executor.group_startup import GroupStartup
+from controlplane.executor.reply_check import (
+    ProtocolViolation,
+    check_step_reply,
+    reply_payload_problem,
+)
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState, RankStatus
-from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
+from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
@@ -86,9 +93,13 @@ class Executor:
         cache: CacheConfig,
         on_ready: Callable[[int], None],
         on_failed: Callable[[str], None],
+        *,
+        vocab_size: int,
     ):
         self.parallel = parallel
         self.cfg = workers
+        # Every token id a worker returns must be below it (reply_check.py).
+        self._vocab_size = vocab_size
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._block_size = cache.block_size
@@ -206,20 +217,45 @@ class Executor:
 
     def on_message(self, handle: WorkerHandle, msg: worker_pb2.WorkerMessage) -> None:
         handle.last_seen = time.monotonic()
+        if self._handles.get(handle.rank) is not handle:
+            return  # a worker already let go: its late replies change nothing
+        payload = msg.WhichOneof("payload")
         if msg.call_id == 0:
-            if msg.WhichOneof("payload") == "heartbeat":
+            if payload == "heartbeat":
                 handle.last_forward_time_s = msg.heartbeat.last_forward_time_s
+            else:
+                self._protocol_violation(
+                    handle.rank, f"sent {payload or 'an empty message'} outside any call"
+                )
             return
         call = self._pending.get(msg.call_id)
-        if call is not None:
+        if call is None:
+            # Every call is answered once and then forgotten; a failed group
+            # forgets them all, but its workers are let go first (above).
+            self._protocol_violation(
+                handle.rank, f"answered call {msg.call_id}, which is not pending"
+            )
+            return
+        if payload == "error":
             call.add_reply(handle.rank, msg)
-            if call.future.done():
-                self._pending.pop(msg.call_id, None)
-        if msg.WhichOneof("payload") == "error":
+            self._pending.pop(msg.call_id, None)
             # The step (or start-up) already failed through the pending call;
             # the group is failed too, or it would stay "ready" with no engine.
             err = msg.error
             self.fail_group(f"rank {handle.rank} failed in {err.kind}: {err.message}")
+            return
+        problem = reply_payload_problem(
+            call.command, call.expected, call.replies, handle.rank, payload
+        )
+        if problem is not None:
+            self._protocol_violation(handle.rank, f"{problem} (call {msg.call_id})")
+            return
+        call.add_reply(handle.rank, msg)
+        if call.future.done():
+            self._pending.pop(msg.call_id, None)
+
+    def _protocol_violation(self, rank: int, what: str) -> None:
+        self.fail_group(str(ProtocolViolation(rank, what)), FailureKind.PROTOCOL_VIOLATION)
 
     def on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
         if self._handles.get(handle.rank) is not handle:
@@ -315,16 +351,16 @@ class Executor:
 
     def _send(self, command: worker_pb2.ControlMessage, expected: set[int]) -> PendingCall:
         """Register a pending call and write one serialized copy to every stream (loop thread)."""
-        command.call_id, call = self._new_call(expected)
+        command.call_id, call = self._new_call(expected, command.WhichOneof("command"))
         raw = command.SerializeToString()
         call.nbytes = len(raw)
         for handle in self._handles.values():
             handle.outbox.put_nowait(raw)
         return call
 
-    def _new_call(self, expected: set[int]) -> tuple[int, PendingCall]:
+    def _new_call(self, expected: set[int], command: str) -> tuple[int, PendingCall]:
         call_id = next(self._call_ids)
-        call = self._pending[call_id] = PendingCall(expected)
+        call = self._pending[call_id] = PendingCall(expected, command)
         return call_id, call
 
     async def call_all(
@@ -340,9 +376,11 @@ class Executor:
         what: str,
     ) -> dict[int, worker_pb2.WorkerMessage]:
         """Send command_for(rank) to each attached rank as one call (loop thread)."""
-        call_id, call = self._new_call(set(self._handles))
+        commands = {rank: command_for(rank) for rank in self._handles}
+        kind = next((c.WhichOneof("command") for c in commands.values()), "")
+        call_id, call = self._new_call(set(self._handles), kind)
         for rank, handle in self._handles.items():
-            command = command_for(rank)
+            command = commands[rank]
             command.call_id = call_id
             handle.outbox.put_nowait(command.SerializeToString())
         return await self._await_call(call, timeout_s, what)
@@ -388,8 +426,17 @@ class Executor:
             self.last_round_trip_s = time.perf_counter() - t_send
         finally:
             self._step_in_flight = False
+        rank = self.parallel.output_rank
+        try:
+            out = check_step_reply(reply.model_runner_output, so, self._vocab_size, rank)
+        except ProtocolViolation as exc:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(
+                self.fail_group, str(exc), FailureKind.PROTOCOL_VIOLATION
+            )
+            raise
         self._last_success = time.monotonic()
-        return model_runner_output_from_proto(reply.model_runner_output)
+        return out
 
     def _send_from_engine_thread(self, command: worker_pb2.ControlMessage) -> PendingCall:
         """Hand the command to the loop, which owns the streams; return its pending call."""

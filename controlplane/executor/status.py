@@ -34,6 +34,8 @@ class FailureKind(enum.Enum):
     STEP_TIMEOUT = "step_timeout"
     WORKER_ERROR = "worker_error"
     STARTUP = "startup"
+    # A reply that does not match its command (executor/reply_check.py).
+    PROTOCOL_VIOLATION = "protocol_violation"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,10 @@ class WorkerGroupFailed(RuntimeError):
 class PendingCall:
     """A command awaiting replies from a set of ranks."""
 
-    def __init__(self, expected: set[int]):
+    def __init__(self, expected: set[int], command: str = ""):
         self.expected = set(expected)
+        # The command's oneof kind, which decides the payload a reply must carry.
+        self.command = command
         self.replies: dict[int, worker_pb2.WorkerMessage] = {}
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         # Size of the serialized command each rank received.

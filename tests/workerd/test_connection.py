@@ -211,6 +211,7 @@ class _RealControlplane:
             CacheConfig(),
             on_ready=lambda n: None,
             on_failed=lambda reason: None,
+            vocab_size=32000,
         )
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers(

@@ -105,6 +105,7 @@ class Harness:
             CacheConfig(block_size=16),
             on_ready=lambda n: self.ready.done() or self.ready.set_result(n),
             on_failed=self.failed.append,
+            vocab_size=32000,
         )
 
     async def __aenter__(self):
@@ -138,6 +139,7 @@ def _step(req_ids):
         total_num_scheduled_tokens=len(req_ids),
         finished_req_ids=set(),
         preempted_req_ids=set(),
+        sampling_reqs=dict.fromkeys(req_ids),
     )
 
 

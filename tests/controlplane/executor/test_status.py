@@ -56,6 +56,7 @@ def _executor() -> Executor:
         CacheConfig(),
         on_ready=lambda n: None,
         on_failed=lambda reason: None,
+        vocab_size=32000,
     )
 
 

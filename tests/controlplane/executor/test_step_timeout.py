@@ -80,6 +80,7 @@ def _step(req_ids: list[str]) -> SchedulerOutput:
         total_num_scheduled_tokens=n,
         finished_req_ids=set(),
         preempted_req_ids=set(),
+        sampling_reqs=dict.fromkeys(req_ids),
     )
 
 
@@ -97,6 +98,7 @@ async def _ready_group(step_timeout_s: float):
         CacheConfig(block_size=16),
         on_ready=lambda n: ready.done() or ready.set_result(n),
         on_failed=failed.put_nowait,
+        vocab_size=32000,
     )
     executor.start(loop)
     ranks = []

@@ -179,7 +179,8 @@ def test_registry_exposes_step_and_request_metrics(metrics):
 def test_failure_reason_labels_are_the_failure_kinds():
     # Dashboards and alerts match these label values: they must not drift.
     assert FAILURE_REASONS == (
-        "disconnected", "heartbeat_timeout", "step_timeout", "worker_error", "startup")
+        "disconnected", "heartbeat_timeout", "step_timeout", "worker_error", "startup",
+        "protocol_violation")
     assert {k.value for k in FailureKind} == set(FAILURE_REASONS)
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 
 from controlplane.config import (
+    ApiLimitsConfig,
     CacheConfig,
     ControlPlaneConfig,
     ModelConfig,
@@ -36,6 +37,7 @@ CONFIG_GROUPS = (
     ("scheduler", SchedulerConfig),
     ("worker group", WorkerGroupConfig),
     ("server", ServerConfig),
+    ("api limits", ApiLimitsConfig),
 )
 
 
@@ -83,6 +85,7 @@ def build_config(
         parallel=config_from_args(ParallelConfig, args),
         workers=config_from_args(WorkerGroupConfig, args),
         server=config_from_args(ServerConfig, args),
+        api_limits=config_from_args(ApiLimitsConfig, args),
     )
     return config, info
 

@@ -107,6 +107,18 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class ApiLimitsConfig:
+    """Per-request bounds of the client API that are flags; the fixed and the
+    derived ones (prompt characters, stop strings, logprob entries) are
+    constants and rules in controlplane/api/validation.py."""
+
+    max_logprobs: int = option(
+        20, "most logprobs / prompt_logprobs one request may ask for (also capped at the "
+        "vocabulary size)", ge=0, le=1024)
+    max_n: int = option(16, "most samples (sampling.n) one request may ask for", ge=1, le=1024)
+
+
+@dataclass(frozen=True)
 class ControlPlaneConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -114,3 +126,4 @@ class ControlPlaneConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     workers: WorkerGroupConfig = field(default_factory=WorkerGroupConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    api_limits: ApiLimitsConfig = field(default_factory=ApiLimitsConfig)

@@ -22,11 +22,17 @@ import grpc
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.sample_stream import SampleStream
 from controlplane.api.tokenize_service import TokenizeService
-from controlplane.api.validation import InvalidRequest, Limits, ValidatedRequest, validate
+from controlplane.api.validation import (
+    U64_MASK,
+    InvalidRequest,
+    Limits,
+    ValidatedRequest,
+    validate,
+)
 from controlplane.config import ControlPlaneConfig
 from controlplane.core.kv_cache_utils import blocks_needed
 from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
-from controlplane.core.request import Request
+from controlplane.core.request import Request, SamplingParams
 from controlplane.engine import EngineCore
 from controlplane.model_info import ModelInfo
 from kvloom import __version__
@@ -56,12 +62,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._not_ready_reason = readiness
         self._num_ranks_attached = num_ranks_attached
         self.metrics = metrics
-        self.limits = Limits(
-            vocab_size=model_info.vocab_size,
-            max_model_len=config.scheduler.max_model_len,
-            sampling_defaults=model_info.sampling_defaults,
-            scheduling_policy=config.scheduler.policy,
-        )
+        self.limits = Limits.from_config(config, model_info)
         # Client request id -> the engine request ids of its samples.
         self._in_flight: dict[str, list[str]] = {}
         self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
@@ -77,22 +78,46 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._check_pool_fits(v)
+        if v.n > self._capacity:
+            raise InvalidRequest(
+                f"sampling.n is {v.n} but this server holds at most {self._capacity} requests "
+                f"at once (max_num_seqs + max_waiting_requests): lower n"
+            )
         reason = self._not_ready_reason()
         if reason is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"not serving: {reason}")
-        request_id = v.request_id or uuid.uuid4().hex
+        return v.request_id or uuid.uuid4().hex, v
+
+    def _claim(self, request_id: str, n: int, queue: asyncio.Queue) -> list[str] | _Refusal:
+        """Reserve request_id and its sample ids, all or nothing. Nothing here
+        awaits, so no other call can claim between the checks and the inserts;
+        the caller's clean-up scope starts right after a successful claim."""
         if request_id in self._in_flight:
-            await context.abort(
+            return _Refusal(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request_id!r} is already in flight; use a unique id",
             )
-        if len(self.router) + v.n > self._capacity:
-            await context.abort(
+        if len(self.router) + n > self._capacity:
+            return _Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.router)} requests are in flight and at most {self._capacity} may "
                 f"be (max_num_seqs + max_waiting_requests); retry later",
             )
-        return request_id, v
+        children = sample_ids(request_id, n)
+        taken = [c for c in children if c in self.router]
+        if taken:  # cannot happen while client ids may not hold '/'; never leak if it does
+            return _Refusal(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r}: sample ids {taken[:3]} are in use; use another id",
+            )
+        for child in children:
+            self.router.register(child, queue)
+        self._in_flight[request_id] = children
+        return children
+
+    def _release(self, request_id: str) -> None:
+        for child in self._in_flight.pop(request_id, ()):
+            self.router.unregister(child)
 
     def _check_pool_fits(self, v: ValidatedRequest) -> None:
         stats = self.engine.last_stats
@@ -112,38 +137,36 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id, v = await self._admit(request, context)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        children = [request_id] if v.n == 1 else [f"{request_id}/{i}" for i in range(v.n)]
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        children = self._claim(request_id, v.n, queue)
+        if isinstance(children, _Refusal):
+            await context.abort(children.code, children.details)
         streams: dict[str, SampleStream] = {}
-        self._in_flight[request_id] = children
-        for i, child in enumerate(children):
-            self.router.register(child, queue)
-            params = v.params
-            if params.seed is not None and i:
-                params = dataclasses.replace(params, seed=params.seed + i)
-            streams[child] = SampleStream(
-                self.tokenizer, self.token_text, i, v.prompt_token_ids, params,
-                v.stream, v.stream_interval,
-            )
-            self.engine.add_request(
-                Request(
-                    request_id=child,
-                    prompt_token_ids=v.prompt_token_ids,
-                    sampling_params=params,
-                    eos_token_ids=self.model_info.eos_token_ids,
-                    cache_salt=v.cache_salt,
-                    priority=v.priority,
-                )
-            )
-        if self.metrics is not None:
-            self.metrics.request_accepted(v.priority, len(children))
         try:
+            for i, child in enumerate(children):
+                params = sample_params(v.params, i)
+                streams[child] = SampleStream(
+                    self.tokenizer, self.token_text, i, v.prompt_token_ids, params,
+                    v.stream, v.stream_interval,
+                )
+                self.engine.add_request(
+                    Request(
+                        request_id=child,
+                        prompt_token_ids=v.prompt_token_ids,
+                        sampling_params=params,
+                        eos_token_ids=self.model_info.eos_token_ids,
+                        cache_salt=v.cache_salt,
+                        priority=v.priority,
+                    )
+                )
+            if self.metrics is not None:
+                self.metrics.request_accepted(v.priority, len(children))
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
-            for child in children:
-                self.router.unregister(child)
-            del self._in_flight[request_id]
+            self._release(request_id)
+            # Every sample handed to the engine and not finished; aborting one
+            # the engine never got (or already ended) is a no-op there.
             unfinished = [c for c, s in streams.items() if not s.finished]
             if unfinished:
                 self.engine.abort_requests(unfinished)
@@ -182,6 +205,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.metrics.request_aborted("deadline" if expired else "client_cancel", n)
 
     async def Abort(self, request, context):
+        # Client ids only: a sample id ("x/0") is never a key here, so a caller
+        # can end the samples of the ids it names and nothing else.
+        if len(request.request_ids) > self._capacity:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_ids has {len(request.request_ids)} ids; at most {self._capacity} "
+                f"requests can be in flight, so send at most that many",
+            )
         parents = [r for r in dict.fromkeys(request.request_ids) if r in self._in_flight]
         children = [c for p in parents for c in self._in_flight[p]]
         if children:
@@ -231,6 +262,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             num_requests_waiting=stats.num_waiting_reqs if stats else 0,
             max_waiting_requests=cfg.server.max_waiting_requests,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    code: grpc.StatusCode
+    details: str
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a client request's samples. Client ids hold
+    no '/' (validation.check_request_id), so these never name another request."""
+    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index`'s params: with a seed, sample i uses (seed + i) mod 2^64,
+    so every uint64 seed is valid for every n (the wire's seed is a uint64)."""
+    if params.seed is None or not index:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) & U64_MASK)
 
 
 # Total over EngineErrorCode (a test checks it): the core never names a gRPC status.

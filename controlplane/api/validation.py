@@ -9,23 +9,43 @@ applied here too (see generation.proto for each one).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from controlplane.core.request import SamplingParams, exceeds_max_model_len
 from kvloom.v1 import generation_pb2
 
+# Fixed bounds (vLLM has no flags for them). The flag-backed ones are
+# ApiLimitsConfig's (--max-logprobs, --max-n); the derived ones are Limits'
+# properties. The README's API section lists them all.
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
-MAX_LOGPROBS = 20
-MAX_N = 16
+MAX_LOGPROBS = 20  # --max-logprobs' default
+MAX_N = 16  # --max-n's default
 # Priorities are only compared, never summed; the bound keeps them a small,
 # documented range rather than whatever int32 happens to hold.
 MAX_ABS_PRIORITY = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant")
+# Text is bounded before it is tokenized (tokenizing megabytes takes seconds):
+# no tokenizer packs more than this many characters into a token on average,
+# so a longer prompt could never fit max_model_len anyway (English averages ~4).
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+# Serialized bytes one logprob entry (a Logprob or one of its `top`
+# candidates: id, logprob, rank, token text) takes at most on average; every
+# logprob a message may carry must fit --max-message-bytes.
+LOGPROB_ENTRY_BYTES = 64
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # ServerConfig.max_message_bytes' default
+# Client request ids: visible ASCII (no space, no control characters, nothing
+# a log line or a terminal could misread), except '/', which names the
+# samples of an n > 1 request ("id/0", "id/1"): a client can never spell
+# another request's sample id.
+REQUEST_ID_RULE = "visible ASCII characters ('!' to '~') other than '/'"
+_REQUEST_ID_BAD_CHAR = re.compile(r"[^!-.0-~]")
+U64_MASK = (1 << 64) - 1
 
 
 class InvalidRequest(ValueError):
@@ -40,9 +60,45 @@ class Limits:
     sampling_defaults: tuple[tuple[str, float], ...] = ()
     # The scheduler's policy: only "priority" honours GenerateRequest.priority.
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
+    max_n: int = MAX_N  # --max-n
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # --max-message-bytes
+
+    @classmethod
+    def from_config(cls, config, model_info) -> Limits:
+        """The limits a server started with `config` enforces (ControlPlaneConfig)."""
+        return cls(
+            vocab_size=model_info.vocab_size,
+            max_model_len=config.scheduler.max_model_len,
+            sampling_defaults=model_info.sampling_defaults,
+            scheduling_policy=config.scheduler.policy,
+            max_logprobs=config.api_limits.max_logprobs,
+            max_n=config.api_limits.max_n,
+            max_message_bytes=config.server.max_message_bytes,
+        )
 
     def default(self, name: str, fallback: float) -> float:
         return dict(self.sampling_defaults).get(name, fallback)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of text (or of all chat contents) accepted before tokenizing."""
+        return self.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+
+    @property
+    def max_chat_messages(self) -> int:
+        """Every turn renders to at least one token, so more could never fit."""
+        return self.max_model_len
+
+    @property
+    def max_top_logprobs(self) -> int:
+        """logprobs / prompt_logprobs: the flag, and never more than the vocabulary."""
+        return min(self.max_logprobs, self.vocab_size)
+
+    @property
+    def max_logprob_entries(self) -> int:
+        """Logprob entries one response message may have to carry."""
+        return self.max_message_bytes // LOGPROB_ENTRY_BYTES
 
 
 @dataclass(frozen=True)
@@ -127,12 +183,14 @@ def _check_stops(sp, limits: Limits) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(sp.stop_token_ids), tuple(sp.stop)
 
 
-def _check_logprobs(sp) -> tuple[int | None, int | None]:
+def _check_logprobs(sp, limits: Limits) -> tuple[int | None, int | None]:
+    most = limits.max_top_logprobs
+    why = "the server's --max-logprobs" if most == limits.max_logprobs else "the vocab size"
     out = []
     for name in ("logprobs", "prompt_logprobs"):
         value = _opt(sp, name, None)
-        if value is not None and value > MAX_LOGPROBS:
-            raise InvalidRequest(f"sampling.{name} must be <= {MAX_LOGPROBS}, got {value}")
+        if value is not None and value > most:
+            raise InvalidRequest(f"sampling.{name} must be <= {most} ({why}), got {value}")
         out.append(value)
     return out[0], out[1]
 
@@ -149,7 +207,7 @@ def resolve_sampling(sp: generation_pb2.SamplingParams, limits: Limits) -> Sampl
             f"sampling.min_tokens ({min_tokens}) must be <= sampling.max_tokens ({max_tokens})"
         )
     stop_token_ids, stop = _check_stops(sp, limits)
-    logprobs, prompt_logprobs = _check_logprobs(sp)
+    logprobs, prompt_logprobs = _check_logprobs(sp, limits)
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -170,6 +228,23 @@ def resolve_sampling(sp: generation_pb2.SamplingParams, limits: Limits) -> Sampl
     )
 
 
+def check_chat_size(messages: generation_pb2.ChatMessages, field: str, limits: Limits) -> None:
+    """Bounds a conversation before its template is rendered and tokenized."""
+    turns = messages.messages
+    if len(turns) > limits.max_chat_messages:
+        raise InvalidRequest(
+            f"{field} has {len(turns)} messages; at most {limits.max_chat_messages} (the max "
+            f"model length) can fit"
+        )
+    chars = sum(len(m.content) for m in turns)
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"{field} contents total {chars} characters; at most {limits.max_prompt_chars} "
+            f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the max model length "
+            f"{limits.max_model_len}) are accepted: shorten the conversation"
+        )
+
+
 def render_chat(messages: generation_pb2.ChatMessages, tokenizer, field: str) -> list[int]:
     """Chat turns through the tokenizer's chat template, ending with the generation prompt."""
     if not messages.messages:
@@ -177,7 +252,7 @@ def render_chat(messages: generation_pb2.ChatMessages, tokenizer, field: str) ->
     for i, m in enumerate(messages.messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequest(
-                f"{field}[{i}].role is {m.role!r}; use one of {', '.join(CHAT_ROLES)}"
+                f"{field}[{i}].role is {m.role[:32]!r}; use one of {', '.join(CHAT_ROLES)}"
             )
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest(f"{field}: the served model has no chat template; send text")
@@ -190,18 +265,32 @@ def render_chat(messages: generation_pb2.ChatMessages, tokenizer, field: str) ->
 
 
 def resolve_prompt(request: generation_pb2.GenerateRequest, tokenizer, limits: Limits) -> list[int]:
+    """The prompt's token ids; sizes are checked before anything is tokenized or copied."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("prompt is missing: set `text`, `token_ids` or `messages`")
     if kind == "text":
         if not request.text:
             raise InvalidRequest("text is empty: send a non-empty prompt")
+        if len(request.text) > limits.max_prompt_chars:
+            raise InvalidRequest(
+                f"text is {len(request.text)} characters; at most {limits.max_prompt_chars} "
+                f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the max model length "
+                f"{limits.max_model_len}) are accepted: shorten the prompt"
+            )
         return list(tokenizer.encode(request.text))
     if kind == "messages":
+        check_chat_size(request.messages, "messages.messages", limits)
         return render_chat(request.messages, tokenizer, "messages.messages")
-    ids = list(request.token_ids.ids)
-    if not ids:
+    num_ids = len(request.token_ids.ids)
+    if not num_ids:
         raise InvalidRequest("token_ids.ids is empty: send at least one token id")
+    if num_ids >= limits.max_model_len:
+        raise InvalidRequest(
+            f"token_ids.ids has {num_ids} ids; with at least one new token that exceeds the "
+            f"max model length {limits.max_model_len}: shorten the prompt"
+        )
+    ids = list(request.token_ids.ids)
     too_big = [t for t in ids if t >= limits.vocab_size]
     if too_big:
         raise InvalidRequest(
@@ -211,21 +300,60 @@ def resolve_prompt(request: generation_pb2.GenerateRequest, tokenizer, limits: L
     return ids
 
 
-def _check_request_options(request: generation_pb2.GenerateRequest) -> tuple[int, bool, int]:
-    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+def check_request_id(request_id: str) -> str:
+    """Empty (the server picks one) or a client id no sample id can equal."""
+    if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest(
-            f"request_id is {len(request.request_id)} characters; at most "
+            f"request_id is {len(request_id)} characters; at most "
             f"{MAX_REQUEST_ID_LEN} are allowed"
         )
+    bad = _REQUEST_ID_BAD_CHAR.search(request_id)
+    if bad is not None:
+        char = bad.group()
+        why = (
+            " ('/' is reserved for the sample ids of n > 1 requests)" if char == "/" else ""
+        )
+        raise InvalidRequest(
+            f"request_id holds {char!r} (U+{ord(char):04X}) at position {bad.start()}; use "
+            f"only {REQUEST_ID_RULE}{why}"
+        )
+    return request_id
+
+
+def _check_request_options(
+    request: generation_pb2.GenerateRequest, limits: Limits
+) -> tuple[int, bool, int]:
+    check_request_id(request.request_id)
     if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
         raise InvalidRequest(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
     n = _opt(request.sampling, "n", 1)
-    if not 1 <= n <= MAX_N:
-        raise InvalidRequest(f"sampling.n must be in 1..{MAX_N}, got {n}")
+    if not 1 <= n <= limits.max_n:
+        raise InvalidRequest(
+            f"sampling.n must be in 1..{limits.max_n} (the server's --max-n), got {n}"
+        )
     interval = _opt(request, "stream_interval", 1)
     if interval < 1:
         raise InvalidRequest(f"stream_interval must be >= 1, got {interval}")
     return n, _opt(request, "stream", True), interval
+
+
+def _check_logprob_entries(num_prompt: int, params: SamplingParams, limits: Limits) -> None:
+    """The logprobs one message may carry must fit it: every prompt logprob
+    goes out on the first message, and a non-streamed (or slowly read) sample
+    carries all its output logprobs at once. Each position has the token's
+    own entry plus the asked-for top candidates."""
+    most = limits.max_logprob_entries
+    asked = (
+        ("prompt_logprobs", params.prompt_logprobs, num_prompt - 1, "shorten the prompt"),
+        ("logprobs", params.logprobs, params.max_tokens, "lower max_tokens"),
+    )
+    for name, k, positions, fix in asked:
+        if k is not None and positions * (k + 1) > most:
+            raise InvalidRequest(
+                f"sampling.{name}={k} over {positions} positions is {positions * (k + 1)} "
+                f"logprob entries; one response message holds at most {most} "
+                f"(--max-message-bytes / {LOGPROB_ENTRY_BYTES}): lower {name} or {fix}"
+            )
 
 
 def check_priority(priority: int, policy: str) -> int:
@@ -249,9 +377,15 @@ def validate(
     request: generation_pb2.GenerateRequest, tokenizer, limits: Limits
 ) -> ValidatedRequest:
     """Resolve the request or raise InvalidRequest naming the field."""
-    n, stream, interval = _check_request_options(request)
+    n, stream, interval = _check_request_options(request, limits)
     priority = check_priority(request.priority, limits.scheduling_policy)
     params = resolve_sampling(request.sampling, limits)
+    if params.max_tokens >= limits.max_model_len:
+        # Refused before tokenizing: no prompt (>= 1 token) could fit.
+        raise InvalidRequest(
+            f"sampling.max_tokens ({params.max_tokens}) leaves no room for a prompt in the "
+            f"max model length {limits.max_model_len}: lower max_tokens"
+        )
     prompt = resolve_prompt(request, tokenizer, limits)
     if exceeds_max_model_len(len(prompt), params.max_tokens, limits.max_model_len):
         raise InvalidRequest(
@@ -259,6 +393,7 @@ def validate(
             f"{len(prompt) + params.max_tokens} exceeds the max model length "
             f"{limits.max_model_len}: shorten the prompt or lower max_tokens"
         )
+    _check_logprob_entries(len(prompt), params, limits)
     return ValidatedRequest(
         request_id=request.request_id,
         prompt_token_ids=prompt,

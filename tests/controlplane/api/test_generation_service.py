@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.output_router import OutputRouter
 from controlplane.config import (
+    ApiLimitsConfig,
     CacheConfig,
     ControlPlaneConfig,
     ModelConfig,
@@ -37,6 +38,7 @@ from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, Sched
 from controlplane.core.request import FinishReason, Request
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.engine import EngineCore
+from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.model_info import read_model_info
 from kvloom.v1 import generation_pb2 as pb
@@ -118,6 +120,15 @@ class ScriptedModel:
             self._cond.notify_all()
 
 
+class WiredModel(ScriptedModel):
+    """A ScriptedModel whose steps first go through the executor's wire module,
+    as every real step does (serialization is where out-of-range fields fail)."""
+
+    def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        scheduler_output_to_proto(so).SerializeToString()
+        return super().__call__(so)
+
+
 class Api:
     """The service, an engine and a client stub; everything stopped on exit."""
 
@@ -132,6 +143,7 @@ class Api:
         max_waiting_requests: int = 8,
         enable_chunked_prefill: bool = True,
         max_num_batched_tokens: int = 64,
+        api_limits: ApiLimitsConfig | None = None,
     ):
         self.config = ControlPlaneConfig(
             model=ModelConfig(model=model_dir, served_model_name="tiny",
@@ -144,6 +156,7 @@ class Api:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             server=ServerConfig(max_waiting_requests=max_waiting_requests),
+            api_limits=api_limits or ApiLimitsConfig(),
         )
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -367,6 +380,31 @@ def test_n_samples_get_consecutive_seeds(api, words):
     asyncio.run(scenario())
 
 
+def test_every_uint64_seed_is_valid_for_every_sample(tiny_model_dir, tok, words):
+    """Reproduction 1: seed 2^64-1 with n > 1 made seed + 1 overflow the
+    wire's uint64 on the engine thread. Sample seeds wrap modulo 2^64."""
+    top = (1 << 64) - 1
+
+    async def scenario():
+        async with Api(tiny_model_dir, tok, WiredModel(words)) as h:
+            msgs = await asyncio.wait_for(
+                h.generate(request_id="s", sampling={"n": 3, "seed": top, "max_tokens": 3}),
+                WAIT_S,
+            )
+            assert [r.sampling_params.seed for r in h.added] == [top, 0, 1]
+            assert sum(m.HasField("finish") for m in msgs) == 3
+            n = len(words)
+            assert _by_index(msgs) == {
+                i: [words[(seed + k) % n] for k in range(3)]
+                for i, seed in enumerate([top, 0, 1])
+            }
+            # The engine lives on: the next request is served.
+            assert (await h.generate(sampling={"max_tokens": 1}))[-1].finish.reason == pb.LENGTH
+            await h.pool_is_idle("s/0", "s/1", "s/2")
+
+    asyncio.run(scenario())
+
+
 # ---- admission --------------------------------------------------------------------
 
 
@@ -423,30 +461,108 @@ def test_duplicate_in_flight_id_is_already_exists(api):
     asyncio.run(scenario())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GenerationService checks duplicates among client ids only, but registers "
-    "sample ids 'x/0', 'x/1' for n > 1: a request 'x' (n=2) next to an in-flight 'x/0' "
-    "makes OutputRouter.register raise DuplicateRequestId out of Generate (UNKNOWN to "
-    "the client) after 'x' was put in _in_flight, which is never cleaned up, so every "
-    "later request 'x' is refused ALREADY_EXISTS",
-)
-def test_sample_id_colliding_with_an_in_flight_id_is_refused_cleanly(api):
+def test_client_ids_cannot_spell_sample_ids(api):
+    """Reproduction 2: a request "x" (n=3) beside a client's "x/1" used to
+    raise after registering "x", leaking it for good (ALREADY_EXISTS ever
+    after), and Abort("x") could end the other client's "x/0". Sample ids
+    are now unspellable: '/' is refused in client ids."""
+
     async def scenario():
         async with api() as h:
             model = h.model
             model.hold()
-            single = h.stub.Generate(request(request_id="x/0", sampling={"max_tokens": 2}))
-            await until(lambda: "x/0" in h.router)
-            err = await _rpc_error(
-                h.generate(request_id="x", sampling={"n": 2, "max_tokens": 2})
+            call = h.stub.Generate(
+                request(request_id="x", sampling={"n": 3, "max_tokens": 2})
             )
+            await until(lambda: "x/2" in h.router)
+            for other in ("x/1", "x/0", "/", "y/1"):
+                err = await _rpc_error(h.generate(request_id=other))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, other
+                assert "'/' is reserved for the sample ids" in err.details()
+            # Aborting by sample id touches nothing; the id itself is taken.
+            reply = await h.stub.Abort(pb.AbortRequest(request_ids=["x/0", "x/1", "x/2"]))
+            assert reply.num_aborted == 0
+            err = await _rpc_error(h.generate(request_id="x"))
+            assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert [r.request_id for r in h.added] == ["x/0", "x/1", "x/2"]
             model.release()
-            [m async for m in single]
-            assert err.code() == grpc.StatusCode.ALREADY_EXISTS, err.details()
-            # Nothing of the refused request may linger.
-            later = await h.generate(request_id="x", sampling={"n": 2, "max_tokens": 1})
-            assert sum(m.HasField("finish") for m in later) == 2
+            finishes = [m.finish for m in await _drain(call) if m.HasField("finish")]
+            assert [f.reason for f in finishes] == [pb.LENGTH] * 3
+            # Nothing of any refused request lingers: "x" is free again.
+            assert len(h.router) == 0 and not h.service._in_flight
+            later = await h.generate(request_id="x", sampling={"n": 3, "max_tokens": 1})
+            assert sum(m.HasField("finish") for m in later) == 3
+            await h.pool_is_idle("x/0", "x/1", "x/2")
+
+    asyncio.run(scenario())
+
+
+def test_a_failure_while_handing_samples_to_the_engine_leaks_nothing(api):
+    """Registration happens inside the clean-up scope: whatever raises after
+    the id is claimed, the id, the sample routes and the samples the engine
+    already got are all released."""
+
+    async def scenario():
+        async with api() as h:
+            add_request = h.engine.add_request
+
+            def failing_add(req: Request) -> None:
+                if req.request_id == "f/1":
+                    raise RuntimeError("injected")
+                add_request(req)
+
+            h.engine.add_request = failing_add
+            err = await _rpc_error(h.generate(request_id="f", sampling={"n": 3}))
+            assert err.code() == grpc.StatusCode.UNKNOWN
+            assert len(h.router) == 0 and not h.service._in_flight
+            # The one sample the engine got was aborted: its blocks are free.
+            await h.pool_is_idle("f/0")
+            assert [o.finish_reason for o in h.finishes("f/0")] == [FinishReason.ABORT]
+            h.engine.add_request = add_request
+            msgs = await h.generate(request_id="f", sampling={"n": 3, "max_tokens": 1})
+            assert sum(m.HasField("finish") for m in msgs) == 3
+
+    asyncio.run(scenario())
+
+
+def test_n_above_what_the_server_can_hold_is_invalid_not_retry_later(api):
+    async def scenario():
+        async with api(max_num_seqs=1, max_waiting_requests=1) as h:
+            err = await _rpc_error(h.generate(request_id="big-n", sampling={"n": 3}))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "holds at most 2 requests at once" in err.details()
+            assert "lower n" in err.details()
+            assert h.added == [] and len(h.router) == 0
+            msgs = await h.generate(request_id="ok", sampling={"n": 2, "max_tokens": 1})
+            assert sum(m.HasField("finish") for m in msgs) == 2
+
+    asyncio.run(scenario())
+
+
+def test_abort_with_more_ids_than_can_be_in_flight_is_invalid(api):
+    async def scenario():
+        async with api(max_num_seqs=2, max_waiting_requests=2) as h:
+            assert (await h.stub.Abort(pb.AbortRequest(request_ids=["a"] * 4))).num_aborted == 0
+            err = await _rpc_error(h.stub.Abort(pb.AbortRequest(request_ids=["a"] * 5)))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 4" in err.details()
+
+    asyncio.run(scenario())
+
+
+def test_limit_flags_reach_the_edge(api):
+    async def scenario():
+        limits = ApiLimitsConfig(max_logprobs=2, max_n=2)
+        async with api(api_limits=limits) as h:
+            err = await _rpc_error(h.generate(sampling={"logprobs": 3}))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.logprobs must be <= 2 (the server's --max-logprobs)" in err.details()
+            err = await _rpc_error(h.generate(sampling={"n": 3}))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "--max-n" in err.details()
+            assert h.added == []
+            msgs = await h.generate(sampling={"n": 2, "logprobs": 2, "max_tokens": 1})
+            assert sum(m.HasField("finish") for m in msgs) == 2
 
     asyncio.run(scenario())
 
@@ -603,3 +719,28 @@ def test_greedy_tokens_match_transformers_through_a_real_worker(tiny_model_dir, 
     assert "".join(m.text for m in msgs) == tok.decode(ids, skip_special_tokens=True)
     # An interval is a floor: outputs that queued up meanwhile go out together.
     assert all(len(m.token_ids) >= 3 for m in msgs[:-1])
+
+
+def test_wrapped_sample_seed_samples_like_that_seed_on_a_real_worker(tiny_model_dir, tok):
+    """Seed 2^64-1 with n=2 runs through the real wire and worker, and its
+    sample 1 (seed wrapped to 0) draws exactly what a seed-0 request draws."""
+    from tests.inprocess import InProcessExecutor
+
+    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=32, block_size=BLOCK_SIZE)
+    sampling = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}
+
+    async def scenario():
+        async with Api(tiny_model_dir, tok, executor.execute_model,
+                       num_blocks=executor.num_gpu_blocks) as h:
+            both = await h.generate(request_id="top", sampling={
+                **sampling, "n": 2, "seed": (1 << 64) - 1})
+            zero = await h.generate(request_id="zero", sampling={**sampling, "seed": 0})
+            await h.pool_is_idle("top/0", "top/1", "zero")
+        return _by_index(both), _by_index(zero)[0]
+
+    try:
+        both, zero = asyncio.run(scenario())
+    finally:
+        executor.close()
+    assert len(both[0]) == len(both[1]) == 6
+    assert both[1] == zero

@@ -12,6 +12,7 @@ import pytest
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.validation import MAX_ABS_PRIORITY, InvalidRequest, Limits, validate
+from controlplane.config import ApiLimitsConfig
 from kvloom.v1 import generation_pb2 as pb
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)
@@ -155,8 +156,9 @@ class _Context:
 def _service(policy: str):
     config = SimpleNamespace(
         scheduler=SimpleNamespace(max_model_len=64, max_num_seqs=8, policy=policy),
-        server=SimpleNamespace(max_waiting_requests=8),
+        server=SimpleNamespace(max_waiting_requests=8, max_message_bytes=1 << 20),
         cache=SimpleNamespace(block_size=16),
+        api_limits=ApiLimitsConfig(),
     )
     info = SimpleNamespace(vocab_size=100, sampling_defaults=(), eos_token_ids=frozenset())
     added, accepted = [], []

@@ -541,7 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--launch", action="store_true")
     launch.add_argument("--model", help="checkpoint dir; default: the embedded SmolLM2-135M")
     launch.add_argument("--max-num-seqs", type=int, default=256)
-    launch.add_argument("--worker-threads", type=int)
+    launch.add_argument("--worker-threads", type=int,
+                        help="torch threads per worker; default: the launcher's (one per "
+                        "core); 1 on a shared box, where more stall each other")
     launch.add_argument("--ready-timeout", type=float, default=600.0)
     launch.add_argument("--logs", action="store_true", help="show the daemons' logs")
     launch.add_argument("controlplane_args", nargs="*", help="after --: controlplane flags")

@@ -4,11 +4,11 @@ transformers' greedy search gives for its prompt, none fails, and afterwards
 every KV block is free and readiness is still SERVING.
 
 All 1,000 calls go over one grpc.aio channel (AsyncKvloomClient's options), so
-they are 1,000 HTTP/2 streams multiplexed on one connection: this also checks
-that neither side caps concurrent streams below that (gRPC core's default
-MAX_CONCURRENT_STREAMS is unlimited; the controlplane sets no lower value).
-The controlplane admits up to --max-num-seqs + --max-waiting-requests requests
-at once, so both are raised to hold all of them in flight.
+they are 1,000 HTTP/2 streams multiplexed on one connection. Neither side caps
+that: the controlplane sets no grpc.max_concurrent_streams, and a grpc.aio
+server with default options (grpcio 1.85) holds 1,000 streams of one channel
+open at once. The controlplane admits up to --max-num-seqs +
+--max-waiting-requests requests at once, so both are set to hold all of them.
 """
 
 from __future__ import annotations

@@ -254,6 +254,11 @@ class Executor:
         if call.future.done():
             self._pending.pop(msg.call_id, None)
 
+    def protocol_violation(self, handle: WorkerHandle, what: str) -> None:
+        """The stream carried something that is no WorkerMessage (worker_service)."""
+        if self._handles.get(handle.rank) is handle:
+            self._protocol_violation(handle.rank, what)
+
     def _protocol_violation(self, rank: int, what: str) -> None:
         self.fail_group(str(ProtocolViolation(rank, what)), FailureKind.PROTOCOL_VIOLATION)
 

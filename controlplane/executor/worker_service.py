@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from controlplane.executor.grpc_executor import Executor, RegistrationRefused, WorkerHandle
 from kvloom.worker.v1 import worker_pb2
@@ -77,11 +78,17 @@ class WorkerControlService:
             raise  # unreachable: abort raises
 
     async def _read(self, handle: WorkerHandle, request_iterator) -> None:
-        reason = "worker closed its stream"
+        # gRPC ends the stream the same quiet way when a message is over the
+        # receive limit: the server never sees that message, only the end.
+        reason = "worker closed its stream (or sent a message over --max-message-bytes)"
         try:
             async for msg in request_iterator:
                 self.executor.on_message(handle, msg)
         except asyncio.CancelledError:
+            return
+        except DecodeError as exc:
+            self.executor.protocol_violation(handle, f"sent bytes that are not a WorkerMessage "
+                                                     f"({exc})")
             return
         except grpc.RpcError as exc:
             reason = f"stream broken ({exc.code().name})"

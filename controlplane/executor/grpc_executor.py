@@ -436,9 +436,12 @@ class Executor:
             out = check_step_reply(reply.model_runner_output, so, self._vocab_size, rank)
         except ProtocolViolation as exc:
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(
-                self.fail_group, str(exc), FailureKind.PROTOCOL_VIOLATION
-            )
+            try:
+                self._loop.call_soon_threadsafe(
+                    self.fail_group, str(exc), FailureKind.PROTOCOL_VIOLATION
+                )
+            except RuntimeError:  # the loop is closed: the group went with it
+                logger.info("after the worker plane stopped: %s", exc)
             raise
         self._last_success = time.monotonic()
         return out

@@ -11,7 +11,16 @@ import pytest
 
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.output_router import OutputRouter
-from controlplane.api.validation import MAX_ABS_PRIORITY, InvalidRequest, Limits, validate
+from controlplane.api.validation import (
+    LOGPROB_ENTRY_BYTES,
+    MAX_ABS_PRIORITY,
+    MAX_PROMPT_CHARS_PER_TOKEN,
+    MAX_REQUEST_ID_LEN,
+    REQUEST_ID_RULE,
+    InvalidRequest,
+    Limits,
+    validate,
+)
 from controlplane.config import ApiLimitsConfig
 from kvloom.v1 import generation_pb2 as pb
 
@@ -198,3 +207,148 @@ def test_priority_server_hands_priority_to_every_sample():
     asyncio.run(_start(service, request, _Context()))
     assert [r.priority for r in added] == [-4, -4]
     assert accepted == [(-4, 2)]
+
+
+# --- every field bounded before anything is tokenized -----------------------
+
+
+class _Exploding:
+    """A tokenizer that must not be reached: the request is refused before."""
+
+    chat_template = "{{ messages }}"
+
+    def encode(self, text):
+        raise AssertionError("tokenized a request that should have been refused")
+
+    def apply_chat_template(self, *a, **kw):
+        raise AssertionError("rendered a chat that should have been refused")
+
+
+def _refused(request, match, limits=LIMITS, tokenizer=None) -> str:
+    with pytest.raises(InvalidRequest, match=match) as err:
+        validate(request, tokenizer or _Exploding(), limits)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("request_id", ["", "r", "req-1", "!~", "x" * MAX_REQUEST_ID_LEN,
+                                        "3f2a9c1e-uuid", "a.b:c|d"])
+def test_request_ids_of_visible_ascii_without_slash_are_accepted(request_id):
+    v = validate(pb.GenerateRequest(request_id=request_id, text="a"), _Tok(), LIMITS)
+    assert v.request_id == request_id
+
+
+@pytest.mark.parametrize(
+    ("request_id", "shown"),
+    [("x/0", "'/' (U+002F) at position 1"), ("/", "'/' (U+002F) at position 0"),
+     ("a b", "' ' (U+0020)"), ("a\nb", "'\\n' (U+000A)"), ("\x00", "U+0000"),
+     ("caf\u00e9", "U+00E9"), ("a\u202eb", "U+202E"), ("\U0001f600", "U+1F600"),
+     ("\x7f", "U+007F")],
+)
+def test_request_ids_outside_the_rule_are_refused_naming_the_character(request_id, shown):
+    msg = _refused(pb.GenerateRequest(request_id=request_id, text="a"), "request_id holds")
+    assert shown in msg and REQUEST_ID_RULE in msg
+    assert ("reserved for the sample ids" in msg) == ("/" in request_id)
+
+
+def test_overlong_request_id_is_refused_before_its_characters_are_read():
+    msg = _refused(pb.GenerateRequest(request_id="\n" * 10**6, text="a"), "request_id is")
+    assert f"at most {MAX_REQUEST_ID_LEN}" in msg
+
+
+def test_text_longer_than_the_character_bound_is_refused_before_tokenizing():
+    bound = LIMITS.max_prompt_chars
+    assert bound == 64 * MAX_PROMPT_CHARS_PER_TOKEN
+    msg = _refused(pb.GenerateRequest(text="x" * (bound + 1)), "text is")
+    assert f"at most {bound}" in msg and "shorten the prompt" in msg
+
+    class Short:
+        def encode(self, text):
+            return [1]
+
+    # The bound itself is accepted (what it tokenizes to is checked after).
+    assert validate(pb.GenerateRequest(text="x" * bound), Short(), LIMITS).prompt_token_ids == [1]
+
+
+def _chat(*contents: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content=c) for c in contents]))
+
+
+def test_chat_bounded_in_turns_and_characters_before_rendering():
+    msg = _refused(_chat(*["hi"] * (LIMITS.max_model_len + 1)), "messages.messages has 65")
+    assert "at most 64" in msg
+    half = LIMITS.max_prompt_chars // 2
+    msg = _refused(_chat("x" * half, "y" * (half + 1)), "contents total")
+    assert f"at most {LIMITS.max_prompt_chars}" in msg
+    hostile_role = pb.GenerateRequest(messages=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="w" * 10**6, content="hi")]))
+    msg = _refused(hostile_role, "role is")
+    assert len(msg) < 200  # a hostile role is not echoed back whole
+
+
+def test_token_ids_that_could_never_fit_are_refused_before_being_read():
+    ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**9] * LIMITS.max_model_len))
+    msg = _refused(ids, "token_ids.ids has 64 ids")
+    assert "max model length 64" in msg
+
+
+def test_max_tokens_that_leaves_no_room_is_refused_before_tokenizing():
+    request = pb.GenerateRequest(text="a", sampling=pb.SamplingParams(max_tokens=64))
+    assert "lower max_tokens" in _refused(request, "leaves no room for a prompt")
+    request.sampling.max_tokens = (1 << 32) - 1
+    _refused(request, "leaves no room")
+
+
+def test_logprobs_are_capped_by_the_flag_and_the_vocabulary():
+    limits = Limits(vocab_size=100, max_model_len=64, max_logprobs=5)
+    _refused(_req(logprobs=6), r"sampling.logprobs must be <= 5 \(the server's --max-logprobs\)",
+             limits)
+    _refused(_req(prompt_logprobs=6), "sampling.prompt_logprobs must be <= 5", limits)
+    assert validate(_req(logprobs=5, prompt_logprobs=5), _Tok(), limits).params.logprobs == 5
+    tiny_vocab = Limits(vocab_size=8, max_model_len=64, max_logprobs=20)
+    _refused(_req(logprobs=9), r"must be <= 8 \(the vocab size\)", tiny_vocab)
+    _refused(_req(logprobs=(1 << 32) - 1), "must be <= 20")
+
+
+def test_logprob_entries_must_fit_one_message():
+    # 64 * 100 bytes: 100 entries per message.
+    limits = Limits(vocab_size=100, max_model_len=64, max_message_bytes=LOGPROB_ENTRY_BYTES * 100)
+    prompt = pb.TokenIds(ids=list(range(11)))  # 10 positions with a prompt logprob
+    ok = pb.GenerateRequest(token_ids=prompt, sampling=pb.SamplingParams(prompt_logprobs=9))
+    assert validate(ok, _Tok(), limits).params.prompt_logprobs == 9  # 10 * 10 entries
+    ok.sampling.prompt_logprobs = 10
+    msg = _refused(ok, "sampling.prompt_logprobs=10 over 10 positions is 110", limits)
+    assert "at most 100" in msg and "shorten the prompt" in msg
+    out = _req(logprobs=4, max_tokens=20)  # 20 * 5 entries
+    assert validate(out, _Tok(), limits).params.logprobs == 4
+    out.sampling.max_tokens = 21
+    assert "lower max_tokens" in _refused(out, "sampling.logprobs=4 over 21 positions", limits)
+
+
+def test_n_is_capped_by_the_flag():
+    limits = Limits(vocab_size=100, max_model_len=64, max_n=3)
+    assert validate(_req(n=3), _Tok(), limits).n == 3
+    _refused(_req(n=4), r"sampling.n must be in 1..3 \(the server's --max-n\)", limits)
+    _refused(_req(n=(1 << 32) - 1), r"1..16")
+
+
+def test_repeated_fields_are_counted_before_they_are_read():
+    _refused(_req(stop_token_ids=[10**9] * 65), "stop_token_ids has 65 ids")
+    _refused(_req(stop=[""] * 17), "sampling.stop has 17 strings")
+
+
+def test_limits_from_config_follow_the_flags():
+    from controlplane.config import ServerConfig
+
+    config = SimpleNamespace(
+        scheduler=SimpleNamespace(max_model_len=77, policy="priority"),
+        server=ServerConfig(max_message_bytes=6400),
+        api_limits=ApiLimitsConfig(max_logprobs=3, max_n=2),
+    )
+    info = SimpleNamespace(vocab_size=50, sampling_defaults=(("top_k", 5),))
+    limits = Limits.from_config(config, info)
+    assert (limits.vocab_size, limits.max_model_len, limits.scheduling_policy) == (50, 77,
+                                                                                   "priority")
+    assert (limits.max_logprobs, limits.max_n, limits.max_logprob_entries) == (3, 2, 100)
+    assert limits.max_prompt_chars == 77 * MAX_PROMPT_CHARS_PER_TOKEN
+    assert limits.default("top_k", 0) == 5

@@ -101,9 +101,13 @@ class ServerConfig:
     max_waiting_requests: int = option(
         1024, "requests allowed to wait beyond --max-num-seqs before new ones get "
         "RESOURCE_EXHAUSTED", ge=0)
-    drain_timeout_s: float = option(
-        30.0, "seconds in-flight requests get to finish after SIGTERM",
-        flag="--drain-timeout", ge=0)
+    # Below Kubernetes' default 30 s grace period (and compose's
+    # stop_grace_period), so the orchestrator's SIGKILL never cuts it short.
+    shutdown_timeout_s: float = option(
+        20.0, "seconds from SIGTERM to exit: in-flight requests drain, then the "
+        "servers and workers stop; keep it below the orchestrator's grace period "
+        "(--drain-timeout is a deprecated alias)",
+        flag="--shutdown-timeout", aliases=("--drain-timeout",), ge=0, le=3600)
 
 
 @dataclass(frozen=True)

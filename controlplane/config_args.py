@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -54,6 +55,9 @@ def _int_tuple(raw: str) -> tuple[int, ...]:
 
 def _check_bounds(value: Any, opt: Option) -> None:
     for v in value if isinstance(value, tuple) else (value,):
+        # float() takes "nan" and "inf"; NaN passes every comparison.
+        if isinstance(v, float) and not math.isfinite(v):
+            raise BadValue(f"must be a finite number, got {v}")
         if opt.ge is not None and v < opt.ge:
             raise BadValue(f"must be >= {opt.ge}, got {v}")
         if opt.gt is not None and v <= opt.gt:

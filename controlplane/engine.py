@@ -7,6 +7,15 @@ StepRecord (timestamps and counts only; metrics are observed on the loop).
 The scheduler is created when the worker group reports its KV capacity and
 dropped when the group fails; requests in flight at that moment end with an
 error output.
+
+The loop never dies silently. An exception while adding a request fails that
+request; any other exception in a step or a scheduler call fails every
+in-flight request with INTERNAL, logs the traceback and goes on over a fresh
+scheduler (_recover). If it cannot go on (an exception while failing, or
+MAX_FAILURES within FAILURE_WINDOW_S) the process exits with FATAL_EXIT_CODE
+so its supervisor restarts it. `last_tick` (time.monotonic) is set after every
+loop pass, a step or an idle wait of at most IDLE_TICK_S, so readiness can
+tell a live engine from a stalled one.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ from __future__ import annotations
 import enum
 import gc
 import logging
+import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
@@ -32,6 +43,16 @@ from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
 
 logger = logging.getLogger(__name__)
+
+# An idle engine wakes this often to record a tick (readiness reads it).
+IDLE_TICK_S = 1.0
+# A bug that fires on every step would otherwise fail every request forever
+# behind a loop that looks alive; past this many failures within the window
+# the process exits and its supervisor restarts it, which an operator sees.
+MAX_FAILURES = 5
+FAILURE_WINDOW_S = 60.0
+# EX_SOFTWARE (sysexits.h): an internal error, not a usage or config error.
+FATAL_EXIT_CODE = 70
 
 
 class _Kind(enum.Enum):
@@ -63,6 +84,18 @@ class EngineCore:
         self.last_stats = None
         # Bumped per new scheduler, so metrics can tell its counters restarted.
         self.generation = 0
+        # time.monotonic() after the latest loop pass (a step or an idle wait).
+        self.last_tick = time.monotonic()
+        # Request ids the workers may hold state for (sent as new, not yet
+        # sent as finished), and ids to send as finished on the next step
+        # because the scheduler that knew them was replaced (_recover).
+        self._worker_req_ids: set[str] = set()
+        self._flush_req_ids: set[str] = set()
+        # The requests of the step being updated and emitted (see step()).
+        self._step_requests: dict[str, Request] = {}
+        self._failure_times: deque[float] = deque(maxlen=MAX_FAILURES)
+        # Replaced in tests, which must survive a fatal error.
+        self.exit_process: Callable[[int], object] = os._exit
 
     # ---- thread-safe entry points ----------------------------------------
 
@@ -99,25 +132,52 @@ class EngineCore:
             if self._stopped:
                 break
             if self._has_work():
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
+                    self._recover("step", exc)
+            self.last_tick = time.monotonic()
 
     def _has_work(self) -> bool:
         sched = self.scheduler
         # Finished ids (aborts, and requests that ended in the last step) must
         # reach the workers even when nothing else runs, or they keep the state.
         return sched is not None and (
-            sched.has_unfinished_requests() or sched.has_finished_requests()
+            sched.has_unfinished_requests()
+            or sched.has_finished_requests()
+            or bool(self._flush_req_ids)
         )
 
     def _process_input_queue(self) -> None:
         if not self._has_work():
-            self._handle(*self.input_queue.get())  # idle: block for the next input
-        while True:
+            # Idle: block for the next input, waking now and then to tick.
+            try:
+                item = self.input_queue.get(timeout=IDLE_TICK_S)
+            except queue.Empty:
+                return
+            self._handle_safely(*item)
+        while not self._stopped:
             try:
                 item = self.input_queue.get_nowait()
             except queue.Empty:
                 return
-            self._handle(*item)
+            self._handle_safely(*item)
+
+    def _handle_safely(self, kind: _Kind, payload) -> None:
+        try:
+            self._handle(kind, payload)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
+            if kind is _Kind.ADD:
+                self._fail_request(payload, exc)
+            elif kind is _Kind.FINISH:
+                self._recover("finishing requests", exc)
+            elif kind is _Kind.STOP:
+                logger.exception("engine shutdown raised; stopping anyway")
+                self._stopped = True
+            else:
+                # No scheduler over a ready group, or in-flight requests never
+                # told their group failed: nothing sane to go on with.
+                self._die(f"handling {kind.name.lower()}", exc)
 
     def _handle(self, kind: _Kind, payload) -> None:
         if kind is _Kind.ADD:
@@ -125,9 +185,9 @@ class EngineCore:
         elif kind is _Kind.FINISH:
             self._finish(*payload)
         elif kind is _Kind.GROUP_READY:
-            self.scheduler = Scheduler(self.scheduler_config, self.cache_config, payload)
-            self.generation += 1
-            self.last_stats = self.scheduler.make_stats()
+            self._new_scheduler(payload)
+            self._worker_req_ids = set()  # a new group holds no request state
+            self._flush_req_ids = set()
             logger.info("engine ready: scheduler over %d KV blocks", payload)
             # Start-up garbage (model info, tokenizer, protobuf pools) is long
             # lived: freeze it so full collections during steps skip it.
@@ -173,10 +233,17 @@ class EngineCore:
         if outputs:
             self._emit(outputs, None)
 
+    def _new_scheduler(self, num_gpu_blocks: int) -> None:
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_gpu_blocks)
+        self.generation += 1
+        self.last_stats = self.scheduler.make_stats()
+
     def step(self) -> None:
         assert self.scheduler is not None
         t_start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        if self._flush_req_ids:
+            scheduler_output.finished_req_ids |= self._flush_req_ids
         t_scheduled = time.monotonic()
         if scheduler_output.is_empty() and not (
             scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
@@ -184,12 +251,18 @@ class EngineCore:
             # Nothing fits right now (e.g. waiting on blocks); don't spin hot.
             time.sleep(0.001)
             return
+        new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        self._worker_req_ids |= new_ids  # from now on the workers may hold them
         try:
             model_output = self._execute_model(scheduler_output)
         except WorkerGroupFailed as exc:
             self._fail_all(str(exc))
             return
         t_executed = time.monotonic()
+        # Workers drop finished ids before they add new ones, so an id both
+        # finished and new (a client reusing it) is held again.
+        self._worker_req_ids -= scheduler_output.finished_req_ids - new_ids
+        self._flush_req_ids.clear()
         # Before update_from_output, which drops requests that finish this step.
         requests = self.scheduler.requests
         admitted = [
@@ -197,6 +270,10 @@ class EngineCore:
             for n in scheduler_output.scheduled_new_reqs
             if n.req_id in requests
         ]
+        # If what follows raises, these must still hear of it: the ones that
+        # finish leave the scheduler before their outputs are emitted.
+        self._step_requests = {r: requests[r] for r in scheduler_output.num_scheduled_tokens
+                               if r in requests}
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
         self.last_stats = stats = self.scheduler.make_stats()
@@ -208,6 +285,7 @@ class EngineCore:
             model_output.forward_time_s, stats,
         )
         self._emit(outputs, record)
+        self._step_requests = {}
 
     def _fail_all(self, reason: str) -> None:
         """The worker group is gone: every live request ends with an error."""
@@ -215,9 +293,94 @@ class EngineCore:
         live = self.scheduler.requests.values() if self.scheduler is not None else ()
         outputs = [self._error_output(r, reason) for r in live]
         self.scheduler = None
+        # The next group starts with no request state.
+        self._worker_req_ids = set()
+        self._flush_req_ids = set()
         if outputs:
             logger.warning("failing %d in-flight request(s): %s", len(outputs), reason)
             self._emit(outputs, None)
+
+    # ---- internal errors ------------------------------------------------------
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """Adding one request raised: that request fails, the others go on."""
+        logger.error("engine failed to add request %r; failing it", request.request_id,
+                     exc_info=exc)
+        self._count_failure(exc)
+        if self._stopped:
+            return
+        try:
+            # It may be half in (in requests, not in a queue): take it out,
+            # but never another request that holds the same id.
+            sched = self.scheduler
+            if sched is not None and sched.get_request(request.request_id) is request:
+                sched.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
+        except Exception as cleanup_exc:  # noqa: BLE001
+            self._recover("removing a request that failed to add", cleanup_exc)
+            return
+        try:
+            self._emit([self._error_output(request, _internal_reason(exc),
+                                           EngineErrorCode.INTERNAL)], None)
+        except Exception as emit_exc:  # noqa: BLE001
+            self._die("failing a request", emit_exc)
+
+    def _recover(self, what: str, exc: Exception) -> None:
+        """A step or a scheduler call raised: fail every in-flight request with
+        INTERNAL and go on over a fresh scheduler of the same KV pool.
+
+        After an exception inside the scheduler its queues, block tables and
+        counters may disagree in ways no check can enumerate, so the only
+        state trusted afterwards is the new scheduler's. The workers must
+        agree with it: they may hold state for requests it never heard of.
+        Rather than failing the group (every rank would reload its weights),
+        the next step sends every id the workers may hold as finished, which
+        drops all their per-request state (the same path as any finish). The
+        KV blocks they keep hold no meaning: the new scheduler's prefix cache
+        is empty, so no block is read before this generation writes it. If
+        that step fails on a worker, the executor fails the group as usual.
+        """
+        sched = self.scheduler
+        live = {**self._step_requests, **(sched.requests if sched is not None else {})}
+        self._step_requests = {}
+        logger.error("engine %s failed; failing %d in-flight request(s) and resetting the "
+                     "scheduler", what, len(live), exc_info=exc)
+        self._count_failure(exc)
+        if self._stopped:
+            return
+        if sched is None:
+            # Only failing the requests of a failed group runs without a
+            # scheduler: they were dropped before their errors reached anyone.
+            self._die("failing the in-flight requests", exc)
+            return
+        try:
+            self._flush_req_ids |= self._worker_req_ids
+            self._worker_req_ids = set()
+            self._new_scheduler(sched.num_gpu_blocks)
+            reason = _internal_reason(exc)
+            outputs = [self._error_output(r, reason, EngineErrorCode.INTERNAL)
+                       for r in live.values()]
+            if outputs:
+                self._emit(outputs, None)
+        except Exception as fail_exc:  # noqa: BLE001
+            self._die("failing the in-flight requests", fail_exc)
+
+    def _count_failure(self, exc: Exception) -> None:
+        now = time.monotonic()
+        self._failure_times.append(now)
+        if (len(self._failure_times) == MAX_FAILURES
+                and now - self._failure_times[0] <= FAILURE_WINDOW_S):
+            self._die(f"{MAX_FAILURES} internal errors within {FAILURE_WINDOW_S:g} s", exc)
+
+    def _die(self, what: str, exc: BaseException) -> None:
+        """The engine cannot go on: exit so the supervisor restarts the process.
+        os._exit, not sys.exit: this is the engine thread, and the requests'
+        streams hang on a process that stays up without an engine."""
+        logger.critical("engine cannot go on (%s); exiting with code %d", what,
+                        FATAL_EXIT_CODE, exc_info=exc)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self.exit_process(FATAL_EXIT_CODE)
+        self._stopped = True  # only reached when exit_process is a test's stand-in
 
     @staticmethod
     def _error_output(
@@ -232,3 +395,8 @@ class EngineCore:
             error=reason,
             error_code=code,
         )
+
+
+def _internal_reason(exc: Exception) -> str:
+    # The exception's text stays in the log: it may name other requests.
+    return f"internal error in the engine ({type(exc).__name__}); see the controlplane log"

@@ -1,12 +1,13 @@
 """Readiness: is the cluster able to serve right now, and can it prove it?
 
-Ready means every rank is attached, the group finished start-up, and a step
-or a canary round trip through every rank's command queue completed within
-the last `window_s` seconds (a step still on the wire counts as progress: its
-own deadline covers it). When idle, a canary is sent every `interval_s`, so a
-rank whose main thread hangs is found even without traffic. Draining (on
-SIGTERM) is never ready. The grpc health status of kvloom.v1.Generation
-follows this verdict.
+Ready means every rank is attached, the group finished start-up, the engine
+loop is alive (it completed a step or an idle tick within the last `window_s`
+seconds), and a step or a canary round trip through every rank's command
+queue completed within the last `window_s` seconds. A step still on the wire
+counts as progress for both: its own deadline covers it. When idle, a canary
+is sent every `interval_s`, so a rank whose main thread hangs is found even
+without traffic. Draining (on SIGTERM) is never ready. The grpc health status
+of kvloom.v1.Generation follows this verdict.
 """
 
 from __future__ import annotations
@@ -15,23 +16,35 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.status import ExecutorStatus
 
 logger = logging.getLogger(__name__)
+
+
+class GroupProbe(Protocol):
+    """What readiness needs of the executor."""
+
+    def status(self) -> ExecutorStatus: ...
+
+    async def canary(self, timeout_s: float) -> None: ...
 
 
 class Readiness:
     def __init__(
         self,
-        executor: Executor,
+        executor: GroupProbe,
         set_serving: Callable[[bool], Awaitable[None]],
+        engine_tick: Callable[[], float],
         interval_s: float = 2.0,
         window_s: float = 10.0,
         canary_timeout_s: float = 30.0,
     ):
         self.executor = executor
         self._set_serving = set_serving
+        # time.monotonic() of the engine loop's latest step or idle tick.
+        self._engine_tick = engine_tick
         self.interval_s = interval_s
         self.window_s = window_s
         self.canary_timeout_s = canary_timeout_s
@@ -48,7 +61,11 @@ class Readiness:
             return status.describe()
         if status.step_in_flight:
             return None
-        age = time.monotonic() - status.last_success
+        now = time.monotonic()
+        stalled = now - self._engine_tick()
+        if stalled > self.window_s:
+            return f"engine loop stalled for {stalled:.0f} s"
+        age = now - status.last_success
         if age > self.window_s:
             return f"no step or canary completed in the last {age:.0f} s"
         return None
@@ -65,13 +82,19 @@ class Readiness:
         serving = self.reason() is None
         if serving != self._serving:
             self._serving = serving
+            if not serving:
+                logger.warning("not ready: %s", self.reason())
             await self._set_serving(serving)
+
+    async def check(self) -> None:
+        """One round: a canary if the group is idle, then publish the verdict."""
+        status = self.executor.status()
+        idle_for = time.monotonic() - status.last_success
+        if status.ready and not status.step_in_flight and idle_for > self.interval_s:
+            await self.executor.canary(self.canary_timeout_s)
+        await self.refresh()
 
     async def _run(self) -> None:
         while True:
-            status = self.executor.status()
-            idle_for = time.monotonic() - status.last_success
-            if status.ready and not status.step_in_flight and idle_for > self.interval_s:
-                await self.executor.canary(self.canary_timeout_s)
-            await self.refresh()
+            await self.check()
             await asyncio.sleep(self.interval_s)

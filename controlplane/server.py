@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 import time
 
 import grpc
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Of --shutdown-timeout, what the drain leaves for the stop that follows it.
+STOP_RESERVE_S = 5.0
+# After --shutdown-timeout (plus this), the process exits whatever still runs.
+BACKSTOP_S = 2.0
 
 
 def grpc_options(config: ControlPlaneConfig) -> list[tuple[str, int]]:
@@ -74,7 +80,8 @@ class ControlPlane:
             vocab_size=model_info.vocab_size,
         )
         self.readiness = Readiness(
-            self.executor, self._set_serving, canary_timeout_s=config.workers.step_timeout_s
+            self.executor, self._set_serving, engine_tick=lambda: self.engine.last_tick,
+            canary_timeout_s=config.workers.step_timeout_s,
         )
         self.metrics: ControlPlaneMetrics | None = None
         if config.server.metrics_port:
@@ -119,11 +126,10 @@ class ControlPlane:
     def not_ready_reason(self) -> str | None:
         return self.readiness.reason()
 
-    async def _drain(self) -> None:
-        """Refuse new requests, let in-flight ones finish (bounded), then stop."""
+    async def _drain(self, deadline: float) -> None:
+        """Refuse new requests, let in-flight ones finish until the deadline."""
         self.readiness.draining = True
         await self.readiness.refresh()
-        deadline = time.monotonic() + self.config.server.drain_timeout_s
         if len(self.router):
             logger.info("draining %d in-flight request(s)", len(self.router))
         while len(self.router) and time.monotonic() < deadline:
@@ -176,24 +182,60 @@ class ControlPlane:
         )
         self.readiness.start()
         await stop.wait()
-        logger.info("controlplane shutting down")
-        await self._drain()
+        await self._shutdown(api, workers)
+
+    async def _shutdown(self, api: grpc.aio.Server, workers: grpc.aio.Server) -> None:
+        """Drain, then stop everything, all within --shutdown-timeout of SIGTERM.
+
+        The drain ends early enough to leave time for the rest: failing what is
+        still in flight (the engine), sending those errors (the API's grace)
+        and the workers their Shutdown (the worker port's grace).
+        """
+        timeout = self.config.server.shutdown_timeout_s
+        deadline = time.monotonic() + timeout
+        logger.info("controlplane shutting down (within %g s)", timeout)
+
+        def left(at_most: float) -> float:
+            return max(0.0, min(at_most, deadline - time.monotonic()))
+
+        await self._drain(deadline - min(STOP_RESERVE_S, timeout / 2))
         await self.readiness.stop()
         await self.health.enter_graceful_shutdown()
         await self.executor.stop()
-        await asyncio.to_thread(self.engine.shutdown)
-        await api.stop(grace=2.0)
-        await workers.stop(grace=1.0)
+        await asyncio.to_thread(self.engine.shutdown, left(STOP_RESERVE_S))
+        await api.stop(grace=left(2.0))
+        await workers.stop(grace=left(1.0))
         if self.metrics is not None:
             self.metrics.close()
 
 
 def run(config: ControlPlaneConfig, model_info: ModelInfo) -> None:
+    timeout = config.server.shutdown_timeout_s
+
+    def on_signal(stop: asyncio.Event) -> None:
+        if stop.is_set():
+            return
+        stop.set()
+        # Every stage of _shutdown is bounded, but interpreter exit is not (a
+        # thread that never returns): the orchestrator's SIGKILL must not be
+        # what ends us, so a timer does just after the shutdown's own bound.
+        backstop = threading.Timer(timeout + BACKSTOP_S, _exit_after_shutdown_overran, (timeout,))
+        backstop.daemon = True
+        backstop.start()
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, stop)
         await ControlPlane(config, model_info).run(stop)
 
     asyncio.run(main())
+
+
+def _exit_after_shutdown_overran(timeout: float) -> None:
+    logger.error("shutdown still running %g s after the signal (--shutdown-timeout %g s); "
+                 "exiting", timeout + BACKSTOP_S, timeout)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)

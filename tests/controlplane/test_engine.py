@@ -88,7 +88,7 @@ class Client:
 
 class IdleProbe(queue.Queue):
     """The engine's input queue, noting when the loop blocks on it with nothing
-    queued (a blocking get, no timeout: the engine is idle)."""
+    queued (a blocking get, bounded by the idle tick: the engine is idle)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +97,7 @@ class IdleProbe(queue.Queue):
         self.blocked = False
 
     def get(self, block: bool = True, timeout: float | None = None):
-        idle = block and timeout is None and self.empty()
+        idle = block and self.empty()
         if idle:
             self._set_blocked(True)
         try:
@@ -307,12 +307,15 @@ def test_an_idle_engine_blocks_instead_of_spinning(tiny_model_dir):
     engine.step = lambda: (steps.append(1), step())[1]
     engine.start()
     probe.wait_idle(1)  # no group yet
+    num_idle_waits = probe.num_idle_waits
     engine.group_ready(executor.num_gpu_blocks)
-    probe.wait_idle(2)  # a group, no request: still nothing to step
+    # The wait that takes the group's arrival, then one after it was handled:
+    # a group, no request, still nothing to step.
+    probe.wait_idle(num_idle_waits + 2)
     assert steps == []
     engine.add_request(_greedy("a", _prompt(6, 15), max_tokens=4))
     client.wait_finished("a")
-    probe.wait_idle(3)
+    probe.wait_blocked()  # not blocked from taking "a" until idle again
     # One step per token (the prompt fits one step), then one that only tells
     # the workers "a" finished, so they drop its state; none while idle.
     assert len(steps) == engine.num_steps == 5

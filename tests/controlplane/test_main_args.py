@@ -25,7 +25,8 @@ DEPLOYED_FLAGS = [
     "--gpu-memory-utilization=0.5", "--max-num-seqs=8", "--max-num-batched-tokens=64",
     "--long-prefill-token-threshold=0", "--scheduling-policy=priority", "--host=0.0.0.0",
     "--port=1", "--worker-port=2", "--metrics-port=0", "--auth-token=t",
-    "--max-waiting-requests=0", "--drain-timeout=0", "--max-message-bytes=1024",
+    "--max-waiting-requests=0", "--drain-timeout=0", "--shutdown-timeout=20",
+    "--max-message-bytes=1024",
     "--step-timeout=5", "--heartbeat-timeout=3", "--startup-timeout=9", "--log-level=DEBUG",
 ]
 
@@ -91,6 +92,11 @@ def test_flags_land_in_their_fields():
         (["--port", "-1"], "--port"),
         (["--num-gpu-blocks-override", "-4"], "--num-gpu-blocks-override"),
         (["--scheduling-policy", "lifo"], "--scheduling-policy"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+        (["--shutdown-timeout", "3601"], "--shutdown-timeout"),
+        (["--shutdown-timeout", "nan"], "--shutdown-timeout"),
+        (["--drain-timeout", "inf"], "--shutdown-timeout"),
+        (["--step-timeout", "nan"], "--step-timeout"),
     ],
 )
 def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):
@@ -136,3 +142,10 @@ def test_max_model_len_outside_the_model_is_refused(model_dir, value, capsys):
     with pytest.raises(SystemExit):
         _build(["--model", model_dir, "--max-model-len", value])
     assert f"--max-model-len {value} must be in 1..128" in capsys.readouterr().err
+
+
+def test_drain_timeout_is_a_deprecated_alias_of_shutdown_timeout():
+    args = build_parser().parse_args(["--drain-timeout", "7"])
+    assert args.shutdown_timeout_s == 7.0
+    # The default fits Kubernetes' default 30 s termination grace period.
+    assert build_parser().parse_args([]).shutdown_timeout_s < 30

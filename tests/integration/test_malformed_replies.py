@@ -232,6 +232,7 @@ def test_a_malformed_reply_fails_the_group_and_the_controlplane_serves_on(contro
     asyncio.run(_fault_case(controlplane, kind))
 
 
+@pytest.mark.slow  # a torch rank and the transformers reference
 def test_after_reproduction_4_a_real_workerd_serves_exact_tokens(controlplane, tiny_model_dir):
     from transformers import AutoConfig
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from controlplane.api.generation_service import GenerationService
+from controlplane.api.malformed_requests import MalformedRequestInterceptor
 from controlplane.api.output_router import OutputRouter
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine import EngineCore
@@ -145,6 +146,8 @@ class ControlPlane:
         if self.metrics is not None:
             interceptors.append(GrpcMetricsInterceptor(self.metrics.grpc_request))
             self.metrics.serve(cfg.host, cfg.metrics_port)
+        # Inside the metrics one, so malformed bytes count as INVALID_ARGUMENT.
+        interceptors.append(MalformedRequestInterceptor())
         api = grpc.aio.server(options=options, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(

@@ -126,6 +126,61 @@ def test_fuzzed_requests_get_ok_or_the_documented_status(cluster, channel, tiny_
     _assert_cluster_whole(cluster, stub, tiny_model_dir)
 
 
+@st.composite
+def request_bytes(draw, limits: Limits) -> bytes:
+    """Arbitrary bytes, or a real request's bytes with a few bytes changed
+    (mostly still parseable, often with broken UTF-8 or lengths)."""
+    if draw(st.booleans()):
+        return draw(st.binary(max_size=300))
+    request, _ = draw(cases(st.just(limits)))
+    raw = bytearray(request.SerializeToString()[:4096])
+    for _ in range(draw(st.integers(1, 3))):
+        if raw:
+            raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
+    return bytes(raw)
+
+
+def test_fuzzed_bytes_get_ok_or_invalid_argument(cluster, channel, tiny_model_dir):
+    """A client that sends raw bytes: unparseable ones are INVALID_ARGUMENT
+    (not grpc's UNKNOWN); parseable ones are judged like any request."""
+    limits = _server_limits(tiny_model_dir)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    raw_generate = channel.unary_stream(
+        "/kvloom.v1.Generation/Generate", request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString)
+    seen: dict[str, int] = {}
+
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(raw=request_bytes(limits))
+    @example(raw=b"\x12\x02\xff\xfe")  # text that is not UTF-8
+    def one_request(raw):
+        try:
+            request = pb.GenerateRequest.FromString(raw)
+        except Exception:
+            request = None
+        try:
+            v = validate(request, tokenizer, limits) if request is not None else None
+        except InvalidRequest:
+            v = None
+        try:
+            msgs = list(raw_generate(raw, timeout=CALL_TIMEOUT_S))
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+        seen[code.name] = seen.get(code.name, 0) + 1
+        if v is None:
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+            assert request is not None or "no valid request message" in details
+        else:
+            assert code == grpc.StatusCode.OK, (code, details)
+            _check_stream(request, v, msgs, limits.vocab_size)
+
+    one_request()
+    print(f"byte fuzz statuses: {seen}")
+    _assert_cluster_whole(cluster, stub_for(channel), tiny_model_dir)
+
+
 def _assert_cluster_whole(cluster, stub, model_dir: str) -> None:
     probe = list(stub.Generate(greedy_request(PROBE, max_tokens=8), timeout=CALL_TIMEOUT_S))
     assert tokens_of(probe) == hf_greedy(model_dir, PROBE, 8)

@@ -74,6 +74,12 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Generate streams the completion of one prompt. Each message carries the
         tokens produced since the previous one; the last message carries `finish`.
+        Every field is checked before the request is admitted; a refusal is a
+        status whose message names the field and the fix: INVALID_ARGUMENT (a
+        field out of its documented range, or bytes that are no valid message,
+        e.g. a string that is not UTF-8), ALREADY_EXISTS (request_id in flight),
+        RESOURCE_EXHAUSTED (the server holds as many requests as it may; retry
+        later), UNAVAILABLE (not serving).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

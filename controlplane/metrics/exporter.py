@@ -15,7 +15,9 @@ metric object:
     executor's status snapshot) when Prometheus scrapes, on the HTTP
     thread, so gauges and the heartbeat age are exact at scrape time;
   * the API edge counts accepted requests (by priority class), aborts and
-    (metrics_grpc) gRPC calls directly.
+    (metrics_grpc) gRPC calls directly;
+  * each event loop's LoopLagProbe (watch_loop) observes its wake-ups into a
+    histogram on its own loop and is read for the lag gauge at scrape time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from controlplane.config import ControlPlaneConfig
 from controlplane.core.outputs import EngineCoreOutput
 from controlplane.executor.status import ExecutorStatus, FailureKind
+from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import (
     FINISH_REASONS,
     PRIORITY_CLASSES,
@@ -60,6 +63,10 @@ REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216)
+# A healthy loop wakes within a millisecond or two; the step deadline and the
+# heartbeat timeout are seconds to tens of seconds.
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
 
 
 def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
@@ -90,6 +97,7 @@ class ControlPlaneMetrics:
         self._deltas = CounterDeltas()
         self._endpoint = MetricsEndpoint(self.registry)
         self.last_output_forward_s = 0.0
+        self.loop_probes: list[LoopLagProbe] = []
         self._build(config)
         self.registry.register(_ScrapeCollector(self, engine, executor))
 
@@ -156,6 +164,10 @@ class ControlPlaneMetrics:
             "kvloom_output_rank_forward_time_seconds", "Forward pass + sampling per step as "
             "reported by the output rank.", STEP_BUCKETS, ("rank",)
         ).labels(m, str(config.parallel.output_rank))
+        self.loop_wakeup_lag = hist(
+            "kvloom_event_loop_wakeup_lag_seconds", "How late each wake-up of the loop's lag "
+            "probe was (loop: api = client API, workers = worker plane).", LOOP_LAG_BUCKETS,
+            ("loop",))
 
     def _request_hist(self, name: str, doc: str):
         return Histogram(name, doc, ["model_name"], buckets=REQUEST_LATENCY_BUCKETS,
@@ -209,6 +221,11 @@ class ControlPlaneMetrics:
     def grpc_request(self, method: str, code: str) -> None:
         self.grpc_requests.labels(self.model_name, method, code).inc()
 
+    def watch_loop(self, probe: LoopLagProbe) -> None:
+        """Export probe's loop lag (call before the probe starts)."""
+        probe.on_lag = self.loop_wakeup_lag.labels(self.model_name, probe.name).observe
+        self.loop_probes.append(probe)
+
     # ---- exposition ------------------------------------------------------
 
     def serve(self, host: str, port: int) -> None:
@@ -234,6 +251,7 @@ class _ScrapeCollector:
         yield from self._scheduler_gauges(m)
         yield self._cache_config_info(m, status)
         yield from self._worker_metrics(m, status)
+        yield self._loop_lag(m)
 
     def _scheduler_gauges(self, m: str) -> Iterable[Metric]:
         stats = self.engine.last_stats if self.engine.scheduler is not None else None
@@ -248,6 +266,15 @@ class _ScrapeCollector:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([m], value)
             yield g
+
+    def _loop_lag(self, m: str) -> Metric:
+        g = GaugeMetricFamily("kvloom_event_loop_lag_seconds", "How late the loop runs its "
+                              "callbacks: the last probe wake-up's lateness, or the stall in "
+                              "progress if longer.", labels=["model_name", "loop"])
+        now = time.monotonic()
+        for probe in self.metrics.loop_probes:
+            g.add_metric([m, probe.name], probe.lag_s(now))
+        return g
 
     def _cache_config_info(self, m: str, status: ExecutorStatus) -> Metric:
         cache = self.metrics.config.cache

@@ -5,7 +5,8 @@ engine, and turns the engine's outputs into response messages through a
 SampleStream per sample. A client that goes away (cancel, deadline) aborts
 its samples so their KV blocks are freed at the next step; with metrics on,
 every abort is counted by its source. Errors are gRPC statuses, never text in
-a response.
+a response. Tokenizing a long prompt and turning a large batch of outputs into
+messages run on the offload pool, not on the event loop (api/offload.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import grpc
 
+from controlplane.api.offload import Offload, heavy_generate, heavy_outputs
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.sample_stream import SampleStream
 from controlplane.api.tokenize_service import TokenizeService
@@ -52,6 +54,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         readiness: Callable[[], str | None],
         num_ranks_attached: Callable[[], int],
         metrics=None,
+        offload: Offload | None = None,
     ):
         self.config = config
         self.model_info = model_info
@@ -62,19 +65,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._not_ready_reason = readiness
         self._num_ranks_attached = num_ranks_attached
         self.metrics = metrics
+        # Without a pool (unit tests) everything runs inline.
+        self.offload = offload if offload is not None else Offload()
         self.limits = Limits.from_config(config, model_info)
         # Client request id -> the engine request ids of its samples.
         self._in_flight: dict[str, list[str]] = {}
         self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
-        self.tokenize_service = TokenizeService(tokenizer, self.limits.vocab_size)
+        self.tokenize_service = TokenizeService(tokenizer, self.limits.vocab_size, self.offload)
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     async def _admit(self, request, context) -> tuple[str, ValidatedRequest]:
         try:
-            v = validate(request, self.tokenizer, self.limits)
+            v = await self.offload.run(
+                heavy_generate(request), validate, request, self.tokenizer, self.limits
+            )
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._check_pool_fits(v)
@@ -178,24 +185,33 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             batch = [await queue.get()]
             while not queue.empty():
                 batch.append(queue.get_nowait())
-            touched: list[SampleStream] = []
-            for out in batch:
-                stream = streams[out.request_id]
-                if stream.finished:
-                    continue  # e.g. the engine's own STOP after a stop string
-                if out.error is not None:
-                    await context.abort(_status(out.error_code), out.error)
-                stream.add(out)
-                if stream.stopped_by_string:
-                    self.engine.stop_requests([out.request_id])
-                if stream.finished:
-                    live.discard(out.request_id)
-                if stream not in touched:
-                    touched.append(stream)
-            for stream in touched:
-                msg = stream.flush(request_id)
-                if msg is not None:
-                    yield msg
+            error, messages = await self.offload.run_settled(
+                heavy_outputs(batch), self._consume, request_id, batch, streams, live
+            )
+            if error is not None:
+                await context.abort(_status(error.error_code), error.error)
+            for msg in messages:
+                yield msg
+
+    def _consume(self, request_id, batch, streams, live):
+        """Feed one batch of outputs to its samples' streams: (the first error
+        output, or None; the messages now due). Inline or on the offload pool:
+        it touches only this call's streams and the engine's thread-safe queue."""
+        touched: list[SampleStream] = []
+        for out in batch:
+            stream = streams[out.request_id]
+            if stream.finished:
+                continue  # e.g. the engine's own STOP after a stop string
+            if out.error is not None:
+                return out, []
+            stream.add(out)
+            if stream.stopped_by_string:
+                self.engine.stop_requests([out.request_id])
+            if stream.finished:
+                live.discard(out.request_id)
+            if stream not in touched:
+                touched.append(stream)
+        return None, [m for s in touched if (m := s.flush(request_id)) is not None]
 
     def _count_client_abort(self, context, n: int) -> None:
         if self.metrics is None:

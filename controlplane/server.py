@@ -1,8 +1,12 @@
 """Wires the controlplane together and runs it until SIGINT/SIGTERM.
 
-One asyncio loop serves two gRPC servers — the client API (Generation,
-health, reflection) and the worker port (WorkerControl) — while EngineCore
-runs on its own thread. Health has two names: "" is live as soon as the
+The main thread's asyncio loop ("api") serves the client API (Generation,
+health, reflection); the worker port (WorkerControl) and the executor run on
+the worker plane's own thread and loop ("workers", executor/worker_plane.py),
+so client load cannot starve worker replies and heartbeats; EngineCore runs
+on its own thread; long tokenizing and detokenizing go to a small thread pool
+(api/offload.py). Each loop's lag is exported as kvloom_event_loop_lag_seconds.
+Health has two names: "" is live as soon as the
 process answers; "kvloom.v1.Generation" is SERVING only while the worker
 group is ready. With --metrics-port, Prometheus metrics are served on a
 thread of their own (controlplane/metrics/exporter.py).
@@ -23,14 +27,16 @@ from grpc_reflection.v1alpha import reflection
 
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.malformed_requests import MalformedRequestInterceptor
+from controlplane.api.offload import Offload, new_pool
 from controlplane.api.output_router import OutputRouter
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine import EngineCore
 from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.worker_plane import WorkerPlane
 from controlplane.executor.worker_service import SERVICE_NAME as WORKER_SERVICE
-from controlplane.executor.worker_service import WorkerControlService
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.grpc_interceptor import GrpcMetricsInterceptor
+from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
@@ -80,13 +86,22 @@ class ControlPlane:
             on_failed=self._on_group_failed,
             vocab_size=model_info.vocab_size,
         )
+        self.loop_probes = {name: LoopLagProbe(name) for name in ("api", "workers")}
+        self.worker_plane = WorkerPlane(
+            self.executor, config.server.host, config.server.worker_port, grpc_options(config),
+            lag_probe=self.loop_probes["workers"],
+        )
+        # Tokenizing and long detokenizing, off the api loop (shut down after the API).
+        self.offload_pool = new_pool()
         self.readiness = Readiness(
-            self.executor, self._set_serving, engine_tick=lambda: self.engine.last_tick,
+            self.worker_plane, self._set_serving, engine_tick=lambda: self.engine.last_tick,
             canary_timeout_s=config.workers.step_timeout_s,
         )
         self.metrics: ControlPlaneMetrics | None = None
         if config.server.metrics_port:
             self.metrics = ControlPlaneMetrics(config, self.engine, self.executor)
+            for probe in self.loop_probes.values():
+                self.metrics.watch_loop(probe)
 
     # Called on the engine thread.
     def _execute_model(self, scheduler_output):
@@ -113,13 +128,18 @@ class ControlPlane:
         except Exception:  # noqa: BLE001 - a metrics bug must never stop serving
             logger.exception("metrics observation failed")
 
+    # Called on the worker plane's loop; readiness and health live on the api loop.
     def _on_group_ready(self, num_blocks: int) -> None:
         self.engine.group_ready(num_blocks)
-        asyncio.ensure_future(self.readiness.refresh())
+        self._refresh_readiness()
 
     def _on_group_failed(self, reason: str) -> None:
         self.engine.group_failed(reason)
-        asyncio.ensure_future(self.readiness.refresh())
+        self._refresh_readiness()
+
+    def _refresh_readiness(self) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.readiness.refresh(), self._loop)
 
     async def _set_serving(self, serving: bool) -> None:
         await self.health.set(GENERATION_SERVICE, SERVING if serving else NOT_SERVING)
@@ -159,6 +179,7 @@ class ControlPlane:
                 readiness=self.not_ready_reason,
                 num_ranks_attached=lambda: self.executor.status().num_attached,
                 metrics=self.metrics,
+                offload=Offload(self.offload_pool),
             ),
             api,
         )
@@ -168,16 +189,13 @@ class ControlPlane:
         )
         client_port = api.add_insecure_port(f"{cfg.host}:{cfg.port}")
 
-        workers = grpc.aio.server(options=options)
-        workers.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
-        worker_port = workers.add_insecure_port(f"{cfg.host}:{cfg.worker_port}")
-
         await self.health.set("", SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
         self.engine.start()
-        self.executor.start(self._loop)
+        workers = self.worker_plane
+        worker_port = await workers.start()  # its own thread: binds, starts the executor
         await api.start()
-        await workers.start()
+        self.loop_probes["api"].start()
         logger.info(
             "controlplane serving %s on %s:%d (API), workers on %s:%d (%s), world size %d",
             self.config.model.served_model_name, cfg.host, client_port, cfg.host, worker_port,
@@ -187,7 +205,7 @@ class ControlPlane:
         await stop.wait()
         await self._shutdown(api, workers)
 
-    async def _shutdown(self, api: grpc.aio.Server, workers: grpc.aio.Server) -> None:
+    async def _shutdown(self, api: grpc.aio.Server, workers: WorkerPlane) -> None:
         """Drain, then stop everything, all within --shutdown-timeout of SIGTERM.
 
         The drain ends early enough to leave time for the rest: failing what is
@@ -204,10 +222,12 @@ class ControlPlane:
         await self._drain(deadline - min(STOP_RESERVE_S, timeout / 2))
         await self.readiness.stop()
         await self.health.enter_graceful_shutdown()
-        await self.executor.stop()
+        await workers.stop_executor()
         await asyncio.to_thread(self.engine.shutdown, left(STOP_RESERVE_S))
         await api.stop(grace=left(2.0))
         await workers.stop(grace=left(1.0))
+        self.loop_probes["api"].stop()
+        self.offload_pool.shutdown(wait=False, cancel_futures=True)
         if self.metrics is not None:
             self.metrics.close()
 

@@ -12,9 +12,11 @@ calls raise WorkerGroupFailed at once, the survivors are told to shut down,
 and the group re-forms from registration. A malformed reply never reaches
 the scheduler.
 
-Threading: registration, replies and start-up run on the asyncio loop; the
-engine thread calls execute_model(), which hands bytes to the loop with
-call_soon_threadsafe and blocks on a concurrent future. Readers on any thread
+Threading: registration, replies and start-up run on the worker plane's
+asyncio loop (worker_plane.py: a thread of its own, apart from the client
+API's loop); the engine thread calls execute_model(), which hands bytes to
+that loop with call_soon_threadsafe and blocks on a concurrent future (both
+bounded by the step deadline). Readers on any thread
 (readiness, the metrics scrape, the API) take one immutable status() snapshot.
 """
 
@@ -140,6 +142,11 @@ class Executor:
                 task.cancel()
         with self._lock:
             handles = self._detach_all()
+        # A step the engine thread waits on ends now, not at its deadline.
+        exc = WorkerGroupFailed("controlplane is shutting down")
+        for call in self._pending.values():
+            call.fail(exc)
+        self._pending.clear()
         self._shutdown_workers(handles, "controlplane is shutting down")
 
     def status(self) -> ExecutorStatus:
@@ -452,15 +459,40 @@ class Executor:
         sent: concurrent.futures.Future = concurrent.futures.Future()
 
         def send() -> None:
+            if not sent.set_running_or_notify_cancel():
+                return  # the engine thread gave up waiting (below)
             try:
                 if self._state is not GroupState.READY:
                     raise WorkerGroupFailed(self.status().describe())
+                if not self._handles:  # stop() let every worker go
+                    raise WorkerGroupFailed("controlplane is shutting down")
                 sent.set_result(self._send(command, {self.parallel.output_rank}))
             except Exception as exc:  # noqa: BLE001 - handed to the engine thread
                 sent.set_exception(exc)
 
-        self._loop.call_soon_threadsafe(send)
-        return sent.result()
+        try:
+            self._loop.call_soon_threadsafe(send)
+        except RuntimeError:  # the worker plane's loop is closed
+            raise WorkerGroupFailed("controlplane is shutting down") from None
+        try:
+            return sent.result(timeout=self.cfg.step_timeout_s)
+        except concurrent.futures.TimeoutError:
+            if not sent.cancel():
+                return sent.result()  # it was being sent just now
+        # The loop never got to it (stalled, or stopped): the step is lost.
+        reason = (
+            f"the worker plane did not send the step within the step deadline "
+            f"({self.cfg.step_timeout_s:g} s)"
+        )
+        self._fail_from_engine_thread(reason)
+        raise WorkerGroupFailed(reason)
+
+    def _fail_from_engine_thread(self, reason: str) -> None:
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self.fail_group, reason, FailureKind.STEP_TIMEOUT)
+        except RuntimeError:  # the loop is closed: nothing left to fail
+            pass
 
     def _wait_for_output_rank(self, call: PendingCall) -> worker_pb2.WorkerMessage:
         try:
@@ -470,7 +502,6 @@ class Executor:
                 f"output rank {self.parallel.output_rank} missed the step deadline "
                 f"({self.cfg.step_timeout_s:g} s)"
             )
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self.fail_group, reason, FailureKind.STEP_TIMEOUT)
+            self._fail_from_engine_thread(reason)
             raise WorkerGroupFailed(reason) from None
         return replies[self.parallel.output_rank]

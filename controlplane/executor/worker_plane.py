@@ -1,0 +1,161 @@
+"""The worker plane: the executor and the worker port, on a thread and event loop of their own.
+
+Everything that talks to workers runs here: the WorkerControl gRPC server
+(one Connect stream per worker), registration, the start-up handshake, the
+heartbeat watchdog, step broadcasts and replies, and the readiness canary.
+The client API keeps the main thread's loop. So a client that keeps that
+loop busy (a huge prompt to tokenize, a thousand streams) cannot hold a
+worker's reply past the step deadline or its heartbeats past their timeout,
+and nothing here ever waits for client work.
+
+Who runs where:
+  * main thread, loop "api": the client gRPC server, health, readiness,
+    routing engine outputs to client streams (ControlPlane._emit);
+  * thread "worker-plane", loop "workers": this plane's gRPC server and the
+    Executor, whose loop-side methods all run here;
+  * thread "engine-core": EngineCore; a step's bytes go to the workers loop
+    (Executor._send_from_engine_thread), its outputs to the api loop.
+Other threads reach the plane through run() (a coroutine on the workers loop,
+awaited from the caller's loop) or the executor's thread-safe status().
+
+grpc.aio serves one server per loop from several threads of one process:
+checked with grpcio 1.85 before this design was chosen (two aio servers, each
+on its own loop and thread, each keeps answering bidi streams while the
+other's loop is blocked, and both stop cleanly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.status import ExecutorStatus
+from controlplane.executor.worker_service import WorkerControlService
+from controlplane.metrics.loop_lag import LoopLagProbe
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# stop() waits this much longer than the server's grace for the thread to end.
+JOIN_MARGIN_S = 2.0
+
+
+class WorkerPlaneStopped(RuntimeError):
+    """The plane's loop is not running: nothing can be run on it."""
+
+
+class WorkerPlane:
+    def __init__(
+        self,
+        executor: Executor,
+        host: str,
+        port: int,
+        options: list[tuple[str, Any]],
+        lag_probe: LoopLagProbe | None = None,
+    ):
+        self.executor = executor
+        self._address = f"{host}:{port}"
+        self._options = options
+        self._lag_probe = lag_probe
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Resolves with the bound port once serving, or with start-up's error.
+        self._started: concurrent.futures.Future[int] = concurrent.futures.Future()
+        # Set on the plane's loop; its result is the server's stop grace.
+        self._stop_requested: asyncio.Future[float] | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    # ---- lifecycle (called from the api loop) --------------------------------
+
+    async def start(self) -> int:
+        """Start the thread, bind the worker port, start the executor; the bound port."""
+        self._thread = threading.Thread(target=self._main, name="worker-plane", daemon=True)
+        self._thread.start()
+        return await asyncio.wrap_future(self._started)
+
+    async def stop_executor(self) -> None:
+        """Let the workers go and fail any step in flight (before the engine stops)."""
+        with contextlib.suppress(WorkerPlaneStopped):
+            await self.run(self.executor.stop())
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop the executor (if not yet) and the worker port, then end the thread."""
+        loop, thread = self._loop, self._thread
+        if thread is None:
+            return
+        if loop is not None and self._stop_requested is not None:
+            with contextlib.suppress(RuntimeError):  # its loop already ended
+                loop.call_soon_threadsafe(_set_once, self._stop_requested, grace)
+        await asyncio.to_thread(thread.join, grace + JOIN_MARGIN_S)
+        if thread.is_alive():
+            logger.warning("worker plane thread still running %.1f s after stop", grace)
+
+    # ---- crossing over ---------------------------------------------------
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run coro on the plane's loop and await its result from the caller's loop.
+        Cancelling the caller cancels it there."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or not self._serving():
+            coro.close()
+            raise WorkerPlaneStopped("the worker plane is not running")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+    def _serving(self) -> bool:
+        stop = self._stop_requested
+        return self._started.done() and stop is not None and not stop.done()
+
+    # Readiness' view of the group (readiness.GroupProbe): the status snapshot
+    # is thread-safe; the canary goes through the workers' streams, so it runs
+    # on this plane's loop.
+    def status(self) -> ExecutorStatus:
+        return self.executor.status()
+
+    async def canary(self, timeout_s: float) -> None:
+        with contextlib.suppress(WorkerPlaneStopped):
+            await self.run(self.executor.canary(timeout_s))
+
+    # ---- the thread -------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+            if not self._started.done():
+                self._started.set_exception(exc)
+            else:
+                logger.exception("worker plane crashed")
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop_requested = self._loop.create_future()
+        server = grpc.aio.server(options=self._options)
+        server.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
+        port = server.add_insecure_port(self._address)
+        await server.start()
+        self.executor.start(self._loop)
+        if self._lag_probe is not None:
+            self._lag_probe.start()
+        self._started.set_result(port)
+        grace = await self._stop_requested
+        if self._lag_probe is not None:
+            self._lag_probe.stop()
+        await self.executor.stop()
+        await server.stop(grace)
+
+
+def _set_once(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)

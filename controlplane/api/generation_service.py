@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import uuid
 from collections.abc import Callable
@@ -70,6 +71,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.limits = Limits.from_config(config, model_info)
         # Client request id -> the engine request ids of its samples.
         self._in_flight: dict[str, list[str]] = {}
+        self._calls = itertools.count()  # numbers each Generate call's sample ids
         self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
         self.tokenize_service = TokenizeService(tokenizer, self.limits.vocab_size, self.offload)
@@ -80,7 +82,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _admit(self, request, context) -> tuple[str, ValidatedRequest]:
         try:
             v = await self.offload.run(
-                heavy_generate(request), validate, request, self.tokenizer, self.limits
+                heavy_generate(request, self.limits), validate, request, self.tokenizer,
+                self.limits,
             )
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -110,9 +113,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"{len(self.router)} requests are in flight and at most {self._capacity} may "
                 f"be (max_num_seqs + max_waiting_requests); retry later",
             )
-        children = sample_ids(request_id, n)
+        children = sample_ids(request_id, n, next(self._calls))
         taken = [c for c in children if c in self.router]
-        if taken:  # cannot happen while client ids may not hold '/'; never leak if it does
+        if taken:  # cannot happen (see sample_ids); never leak if it does
             return _Refusal(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request_id!r}: sample ids {taken[:3]} are in use; use another id",
@@ -189,7 +192,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 heavy_outputs(batch), self._consume, request_id, batch, streams, live
             )
             if error is not None:
-                await context.abort(_status(error.error_code), error.error)
+                # The engine names its own request id; the client knows its own.
+                details = error.error.replace(repr(error.request_id), repr(request_id))
+                await context.abort(_status(error.error_code), details)
             for msg in messages:
                 yield msg
 
@@ -221,7 +226,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.metrics.request_aborted("deadline" if expired else "client_cancel", n)
 
     async def Abort(self, request, context):
-        # Client ids only: a sample id ("x/0") is never a key here, so a caller
+        # Client ids only: a sample's engine id ("x/3.0") is never a key here, so a caller
         # can end the samples of the ids it names and nothing else.
         if len(request.request_ids) > self._capacity:
             await context.abort(
@@ -286,10 +291,14 @@ class _Refusal:
     details: str
 
 
-def sample_ids(request_id: str, n: int) -> list[str]:
-    """The engine request ids of a client request's samples. Client ids hold
-    no '/' (validation.check_request_id), so these never name another request."""
-    return [request_id] if n == 1 else [f"{request_id}/{i}" for i in range(n)]
+def sample_ids(request_id: str, n: int, call: int) -> list[str]:
+    """The engine request ids of one Generate call's samples:
+    "<client id>/<call number>.<sample index>". Client ids hold no '/'
+    (validation.check_request_id), so a client cannot spell one; the call
+    number makes them unique per call, so outputs still on their way for an
+    earlier call with the same client id (a cancelled request's abort, the
+    step it was in) reach no one rather than the new call."""
+    return [f"{request_id}/{call}.{i}" for i in range(n)]
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -35,6 +35,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from controlplane.api.validation import Limits
 from controlplane.core.outputs import EngineCoreOutput
 from kvloom.v1 import generation_pb2 as pb
 
@@ -87,18 +88,23 @@ class Offload:
             raise
 
 
-def heavy_generate(request: pb.GenerateRequest) -> bool:
-    """Does validating this request (tokenizing its prompt) belong on the pool?"""
+def heavy_generate(request: pb.GenerateRequest, limits: Limits) -> bool:
+    """Does validating this request (tokenizing its prompt) belong on the pool?
+    Not when its size alone gets it refused: validate() says so at once, and
+    a refusal must not queue behind other prompts' tokenizing."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        return len(request.text) > INLINE_MAX_CHARS
+        return INLINE_MAX_CHARS < len(request.text) <= limits.max_prompt_chars
     if kind == "token_ids":
-        return len(request.token_ids.ids) > INLINE_MAX_IDS
+        return INLINE_MAX_IDS < len(request.token_ids.ids) < limits.max_model_len
     if kind == "messages":
         # A short chat renders in ~0.07 ms (SmolLM2's template, measured).
         turns = request.messages.messages
-        return len(turns) > INLINE_MAX_TURNS or (
-            sum(len(m.content) for m in turns) > INLINE_MAX_CHARS
+        if len(turns) > limits.max_chat_messages:
+            return False
+        chars = sum(len(m.content) for m in turns)
+        return chars <= limits.max_prompt_chars and (
+            len(turns) > INLINE_MAX_TURNS or chars > INLINE_MAX_CHARS
         )
     return False
 

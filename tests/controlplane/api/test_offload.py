@@ -258,3 +258,28 @@ def test_generate_turns_a_large_output_batch_into_messages_on_the_pool(pool):
     loop_thread, msgs = asyncio.run(respond(500))
     assert tok.threads["decode"] and loop_thread not in tok.threads["decode"]
     assert "".join(m.text for m in msgs) == "e" * 500
+
+
+def test_an_oversized_prompt_is_refused_without_queueing_behind_the_pool():
+    tok = RecordingTokenizer()
+    pool = new_pool(1)
+    service = _service(tok, Offload(pool))
+    go = threading.Event()
+    busy = pool.submit(go.wait, WAIT_S)  # the only thread is tokenizing something else
+
+    async def refused(request):
+        with pytest.raises(Aborted) as info:
+            await service._admit(request, Context())
+        return info.value.args
+
+    try:
+        too_long = service.limits.max_prompt_chars + 1
+        code, details = asyncio.run(refused(_generate("w" * too_long)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "characters" in details
+        ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * service.limits.max_model_len))
+        code, _ = asyncio.run(refused(ids))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert not busy.done() and not tok.threads["encode"]
+    finally:
+        go.set()
+        pool.shutdown(wait=True)

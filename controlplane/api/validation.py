@@ -40,9 +40,9 @@ MAX_PROMPT_CHARS_PER_TOKEN = 32
 LOGPROB_ENTRY_BYTES = 64
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # ServerConfig.max_message_bytes' default
 # Client request ids: visible ASCII (no space, no control characters, nothing
-# a log line or a terminal could misread), except '/', which names the
-# samples of an n > 1 request ("id/0", "id/1"): a client can never spell
-# another request's sample id.
+# a log line or a terminal could misread), except '/', which the server uses
+# in the engine request ids of samples ("<id>/<call>.<index>"): a client can
+# never spell the engine id of any sample.
 REQUEST_ID_RULE = "visible ASCII characters ('!' to '~') other than '/'"
 _REQUEST_ID_BAD_CHAR = re.compile(r"[^!-.0-~]")
 U64_MASK = (1 << 64) - 1
@@ -311,7 +311,8 @@ def check_request_id(request_id: str) -> str:
     if bad is not None:
         char = bad.group()
         why = (
-            " ('/' is reserved for the sample ids of n > 1 requests)" if char == "/" else ""
+            " ('/' is reserved: the server names samples '<request_id>/<call>.<index>')"
+            if char == "/" else ""
         )
         raise InvalidRequest(
             f"request_id holds {char!r} (U+{ord(char):04X}) at position {bad.start()}; use "

@@ -247,7 +247,7 @@ def test_request_ids_of_visible_ascii_without_slash_are_accepted(request_id):
 def test_request_ids_outside_the_rule_are_refused_naming_the_character(request_id, shown):
     msg = _refused(pb.GenerateRequest(request_id=request_id, text="a"), "request_id holds")
     assert shown in msg and REQUEST_ID_RULE in msg
-    assert ("reserved for the sample ids" in msg) == ("/" in request_id)
+    assert ("'/' is reserved" in msg) == ("/" in request_id)
 
 
 def test_overlong_request_id_is_refused_before_its_characters_are_read():

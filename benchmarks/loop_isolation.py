@@ -20,8 +20,8 @@ API loop stalled.
 Reported: each heavy call's status and duration, the streams that finished
 OK / failed during the heavy phase, the slowest health answer, worker group
 failures (kvloom_worker_failures, by reason) and, where the controlplane
-exports it, the event-loop lag per loop (the largest non-empty bucket of
-kvloom_event_loop_wakeup_lag_seconds, and the gauge).
+exports it, the event-loop lag per loop during the heavy phase (from the
+kvloom_event_loop_wakeup_lag_seconds buckets that gained wake-ups).
 """
 
 from __future__ import annotations
@@ -71,27 +71,36 @@ def metric_values(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def lag_summary(text: str) -> dict[str, dict[str, float]]:
-    """Per loop: the gauge and the upper bound of the largest non-empty histogram bucket."""
+def _bucket_counts(text: str) -> dict[str, dict[float, float]]:
+    out: dict[str, dict[float, float]] = {}
+    for labels, count in metric_values(text, "kvloom_event_loop_wakeup_lag_seconds_bucket").items():
+        loop = re.search(r'loop="([^"]+)"', labels).group(1)
+        le = float(re.search(r'le="([^"]+)"', labels).group(1))
+        out.setdefault(loop, {})[le] = count
+    return out
+
+
+def lag_summary(before: str, after: str) -> dict[str, dict[str, float]]:
+    """Per loop, over the heavy phase only (start-up excluded): the upper bound
+    of the largest histogram bucket that gained wake-ups, and how many wake-ups
+    were later than 50 ms; plus the gauge at the end."""
     out: dict[str, dict[str, float]] = {}
-    for labels, value in metric_values(text, "kvloom_event_loop_lag_seconds").items():
+    for labels, value in metric_values(after, "kvloom_event_loop_lag_seconds").items():
         loop = re.search(r'loop="([^"]+)"', labels).group(1)
         out.setdefault(loop, {})["gauge_s"] = value
-    buckets = metric_values(text, "kvloom_event_loop_wakeup_lag_seconds_bucket")
-    for labels, count in buckets.items():
-        loop = re.search(r'loop="([^"]+)"', labels).group(1)
-        le = re.search(r'le="([^"]+)"', labels).group(1)
-        out.setdefault(loop, {}).setdefault("counts", {})[le] = count
-    for entry in out.values():
-        counts = entry.pop("counts", {})
-        bounds = sorted((float(le), c) for le, c in counts.items())
+    old = _bucket_counts(before)
+    for loop, counts in _bucket_counts(after).items():
+        gained = {le: c - old.get(loop, {}).get(le, 0.0) for le, c in counts.items()}
+        bounds = sorted(gained.items())
         worst, prev = 0.0, 0.0
         for bound, count in bounds:
             if count > prev:
                 worst = bound
             prev = count
-        if bounds:
-            entry["max_bucket_le_s"] = worst
+        entry = out.setdefault(loop, {})
+        entry["max_lag_bucket_le_s"] = worst
+        entry["wakeups"] = gained.get(float("inf"), 0.0)
+        entry["wakeups_over_50ms"] = entry["wakeups"] - gained.get(0.05, 0.0)
     return out
 
 
@@ -217,6 +226,7 @@ def main() -> int:
         cluster.wait_ready(timeout=300)
         probe = HealthProbe(cluster.api_address)
         probe.start()
+        text_before = scrape(cluster.metrics_address)
         result = asyncio.run(heavy_phase(cluster.api_address, args))
         probe.stop.set()
         probe.join()
@@ -227,7 +237,7 @@ def main() -> int:
         "slowest_health_answer_s": round(probe.worst_s, 3),
         "health_statuses": sorted(probe.statuses),
         "worker_group_failures": failures,
-        "event_loop_lag": lag_summary(text),
+        "event_loop_lag": lag_summary(text_before, text),
         "args": vars(args),
     })
     print(json.dumps(result, indent=2))

@@ -1,17 +1,22 @@
 """`kvloom-workerd` / `python -m workerd`: dial the controlplane, register, serve commands.
 
-Exit codes: 0 when the controlplane asked the worker to stop, 1 when the
-stream broke or a start-up step failed, 2 when registration was refused.
+Exit codes: 0 when the controlplane asked the worker to stop, or on SIGTERM
+once the current command (a step, a model load) has finished and its reply is
+sent; 1 when the stream broke, a start-up step failed, or the current command
+outlived --shutdown-timeout after SIGTERM; 2 when registration was refused.
 With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 
 from kvloom.envargs import EnvArgumentParser
 from kvloom.server.logs import setup_logging
@@ -41,8 +46,80 @@ def build_parser() -> EnvArgumentParser:
                    help="serve this rank's Prometheus /metrics on this port; 0 = off")
     p.add_argument("--metrics-host", default="0.0.0.0",
                    help="address the metrics endpoint binds (Prometheus scrapes it remotely)")
+    p.add_argument("--shutdown-timeout", type=_shutdown_timeout, default=20.0,
+                   help="seconds after SIGTERM for the current command to finish before the "
+                        "process exits anyway; keep it below the orchestrator's grace period")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+MAX_SHUTDOWN_TIMEOUT_S = 3600.0
+
+
+def _shutdown_timeout(raw: str) -> float:
+    value = float(raw)
+    if not (math.isfinite(value) and 0 < value <= MAX_SHUTDOWN_TIMEOUT_S):
+        raise ValueError(f"must be > 0 and <= {MAX_SHUTDOWN_TIMEOUT_S:g} seconds, got {raw}")
+    return value
+
+
+_shutdown_timeout.__name__ = "seconds"  # argparse: "invalid seconds value: 'x'"
+
+
+class SigtermStop:
+    """SIGTERM: finish the current command, send its reply, then leave the
+    command loop (exit 0), so an orchestrator's stop never cuts a step short.
+
+    The signal arrives through signal.set_wakeup_fd: Python's C-level
+    handler writes the signal's number to a pipe from whichever thread the
+    kernel picked. A Python-level handler would not do: it runs only on the
+    main thread, which sleeps in queue.get() and is not woken when another
+    thread (a gRPC one) takes the signal. A watcher thread reads the pipe and
+    sets `requested` and an end-of-commands marker that wakes an idle main loop; if
+    the process still runs `grace_s` later (the command is stuck, e.g. in a
+    collective whose peer has gone), the watcher ends it with code 1. Before
+    the command loop starts (dialing, registering) there is nothing to
+    finish: the watcher exits 0 at once.
+    """
+
+    def __init__(self, commands, grace_s: float):
+        self._commands = commands
+        self.grace_s = grace_s
+        self.requested = threading.Event()
+        # Set by the main thread when it starts taking commands.
+        self.serving = threading.Event()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+
+    def install(self) -> None:
+        """From the main thread (signal's rule)."""
+        threading.Thread(target=self._watch, name="sigterm-watch", daemon=True).start()
+        signal.signal(signal.SIGTERM, _ignore)  # not the default: terminate at once
+        signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+
+    def _watch(self) -> None:
+        while signal.SIGTERM not in os.read(self._read_fd, 64):
+            pass  # another handled signal (SIGINT raises KeyboardInterrupt)
+        self.requested.set()
+        self._commands.put(None)
+        logger.info("SIGTERM: finishing the current command, then exiting")
+        if not self.serving.is_set():
+            logger.info("stopped on SIGTERM before serving")
+            _exit(0)
+        time.sleep(self.grace_s)
+        logger.error("still running %g s after SIGTERM (--shutdown-timeout); exiting",
+                     self.grace_s)
+        _exit(1)
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+def _exit(code: int) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
 
 
 def _advertise_host(args) -> str:
@@ -80,6 +157,9 @@ def run(args) -> int:
 
 def _serve(args, metrics) -> int:
     conn = ControlplaneConnection(args.controlplane)
+    stop = SigtermStop(conn.commands, args.shutdown_timeout)
+    if threading.current_thread() is threading.main_thread():
+        stop.install()
     try:
         conn.connect(args.connect_timeout)
         request = worker_pb2.RegisterRequest(
@@ -107,6 +187,7 @@ def _serve(args, metrics) -> int:
     busy = threading.Event()
     conn.start_reader(busy)
     conn.start_heartbeat(args.heartbeat_interval, worker)
+    stop.serving.set()
     try:
         while (msg := conn.commands.get()) is not None:
             busy.set()
@@ -116,12 +197,19 @@ def _serve(args, metrics) -> int:
                 conn.send(out)
             if metrics is not None:
                 metrics.after_command(msg, out, worker)  # after the reply is on its way
+            if stop.requested.is_set():
+                break  # commands queued behind this one are not started
     except KeyboardInterrupt:
         logger.info("interrupted")
         return 0
     finally:
         worker.close()
+        # Ends our side of the stream and waits (bounded) for the controlplane
+        # to end its side, so the last reply is delivered, not cut off.
         conn.close()
+    if stop.requested.is_set():
+        logger.info("stopped on SIGTERM")
+        return 0
     return getattr(conn, "exit_code", 1)
 
 

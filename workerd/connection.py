@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 # How long the main thread gets to finish cleanly after the stream ends.
 EXIT_GRACE_S = 5.0
+# How long close() waits for the controlplane to end its side of the stream
+# after ours has ended, so what we sent last (a step's reply) is delivered.
+CLOSE_GRACE_S = 5.0
 
 
 class RegistrationError(RuntimeError):
@@ -57,6 +60,7 @@ class ControlplaneConnection:
         self._outbox: queue.Queue = queue.Queue()
         self.commands: queue.Queue = queue.Queue()
         self._responses = None
+        self._reader: threading.Thread | None = None
 
     def connect(self, timeout_s: float) -> None:
         """Wait until the controlplane answers (it may still be starting)."""
@@ -87,7 +91,10 @@ class ControlplaneConnection:
         self._outbox.put(msg)
 
     def start_reader(self, busy: threading.Event) -> None:
-        threading.Thread(target=self._read, args=(busy,), name="stream-reader", daemon=True).start()
+        self._reader = threading.Thread(
+            target=self._read, args=(busy,), name="stream-reader", daemon=True
+        )
+        self._reader.start()
 
     def start_heartbeat(self, interval_s: float, worker) -> None:
         def beat() -> None:
@@ -122,7 +129,13 @@ class ControlplaneConnection:
                          EXIT_GRACE_S)
             os._exit(code)
 
-    def close(self) -> None:
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """End our side of the stream, then the channel. Closing the channel
+        cancels the stream, dropping messages still queued for it, so first
+        wait (bounded) for the reader to see the controlplane end its side,
+        which it does once it has read everything we sent."""
         self._outbox.put(None)
+        if self._reader is not None:
+            self._reader.join(grace_s)
         if self._channel is not None:
             self._channel.close()

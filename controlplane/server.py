@@ -155,6 +155,9 @@ class ControlPlane:
             logger.info("draining %d in-flight request(s)", len(self.router))
         while len(self.router) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        if len(self.router):
+            logger.warning("--shutdown-timeout: stopping with %d request(s) still in flight",
+                           len(self.router))
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
@@ -223,7 +226,9 @@ class ControlPlane:
         await self.readiness.stop()
         await self.health.enter_graceful_shutdown()
         await workers.stop_executor()
-        await asyncio.to_thread(self.engine.shutdown, left(STOP_RESERVE_S))
+        # Quick: stopping the executor failed any step in flight. At most 2 s,
+        # so that a stuck engine leaves the API time to send its errors.
+        await asyncio.to_thread(self.engine.shutdown, left(2.0))
         await api.stop(grace=left(2.0))
         await workers.stop(grace=left(1.0))
         self.loop_probes["api"].stop()

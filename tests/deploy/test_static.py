@@ -234,3 +234,43 @@ def test_compose_layouts_fit_the_default_model(files):
     args = dict(a.split("=", 1) for a in command if "=" in a)
     tp, pp = int(args["--tensor-parallel-size"]), int(args["--pipeline-parallel-size"])
     assert _layout_problem(tp, pp) is None
+
+
+def _duration_s(value: str) -> float:
+    """A compose duration ("30s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", value)
+    assert "".join(n + u for n, u in parts) == value, value
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_sigkill_comes_after_every_daemons_shutdown_timeout():
+    services = compose_config("docker-compose.yml")["services"]
+    command = services["controlplane"]["command"]
+    (flag,) = [a for a in command if a.startswith("--shutdown-timeout=")]
+    timeouts = {"controlplane": float(flag.split("=", 1)[1])}
+    for name, svc in services.items():
+        if svc.get("command") == ["kvloom-workerd"]:
+            timeouts[name] = float(svc["environment"]["KVLOOM_SHUTDOWN_TIMEOUT"])
+    assert len(timeouts) >= 3, timeouts
+    for name, timeout in timeouts.items():
+        assert timeout < _duration_s(services[name]["stop_grace_period"]), name
+
+    # Helm: each pod's grace period follows its daemon's timeout.
+    for values, cp_timeout, worker_timeout in [((), 20, 20), (
+        ("controlplane.shutdownTimeout=45", "workers.shutdownTimeout=7"), 45, 7
+    )]:
+        docs = render(*values)
+        (deployment,) = by_kind(docs, "Deployment")
+        pod = deployment["spec"]["template"]["spec"]
+        assert f"--shutdown-timeout={cp_timeout}" in pod["containers"][0]["args"]
+        assert pod["terminationGracePeriodSeconds"] > cp_timeout
+        (sts,) = by_kind(docs, "StatefulSet")
+        pod = sts["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["KVLOOM_SHUTDOWN_TIMEOUT"] == str(worker_timeout)
+        assert pod["terminationGracePeriodSeconds"] > worker_timeout
+    # The defaults fit Kubernetes' default grace period (30 s) as they are.
+    assert max(timeouts.values()) < 30
+    for obj in by_kind(render(), "Deployment") + by_kind(render(), "StatefulSet"):
+        assert obj["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30

@@ -1,4 +1,5 @@
-"""Wires the controlplane together and runs it until SIGINT/SIGTERM.
+"""Wires the controlplane together and runs it until SIGINT/SIGTERM, then
+drains and stops it within --shutdown-timeout (ControlPlane._shutdown).
 
 The main thread's asyncio loop ("api") serves the client API (Generation,
 health, reflection); the worker port (WorkerControl) and the executor run on

@@ -185,13 +185,35 @@ def test_a_scheduler_method_raising_in_a_step_fails_every_in_flight_request(
     _assert_serves_on(engine, executor, client, tiny_model_dir)
 
 
+def _add_together(engine, *requests) -> None:
+    """Add requests so that the engine takes them all before its next step:
+    its handling of the first waits until the last is queued (two plain
+    add_request calls race the engine thread, which may step in between)."""
+    queued = threading.Event()
+    add = engine._add
+
+    def add_then_wait(request) -> None:
+        add(request)
+        queued.wait(WAIT_S)
+
+    engine._add = add_then_wait
+    try:
+        for request in requests:
+            engine.add_request(request)
+    finally:
+        queued.set()
+
+
 def test_emit_raising_fails_the_step_including_requests_that_finished_in_it(
     parts, tiny_model_dir
 ):
     engine, executor, client, _ = parts
     client.pause_at(1)
-    engine.add_request(_greedy("a", _prompt(5, 5), max_tokens=2))  # ends in step 2
-    engine.add_request(_greedy("b", _prompt(7, 6), max_tokens=10))
+    _add_together(
+        engine,
+        _greedy("a", _prompt(5, 5), max_tokens=2),  # ends in step 2
+        _greedy("b", _prompt(7, 6), max_tokens=10),
+    )
     client.wait_paused()
     client.fail_next_step = True
     client.resume()

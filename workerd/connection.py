@@ -27,13 +27,44 @@ EXIT_GRACE_S = 5.0
 # How long close() waits for the controlplane to end its side of the stream
 # after ours has ended, so what we sent last (a step's reply) is delivered.
 CLOSE_GRACE_S = 5.0
+# Ceiling of the channel's reconnect back-off while the controlplane is down.
+RECONNECT_BACKOFF_MS = 1000
+# One dial attempt: how long to wait for the channel to become ready before
+# logging "waiting for controlplane" and trying again.
+DIAL_ATTEMPT_S = 2.0
+# Log every this many dial attempts after the first two (~10 s apart).
+DIAL_LOG_EVERY = 5
+# The controlplane answers a RegisterRequest at once; one that does not within
+# this long is stuck (or is not a controlplane) and the attempt is retried.
+REGISTER_ATTEMPT_S = 10.0
 
 
 class RegistrationError(RuntimeError):
+    """The peer answered and refused us: retrying cannot help (exit non-zero)."""
+
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+
+
+# Codes after which a registration attempt is retried: the controlplane went
+# away (restarting) or did not answer in time. Any other code is a refusal.
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class _DeadlineExceeded(grpc.RpcError):
+    """A registration attempt that got no answer in time (retried)."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"no answer to RegisterRequest within {timeout_s:.0f} s")
+        self._details = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
 
 
 def free_port() -> int:
@@ -50,6 +81,12 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC's default reconnect back-off grows to 120 s: a worker started
+        # before its controlplane would join up to two minutes after it
+        # listens. Capped, a worker joins within ~1 s whatever the start order.
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS // 2),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
     ]
 
 
@@ -61,30 +98,100 @@ class ControlplaneConnection:
         self.commands: queue.Queue = queue.Queue()
         self._responses = None
         self._reader: threading.Thread | None = None
+        self.dial_attempts = 0  # read by tests and logs
+        self._deadline = 0.0
+        self._timeout_s = 0.0
 
     def connect(self, timeout_s: float) -> None:
-        """Wait until the controlplane answers (it may still be starting)."""
+        """Wait until the controlplane answers (it may still be starting).
+
+        Sets the deadline register() retries within as well."""
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
         self._channel = grpc.insecure_channel(self.target, options=channel_options())
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise ConnectionError(
-                f"could not reach the controlplane at {self.target} within {timeout_s:.0f} s"
-            ) from None
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        ready = grpc.channel_ready_future(self._channel)
+        while True:
+            self.dial_attempts += 1
+            remaining = self._deadline - time.monotonic()
+            try:
+                ready.result(timeout=max(0.0, min(DIAL_ATTEMPT_S, remaining)))
+                return
+            except grpc.FutureTimeoutError:
+                pass
+            if time.monotonic() >= self._deadline:
+                ready.cancel()
+                raise ConnectionError(
+                    f"could not reach the controlplane at {self.target} within "
+                    f"{self._timeout_s:.0f} s (--connect-timeout)"
+                ) from None
+            n = self.dial_attempts
+            if n <= 2 or n % DIAL_LOG_EVERY == 0:
+                logger.info("waiting for controlplane at %s (attempt %d)", self.target, n)
 
     def register(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterReply:
+        """Open the stream and register; retried while the controlplane is
+        unreachable or silent, until connect()'s deadline. A refusal, or a
+        peer that is not a kvloom controlplane, raises RegistrationError."""
         assert self._channel is not None
+        while True:
+            try:
+                return self._register_once(request)
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise RegistrationError(
+                    code,
+                    f"{self.target} is a gRPC server but not a kvloom controlplane "
+                    "(it does not implement WorkerControl.Connect); point --controlplane "
+                    "at the controlplane's worker port",
+                )
+            if code not in _RETRY_CODES:
+                raise RegistrationError(code, details)
+            if time.monotonic() >= self._deadline:
+                raise ConnectionError(
+                    f"could not register with the controlplane at {self.target} within "
+                    f"{self._timeout_s:.0f} s (--connect-timeout): {code.name} {details}"
+                )
+            logger.warning("registration with %s failed (%s %s); retrying",
+                           self.target, code.name, details)
+            self._wait_ready()
+
+    def _register_once(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterReply:
+        """One attempt, bounded by REGISTER_ATTEMPT_S (the stream itself has no
+        deadline: it lasts the worker's life, so the first reply is awaited
+        here and the call cancelled when it does not come)."""
         stub = worker_pb2_grpc.WorkerControlStub(self._channel)
+        self._outbox = queue.Queue()
         self._outbox.put(worker_pb2.WorkerMessage(register=request))
-        self._responses = stub.Connect(iter(self._outbox.get, None))
+        responses = stub.Connect(iter(self._outbox.get, None))
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            responses.cancel()
+
+        timer = threading.Timer(REGISTER_ATTEMPT_S, expire)
+        timer.start()
         try:
-            first = next(self._responses)
-        except grpc.RpcError as exc:
-            raise RegistrationError(exc.code(), exc.details() or "") from None
+            first = next(responses)
+        except grpc.RpcError:
+            if expired.is_set():
+                raise _DeadlineExceeded(REGISTER_ATTEMPT_S) from None
+            raise
+        except StopIteration:
+            raise RegistrationError(
+                grpc.StatusCode.INTERNAL, "controlplane closed the stream without answering"
+            ) from None
+        finally:
+            timer.cancel()
         if first.WhichOneof("command") != "registered":
             raise RegistrationError(
                 grpc.StatusCode.INTERNAL, "controlplane did not answer register"
             )
+        self._responses = responses
         return first.registered
 
     def send(self, msg: worker_pb2.WorkerMessage) -> None:

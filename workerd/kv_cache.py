@@ -5,13 +5,20 @@ Start-up handshake: ProfileMemory asks every rank how many blocks it can hold
 minimum and sends it back in InitKVCache, and every rank then allocates
 exactly that many blocks with allocate_kv_caches. Block ids are logical and
 shared by all ranks: block b of every local layer holds the same tokens.
+
+On CPU the budget (unless kv_cache_memory_bytes is configured) is a share of
+the memory this process can really use: the kernel's MemAvailable, lowered to
+the cgroup's remaining room in a container, divided among the workers on this
+host (KVLOOM_NUM_LOCAL_WORKERS, which `kvloom up` sets, else torchrun's
+LOCAL_WORLD_SIZE, else 1).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -26,6 +33,10 @@ CPU_KV_CACHE_FRACTION = 0.25
 # CPU decoding is compute-bound long before a few GiB of cache fill up, so
 # more only commits memory (the cache is zeroed, so every page is touched).
 CPU_KV_CACHE_MAX_BYTES = 4 * GiB
+# Limits at or above this are cgroup v1's "unlimited" (a page-rounded 2**63 - 1).
+CGROUP_UNLIMITED = 1 << 60
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+LOCAL_WORKERS_ENV = ("KVLOOM_NUM_LOCAL_WORKERS", "LOCAL_WORLD_SIZE")
 # num_blocks travels as uint32 in MemoryProfile/InitKVCache.
 MAX_NUM_BLOCKS = (1 << 31) - 1
 
@@ -44,10 +55,19 @@ def bytes_per_block(model: KVCacheModel, block_size: int, dtype: torch.dtype) ->
     return per_layer * model.num_local_layers * torch.empty((), dtype=dtype).element_size()
 
 
-def available_system_memory() -> int:
-    """MemAvailable from /proc/meminfo; free physical pages where that is missing."""
+def available_system_memory(
+    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = CGROUP_ROOT
+) -> int:
+    """MemAvailable (free physical pages where that is missing), lowered to
+    the cgroup's remaining room when the process runs under a memory limit."""
+    available = _meminfo_available(meminfo)
+    room = cgroup_memory_room(cgroup_root)
+    return available if room is None else min(available, room)
+
+
+def _meminfo_available(meminfo: Path) -> int:
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -56,8 +76,70 @@ def available_system_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def cpu_kv_cache_budget() -> int:
-    return min(int(available_system_memory() * CPU_KV_CACHE_FRACTION), CPU_KV_CACHE_MAX_BYTES)
+def cgroup_memory_room(root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes the cgroup can still grow by (limit - usage + reclaimable page
+    cache), or None without a limit. cgroup v2 (memory.max) first, then v1."""
+    for limit_f, usage_f, stat_f, inactive_key in (
+        ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+         "memory/memory.stat", "total_inactive_file"),
+    ):
+        limit = _read_int(root / limit_f)
+        if limit is None:
+            continue
+        if limit >= CGROUP_UNLIMITED:
+            return None
+        usage = _read_int(root / usage_f) or 0
+        inactive = _stat_value(root / stat_f, inactive_key)
+        return max(0, limit - usage + min(inactive, usage))
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        raw = path.read_text().strip()
+    except OSError:
+        return None
+    if raw == "max":
+        return CGROUP_UNLIMITED
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def num_local_workers(environ: Mapping[str, str] = os.environ) -> int:
+    """Workers sharing this host's memory: KVLOOM_NUM_LOCAL_WORKERS, else
+    LOCAL_WORLD_SIZE, else 1 (a worker alone on its host or pod)."""
+    for var in LOCAL_WORKERS_ENV:
+        raw = environ.get(var, "").strip()
+        if raw:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a whole number of workers") from None
+            if value >= 1:
+                return value
+    return 1
+
+
+def cpu_kv_cache_budget(local_workers: int | None = None) -> int:
+    """This worker's share of the memory it can use, capped (see the constants)."""
+    if local_workers is None:
+        local_workers = num_local_workers()
+    share = available_system_memory() * CPU_KV_CACHE_FRACTION / max(1, local_workers)
+    return min(int(share), CPU_KV_CACHE_MAX_BYTES)
 
 
 def cuda_kv_cache_budget(

@@ -166,6 +166,9 @@ def child_env(spec: ClusterSpec) -> dict[str, str]:
     """The daemons' environment. The auth token travels here rather than in
     argv, where any local user could read it from /proc/PID/cmdline."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Every rank runs on this host: each sizes its CPU KV cache to its share
+    # of the memory (workerd/kv_cache.py).
+    env["KVLOOM_NUM_LOCAL_WORKERS"] = str(spec.world_size)
     if spec.auth_token is not None:
         env["KVLOOM_AUTH_TOKEN"] = spec.auth_token
     return env

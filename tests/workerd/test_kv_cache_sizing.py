@@ -107,3 +107,13 @@ def test_cpu_budget_in_a_small_container(monkeypatch, tmp_path):
     real = kv_cache.available_system_memory
     monkeypatch.setattr(kv_cache, "available_system_memory", lambda: real(meminfo, root))
     assert kv_cache.cpu_kv_cache_budget(local_workers=2) == GiB // 8
+
+
+def test_launcher_tells_each_rank_how_many_share_the_host(monkeypatch):
+    from kvloom.cli import launcher
+
+    monkeypatch.setenv("KVLOOM_NUM_LOCAL_WORKERS", "99")  # a stale value is replaced
+    spec = launcher.ClusterSpec(tensor_parallel_size=2, pipeline_parallel_size=3)
+    env = launcher.child_env(spec)
+    assert env["KVLOOM_NUM_LOCAL_WORKERS"] == "6"
+    assert kv_cache.num_local_workers(env) == 6

@@ -128,6 +128,31 @@ def test_gpu_override_keeps_the_controlplane_flags():
         assert device["capabilities"] == ["gpu"]
 
 
+def _controlplane_args(docs: list[dict]) -> list[str]:
+    (deployment,) = by_kind(docs, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return [*container.get("command", []), *container.get("args", [])]
+
+
+def test_chart_passes_the_kv_cache_size_only_when_configured():
+    # An unconditional --kv-cache-memory-bytes=0 would override a value from
+    # KVLOOM_KV_CACHE_MEMORY_BYTES (extraEnv) with "size it yourself".
+    assert "--kv-cache-memory-bytes" not in _flags(_controlplane_args(render()))
+    args = _controlplane_args(render("cache.kvCacheMemoryBytes=17179869184"))
+    assert "--kv-cache-memory-bytes=17179869184" in args
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",),
+                                   ("docker-compose.yml", "deploy/compose.gpu.yml")])
+def test_compose_passes_the_configured_kv_cache_size(files):
+    text = "".join((ROOT / name).read_text() for name in files)
+    assert "--kv-cache-memory-bytes=${KVLOOM_KV_CACHE_MEMORY_BYTES:-0}" in text
+    services = compose_config(*files)["services"]
+    assert "--kv-cache-memory-bytes=0" in services["controlplane"]["command"]
+    # Two CPU workers share the Docker host's memory.
+    assert services["workerd-0"]["environment"]["KVLOOM_NUM_LOCAL_WORKERS"] == "2"
+
+
 def test_prometheus_scrapes_every_kvloom_service():
     services = compose_config("docker-compose.yml")["services"]
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -205,9 +206,13 @@ def test_startup_broadcast_and_failure():
             by_rank[1].rank = -1  # output rank stops answering steps
             thread = threading.Thread(target=step_in_thread)
             thread.start()
-            await asyncio.sleep(0.3)
+            # Pending = every rank has the step (polled, not a fixed sleep).
+            deadline = time.monotonic() + 30
+            while not all(len(w.steps) == 2 for w in workers):
+                assert time.monotonic() < deadline, "the second step never reached the ranks"
+                await asyncio.sleep(0.01)
             tasks[[w.rank for w in workers].index(0)].cancel()
-            await asyncio.to_thread(thread.join, 5)
+            await asyncio.to_thread(thread.join, 30)
             assert not thread.is_alive()
             assert "rank 0" in result["error"] and "disconnected" in result["error"]
             status = h.executor.status()

@@ -55,7 +55,7 @@ def test_round_trip_heartbeat_and_disconnect_are_recorded():
             assert h.executor.status().rank(0).last_forward_time_s == pytest.approx(0.25)
             tasks[workers.index(w0)].cancel()
             for _ in range(100):
-                if h.executor.status().failure_counts:
+                if h.failed and h.executor.status().failure_counts:
                     break
                 await asyncio.sleep(0.02)
             assert h.executor.status().failure_counts == {FailureKind.DISCONNECTED: 1}
@@ -70,7 +70,11 @@ def test_step_error_fails_the_group_as_worker_error():
             _, tasks = await _ready_group(h, FailingWorker)
             with pytest.raises(WorkerGroupFailed, match="boom"):
                 await asyncio.to_thread(h.executor.execute_model, _step(["a"]))
-            await asyncio.sleep(0.1)
+            # The failure is recorded on the loop: poll for it, no fixed sleep.
+            for _ in range(3000):
+                if h.failed and h.executor.status().failure_counts:
+                    break
+                await asyncio.sleep(0.01)
             status = h.executor.status()
             assert status.failure_counts == {FailureKind.WORKER_ERROR: 1}
             assert status.state is GroupState.FORMING and h.failed

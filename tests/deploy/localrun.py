@@ -18,12 +18,10 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,30 +46,15 @@ def find_docker_compose() -> str | None:
     return shutil.which("docker-compose")
 
 
-def port_is_free(port: int) -> bool:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
 def assign_ports(wanted: dict[str, int]) -> dict[str, int]:
-    """Keep each wanted port when it is free and not wanted twice; else a free one.
+    """A distinct free loopback port for each port a definition declares.
 
-    Containers each have their own network namespace, so a definition may use
-    one port number in several of them; on one loopback they must differ.
+    Never the declared number itself (50051, 9090, 29500...): containers each
+    have their own network namespace, so a definition may use one number in
+    several of them, and a well-known port that is free when checked can be
+    taken by another test or service before the daemon binds it.
     """
-    taken: set[int] = set()
-    result: dict[str, int] = {}
-    spares = iter(pick_free_ports(len(wanted)))
-    for name, port in wanted.items():
-        if port in taken or not port_is_free(port):
-            port = next(p for p in spares if p not in taken)
-        taken.add(port)
-        result[name] = port
-    return result
+    return dict(zip(wanted, pick_free_ports(len(wanted)), strict=True))
 
 
 def base_env(tmp: Path) -> dict[str, str]:

@@ -4,7 +4,8 @@ health checks must start a cluster that answers correctly.
 `docker-compose config` resolves the file (anchors, merges, interpolation)
 exactly as `docker-compose up` would, with the variables the file itself reads
 pointing the controlplane at the tiny test model, one torch thread per worker,
-and ports that collide on a shared loopback moved to free ones. Each kvloom
+and every port moved to a free one (never a well-known number another process
+may hold). Each kvloom
 service then runs with its own command and environment, compose service names
 resolving to 127.0.0.1, in depends_on order: a service starts once the
 healthcheck of what it depends on passes, and the healthchecks are the

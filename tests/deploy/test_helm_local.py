@@ -7,7 +7,7 @@ each pod: the controlplane Deployment's one pod and one pod per StatefulSet
 replica (ordinal = rank), with the downward API (pod name, namespace, the
 apps.kubernetes.io/pod-index label), Secret references and $(VAR) expansion
 resolved as Kubernetes resolves them. Networking is emulated on one loopback:
-each pod's containerPorts get local ports (the declared number when free), and
+each pod's containerPorts get free local ports (never the declared number), and
 Service names, pod DNS names and Service ports resolve through the rendered
 Services' selectors and targetPorts to those local ports. The controlplane's
 startup, liveness and readiness grpc probes and the workers' exec readiness
@@ -178,7 +178,16 @@ class LocalCluster:
 
     def argv(self, pod: Pod, env: dict[str, str]) -> list[str]:
         argv = [*pod.container["command"], *pod.container.get("args", [])]
-        return [self.localize(pod, expand(arg, env)) for arg in argv]
+        return [self.localize_port_flag(pod, self.localize(pod, expand(arg, env)))
+                for arg in argv]
+
+    def localize_port_flag(self, pod: Pod, arg: str) -> str:
+        """--port=N, --worker-port=N...: a containerPort of this pod, moved."""
+        flag, sep, value = arg.partition("=")
+        if not (sep and flag.startswith("--") and flag.endswith("port") and value.isdigit()):
+            return arg
+        name = next((n for n, p in pod.container_ports.items() if p == int(value)), None)
+        return arg if name is None else f"{flag}={pod.local_ports[name]}"
 
     def probe_passes(self, pod: Pod, probe: dict, env: dict[str, str]) -> bool:
         if "grpc" in probe:

@@ -19,6 +19,7 @@ from tests.integration.conftest import running_cluster
 pytestmark = pytest.mark.slow
 
 READY = "kvloom.v1.Generation"
+POLL_S = 60.0  # bounds polls that must succeed; never asserted as a latency
 
 
 def _health(address: str, service: str = READY) -> str:
@@ -35,9 +36,11 @@ def test_frozen_worker_turns_not_serving(tiny_model_dir, monkeypatch):
         worker = next(p.popen for p in cluster.processes if p.name == "rank 0")
         worker.send_signal(signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 15
+            # A poll bound, not a latency claim (the 3 s heartbeat timeout is
+            # the controlplane's; shared CI cores may be slow to run it).
+            deadline = time.monotonic() + POLL_S
             while _health(cluster.api_address) == "SERVING":
-                assert time.monotonic() < deadline, "still SERVING 15 s after freezing rank 0"
+                assert time.monotonic() < deadline, f"still SERVING {POLL_S:.0f} s after freezing"
                 time.sleep(0.2)
 
             async def refused():
@@ -65,7 +68,12 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir):
                 call = stub.Generate(greedy_request([5, 6], max_tokens=300), timeout=120)
                 first = await call.read()
                 controlplane.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
+                # Draining starts when the signal is handled: readiness turns
+                # NOT_SERVING then, and new requests are refused from then on.
+                deadline = time.monotonic() + POLL_S
+                while await asyncio.to_thread(_health, cluster.api_address) == "SERVING":
+                    assert time.monotonic() < deadline, "still SERVING after SIGTERM"
+                    await asyncio.sleep(0.05)
                 refused = await status_of(stub, greedy_request([7], max_tokens=4))
                 rest = await read_all(call)
                 return first, rest, refused

@@ -1,5 +1,5 @@
 """Killing one rank of a TP=2 group mid-generation: clients get UNAVAILABLE
-naming the lost rank within 10 s, readiness turns NOT_SERVING, the surviving
+naming the lost rank (long before any timeout), readiness turns NOT_SERVING, the surviving
 worker exits, and the controlplane keeps answering."""
 
 from __future__ import annotations
@@ -62,16 +62,19 @@ def _health(address: str, service: str) -> str:
 
 
 def test_killing_a_tp_rank_fails_requests_fast(tiny_model_dir):
-    with running_cluster(tiny_model_dir, tp=2) as cluster:
+    # Step and heartbeat timeouts far beyond the clients' 120 s deadline: an
+    # UNAVAILABLE naming the rank can then only come from noticing the kill,
+    # so no wall-clock bound is needed to show the failure was fast.
+    slow_timeouts = ("--step-timeout", "600", "--heartbeat-timeout", "600")
+    with running_cluster(tiny_model_dir, tp=2, args=slow_timeouts) as cluster:
         procs = {p.name: p.popen for p in cluster.processes}
         victim, survivor = procs["rank 1"], procs["rank 0"]
         results = asyncio.run(
             _stream_until_killed(cluster.api_address, lambda: victim.send_signal(signal.SIGKILL))
         )
-        for code, details, elapsed in results:
+        for code, details, _elapsed in results:
             assert code == grpc.StatusCode.UNAVAILABLE, details
             assert "rank 1" in details, details
-            assert elapsed < 10.0
         assert _health(cluster.api_address, "kvloom.v1.Generation") == "NOT_SERVING"
         assert _health(cluster.api_address, "") == "SERVING"
         # The survivor was told to shut down (or lost its collective) and exits.

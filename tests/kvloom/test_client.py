@@ -318,12 +318,14 @@ def test_async_cancelling_the_task_cancels_the_call(fake_server):
 
     async def scenario():
         async with AsyncKvloomClient(address) as client:
+            streaming = asyncio.Event()
+
             async def consume():
                 async for _ in client.generate("slow"):
-                    pass
+                    streaming.set()
 
             task = asyncio.create_task(consume())
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(streaming.wait(), 30)  # the call is live: cancel it
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

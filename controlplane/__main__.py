@@ -3,6 +3,12 @@
 The flags are the config dataclasses' fields (controlplane/config.py declares
 each one's default, help and bounds). Every flag is also read from a KVLOOM_*
 environment variable (e.g. --max-num-seqs from KVLOOM_MAX_NUM_SEQS).
+
+A wrong value argparse cannot see (a model path that does not exist, a layout
+the model cannot be split into, a port another process holds) ends start-up
+with one line, "kvloom-controlplane: error: ...", and exit code 2; --check
+stops after those checks without serving (`kvloom up` runs it before it
+spawns any worker).
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from typing import NoReturn
 
 from controlplane.config import (
     ApiLimitsConfig,
@@ -25,6 +33,7 @@ from controlplane.config_args import add_config_group, config_from_args
 from controlplane.model_info import ModelInfo, read_model_info
 from kvloom.envargs import EnvArgumentParser
 from kvloom.server.logs import setup_logging
+from kvloom.server.ports import PortInUse, port_in_use
 
 logger = logging.getLogger("controlplane")
 
@@ -54,24 +63,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, default=0,
         help="longest prompt + output; 0 = the model's max_position_embeddings")
     p.add_argument("--log-level", default="INFO", help="logging level of the controlplane")
+    p.add_argument("--check", action="store_true",
+                   help="check the model, the layout and the ports, then exit without serving")
     return p
 
 
+def fail(message: str) -> NoReturn:
+    """A start-up error argparse could not see: one line, no usage text, exit 2."""
+    print(f"kvloom-controlplane: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def build_config(
-    args: argparse.Namespace, p: argparse.ArgumentParser
+    args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> tuple[ControlPlaneConfig, ModelInfo]:
+    """parser: unused, kept for callers that pass it."""
     model_path = args.model
     if not model_path:
         from kvloom.server.default_model import default_model_dir
 
         model_path = default_model_dir()
+    if not os.path.exists(model_path):
+        fail(f"--model {model_path}: the path does not exist; pass a Hugging Face "
+             f"checkpoint directory (config.json, *.safetensors, tokenizer)")
     try:
         info = read_model_info(model_path)
     except (OSError, ValueError, KeyError) as exc:
-        p.error(f"--model {model_path!r}: {exc}")
+        fail(f"--model {model_path}: {exc}")
     max_model_len = args.max_model_len or info.max_position_embeddings
     if not 0 < max_model_len <= info.max_position_embeddings:
-        p.error(f"--max-model-len {max_model_len} must be in 1..{info.max_position_embeddings}, "
+        fail(f"--max-model-len {max_model_len} must be in 1..{info.max_position_embeddings}, "
                 f"the model's max_position_embeddings")
     config = ControlPlaneConfig(
         model=config_from_args(
@@ -110,17 +131,35 @@ def check_layout(config: ControlPlaneConfig, info: ModelInfo) -> str | None:
     return None
 
 
+def busy_port(config: ControlPlaneConfig) -> PortInUse | None:
+    """The first configured port another process holds (the bind re-checks)."""
+    cfg = config.server
+    for port, what in ((cfg.port, "--port, the API"), (cfg.worker_port, "--worker-port"),
+                       (cfg.metrics_port, "--metrics-port")):
+        if port and port_in_use(cfg.host, port):
+            return PortInUse(port, what)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "controlplane")
-    config, info = build_config(args, parser)
-    problem = check_layout(config, info)
+    config, info = build_config(args)
+    problem = check_layout(config, info) or busy_port(config)
     if problem:
-        parser.error(problem)
+        fail(str(problem))
+    if args.check:
+        par = config.parallel
+        print(f"kvloom-controlplane: {config.model.model}: TP={par.tensor_parallel_size} "
+              f"PP={par.pipeline_parallel_size} and the ports are usable")
+        return
     from controlplane.server import run
 
-    run(config, info)
+    try:
+        run(config, info)
+    except PortInUse as exc:  # taken between the check and the bind
+        fail(str(exc))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from controlplane.metrics.grpc_interceptor import GrpcMetricsInterceptor
 from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness
+from kvloom.server.ports import EXCLUSIVE_PORT, add_insecure_port
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ def grpc_options(config: ControlPlaneConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # No SO_REUSEPORT: a second controlplane on this port must fail, not
+        # silently share the port's connections with this one.
+        EXCLUSIVE_PORT,
     ]
 
 
@@ -191,7 +195,7 @@ class ControlPlane:
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), api
         )
-        client_port = api.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        client_port = add_insecure_port(api, cfg.host, cfg.port, "--port, the API")
 
         await self.health.set("", SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)

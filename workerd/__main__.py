@@ -3,7 +3,8 @@
 Exit codes: 0 when the controlplane asked the worker to stop, or on SIGTERM
 once the current command (a step, a model load) has finished and its reply is
 sent; 1 when the stream broke, a start-up step failed, or the current command
-outlived --shutdown-timeout after SIGTERM; 2 when registration was refused.
+outlived --shutdown-timeout after SIGTERM; 2 when registration was refused
+or --metrics-port is held by another process.
 With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
 """
 
@@ -20,6 +21,7 @@ import time
 
 from kvloom.envargs import EnvArgumentParser
 from kvloom.server.logs import setup_logging
+from kvloom.server.ports import PortInUse
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import ControlplaneConnection, RegistrationError, free_port
 from workerd.worker import Worker
@@ -147,7 +149,11 @@ def run(args) -> int:
         from workerd.metrics import WorkerMetrics
 
         metrics = WorkerMetrics()
-        metrics.serve(args.metrics_host, args.metrics_port)
+        try:
+            metrics.serve(args.metrics_host, args.metrics_port)
+        except PortInUse as exc:  # one line, not a traceback
+            print(f"kvloom-workerd: error: {exc}", file=sys.stderr)
+            return 2
     try:
         return _serve(args, metrics)
     finally:

@@ -40,6 +40,7 @@ from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import ExecutorStatus
 from controlplane.executor.worker_service import WorkerControlService
 from controlplane.metrics.loop_lag import LoopLagProbe
+from kvloom.server.ports import EXCLUSIVE_PORT, add_insecure_port
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class WorkerPlane:
         lag_probe: LoopLagProbe | None = None,
     ):
         self.executor = executor
-        self._address = f"{host}:{port}"
+        self._host, self._port = host, port
         self._options = options
         self._lag_probe = lag_probe
         self._thread: threading.Thread | None = None
@@ -141,9 +142,10 @@ class WorkerPlane:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_requested = self._loop.create_future()
-        server = grpc.aio.server(options=self._options)
+        # Exclusive whatever the caller passed (kvloom/server/ports.py).
+        server = grpc.aio.server(options=[*self._options, EXCLUSIVE_PORT])
         server.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
-        port = server.add_insecure_port(self._address)
+        port = add_insecure_port(server, self._host, self._port, "--worker-port")
         await server.start()
         self.executor.start(self._loop)
         if self._lag_probe is not None:

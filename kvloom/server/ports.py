@@ -1,0 +1,51 @@
+"""Listening ports are exclusive: a second server on a port fails at start-up.
+
+gRPC Python sets SO_REUSEPORT on its listening sockets unless told otherwise,
+so a second controlplane would bind 50051 beside the first and the kernel
+would split connections between them, silently. Every gRPC server takes
+EXCLUSIVE_PORT in its options; a failed bind becomes PortInUse, whose one-line
+message the daemons print before exiting non-zero. Socket-only (no grpc), so
+the CLI can check its ports before it spawns anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+# The gRPC channel argument that turns SO_REUSEPORT off on a server's sockets.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+class PortInUse(RuntimeError):
+    def __init__(self, port: int, what: str = ""):
+        self.port = port
+        label = f" ({what})" if what else ""
+        super().__init__(f"port {port} is already in use by another process{label}; "
+                         f"stop that process or choose another port")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding host:port fails because something else holds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As the servers do: a port held only by TIME_WAIT connections is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host or "0.0.0.0", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def add_insecure_port(server, host: str, port: int, what: str = "") -> int:
+    """server.add_insecure_port, with a busy port reported as PortInUse."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.5x: "Failed to bind to address ..."
+        bound = 0
+    if bound == 0:
+        if port and port_in_use(host, port):
+            raise PortInUse(port, what)
+        raise RuntimeError(f"cannot listen on {host}:{port}{f' ({what})' if what else ''}")
+    return bound

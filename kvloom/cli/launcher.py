@@ -2,7 +2,10 @@
 
 Used by `kvloom up`, `kvloom run` and the serving benchmark's --launch mode.
 `Cluster.start()` picks free ports (the API, the worker port, the
-controlplane's /metrics and one /metrics per rank), spawns
+controlplane's /metrics and one /metrics per rank), checks before it spawns
+anything that no other process holds a port and that the controlplane accepts
+its arguments, the model and the layout (`python -m controlplane --check`:
+`--pp 99` fails in a second, not after 99 processes), then spawns
 `python -m controlplane` and one `python -m workerd --rank R` per rank
 (the cluster's auth token, if any, in their environment), and relays their
 output with a "[controlplane] " / "[rank R] " prefix; `wait_ready()` polls the grpc health
@@ -36,6 +39,7 @@ from typing import IO, NamedTuple
 
 from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+from kvloom.server.ports import PortInUse, port_in_use
 
 TAIL_LINES = 40
 
@@ -233,6 +237,7 @@ class Cluster:
         """Spawn the controlplane and every rank, then relay their logs."""
         self.model = self.spec.model or _default_model()
         self.ports = resolve_ports(self.spec)
+        preflight(self.spec, self.model, self.ports)
         self._spawn("controlplane", controlplane_command(self.spec, self.model, self.ports))
         for rank in range(self.spec.world_size):
             argv = workerd_command(
@@ -320,6 +325,23 @@ class Cluster:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def preflight(spec: ClusterSpec, model: str, ports: Ports) -> None:
+    """Refuse, before any process starts, a port another process holds and
+    whatever `controlplane --check` refuses (model, layout, flags): one line."""
+    flags = ["--port", "--worker-port", "--metrics-port"]
+    flags += [f"--worker-metrics-port (rank {r})" for r in range(len(ports.worker_metrics))]
+    for port, flag in zip([*ports[:3], *ports.worker_metrics], flags, strict=True):
+        if port_in_use(spec.host, port):
+            raise ClusterError(str(PortInUse(port, flag)))
+    argv = [*controlplane_command(spec, model, ports), "--check"]
+    done = subprocess.run(argv, env=child_env(spec), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exited with code {done.returncode}"]
+        errors = [line.split("error: ", 1)[1] for line in lines if "error: " in line]
+        raise ClusterError((errors or lines)[-1])
 
 
 def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up") -> str:

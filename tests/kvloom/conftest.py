@@ -196,6 +196,8 @@ class Metrics(http.server.BaseHTTPRequestHandler):
         pass
 
 args = sys.argv[1:]
+if "--check" in args:  # the launcher's preflight: nothing to check here
+    sys.exit(0)
 print("controlplane args", " ".join(args), flush=True)
 print("controlplane token", os.environ.get("KVLOOM_AUTH_TOKEN"), flush=True)
 metrics = http.server.HTTPServer(("127.0.0.1", int(args[args.index("--metrics-port") + 1])),

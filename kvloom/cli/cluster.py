@@ -18,20 +18,28 @@ from kvloom.cli.generate import EXIT_FAILURE, chat_turns, complete
 from kvloom.client import KvloomClient, KvloomError
 
 
-def add_cluster_args(parser: argparse.ArgumentParser, default_pp: int) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint dir; default: SmolLM2-135M")
-    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "--pp", type=int, default=default_pp)
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """`up` and `run` share these flags and their defaults (one process per rank: PP=1)."""
+    parser.add_argument("--model", default=None,
+                        help="checkpoint dir; unset: SmolLM2-135M-Instruct, converted once")
+    parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                        help="ranks each layer is split across")
+    parser.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
+                        help="stages the layers are split into")
     parser.add_argument("--host", default="127.0.0.1", help="address the API binds to")
     parser.add_argument("--port", type=int, default=0, help="client API port; 0 = free port")
-    parser.add_argument("--worker-port", type=int, default=0)
-    parser.add_argument("--metrics-port", type=int, default=0)
+    parser.add_argument("--worker-port", type=int, default=0,
+                        help="port workers dial; 0 = free port")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="controlplane /metrics; 0 = free port")
     parser.add_argument("--worker-metrics-port", type=int, default=0,
                         help="rank R serves /metrics on this + R; 0 = free ports")
     parser.add_argument("--auth-token", default=None,
                         help="shared secret for the controlplane and every worker")
-    parser.add_argument("--worker-threads", type=int, default=None, help="torch threads/rank")
-    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--worker-threads", type=int, default=None,
+                        help="torch threads per rank; unset: the CPUs shared among ranks")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for the cluster to be ready")
 
 
 def cluster_spec(args: argparse.Namespace) -> launcher.ClusterSpec:
@@ -74,10 +82,26 @@ def serve_foreground(cluster: launcher.Cluster, state_file: Path) -> int:
     except (KeyboardInterrupt, launcher.Terminated):
         print("kvloom: stopping", file=sys.stderr)
         return 0  # the normal way to end `up`
+    except launcher.ClusterError:
+        if not stopped_by_down(state_file):
+            raise
+        print("kvloom: stopped by `kvloom down`", file=sys.stderr)
+        return 0
     finally:
         cluster.stop()
         state_file.unlink(missing_ok=True)
     return EXIT_FAILURE  # unreachable: monitor() only returns by raising
+
+
+def stopped_by_down(state_file: Path) -> bool:
+    """Whether `kvloom down` is stopping (or has stopped) this cluster: it
+    marks the state file before it signals anyone and removes it after."""
+    try:
+        return launcher.ClusterState.load(state_file).stopping
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def print_endpoints(cluster: launcher.Cluster) -> None:
@@ -104,6 +128,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"kvloom: no cluster recorded in {state_file}", file=sys.stderr)
         return EXIT_FAILURE
     state = launcher.ClusterState.load(state_file)
+    state.stopping = True  # a foreground `up` then reports a clean stop, not a crash
+    state.save(state_file)
     killed = launcher.stop_detached(state, grace=args.grace)
     state_file.unlink(missing_ok=True)
     note = f" (SIGKILLed: {', '.join(killed)})" if killed else ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -33,6 +34,14 @@ class AppendOverridingDefault(argparse.Action):
         setattr(namespace, self.dest, [*items, values])
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    r"""--stop "\n\n" means two newlines: a shell passes the backslashes through."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m[1], m[0]), text)
+
+
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("sampling (unset = the server's default)")
     s.add_argument("--max-tokens", type=int, default=128)
@@ -46,8 +55,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]")
     s.add_argument("--min-tokens", type=int, default=None, help="no EOS/stop before this")
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--stop", action=AppendOverridingDefault, default=None, metavar="STR",
-                   help="stop at this string (repeatable)")
+    s.add_argument("--stop", action=AppendOverridingDefault, type=unescape, default=None,
+                   metavar="STR", help=r"stop at this string (repeatable); \n, \t, \r and "
+                   r"\\ are read as newline, tab, carriage return and backslash")
     s.add_argument("--stop-token-id", action=AppendOverridingDefault, type=int, default=None,
                    metavar="ID", help="stop at this token id (repeatable)")
     s.add_argument("--include-stop-str", action="store_true",

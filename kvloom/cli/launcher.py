@@ -88,6 +88,8 @@ class ClusterState:
     log_dir: str = ""
     # Per rank, in rank order.
     worker_metrics: list[str] = field(default_factory=list)
+    # Set by `kvloom down` before it stops the processes.
+    stopping: bool = False
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -75,20 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_arg(health)
 
     up = sub.add_parser("up", help="start a local cluster (extra args go to the controlplane)")
-    add_cluster_args(up, default_pp=1)
+    add_cluster_args(up)
     up.add_argument("--detach", action="store_true", help="start in the background and return")
-    up.add_argument("--state-file", type=Path, default=None, help="where pids/ports are kept")
+    up.add_argument("--state-file", type=Path, default=None,
+                    help="where pids/ports are kept; default: ~/.cache/kvloom/cluster.json")
 
     down = sub.add_parser("down", help="stop a cluster started with `kvloom up --detach`")
-    down.add_argument("--state-file", type=Path, default=None)
+    down.add_argument("--state-file", type=Path, default=None,
+                      help="the cluster's state file; default: ~/.cache/kvloom/cluster.json")
     down.add_argument("--grace", type=float, default=10.0, help="seconds before SIGKILL")
 
     run = sub.add_parser("run", help="start a local cluster, chat once, stop it")
     run.add_argument("message")
     run.add_argument("--system", help="system prompt")
     run.add_argument("--logs", action="store_true", help="show the daemons' logs")
-    add_cluster_args(run, default_pp=2)
+    add_cluster_args(run)
     add_generation_args(run)
+    for subparser in sub.choices.values():  # every --help shows every default
+        subparser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     return parser
 
 

@@ -66,7 +66,7 @@ def test_parse_args_forwards_unknown_options_of_up_and_run():
     assert args.tensor_parallel_size == 2 and args.pipeline_parallel_size == 1
     assert args.controlplane_args == ("--max-num-seqs", "8")
     args = cli.parse_args(["run", "hi", "--block-size=32", "--auth-token", "s3"])
-    assert (args.message, args.pipeline_parallel_size, args.auth_token) == ("hi", 2, "s3")
+    assert (args.message, args.pipeline_parallel_size, args.auth_token) == ("hi", 1, "s3")
     assert args.controlplane_args == ("--block-size=32",)
     with pytest.raises(SystemExit):
         cli.parse_args(["generate", "hi", "--bogus"])

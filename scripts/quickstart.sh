@@ -10,4 +10,4 @@ scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 prompt=${1:-"What is the capital of France? Answer in one sentence."}
-exec kvloom run "$prompt"
+exec kvloom run --pp 2 "$prompt"

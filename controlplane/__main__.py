@@ -131,6 +131,17 @@ def check_layout(config: ControlPlaneConfig, info: ModelInfo) -> str | None:
     return None
 
 
+# AutoTokenizer needs one of these (fast, SentencePiece, or BPE vocab).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def missing_tokenizer(model_path: str) -> str | None:
+    if any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
+        return None
+    return (f"--model {model_path}: no tokenizer ({', '.join(TOKENIZER_FILES)}); copy the "
+            f"checkpoint's tokenizer files into that directory")
+
+
 def busy_port(config: ControlPlaneConfig) -> PortInUse | None:
     """The first configured port another process holds (the bind re-checks)."""
     cfg = config.server
@@ -146,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "controlplane")
     config, info = build_config(args)
-    problem = check_layout(config, info) or busy_port(config)
+    problem = (missing_tokenizer(config.model.model) or check_layout(config, info)
+               or busy_port(config))
     if problem:
         fail(str(problem))
     if args.check:

@@ -39,6 +39,7 @@ def model_dir(tmp_path):
         "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
         "max_position_embeddings": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
     }))
+    (path / "tokenizer.json").write_text("{}")  # present is all the start-up check asks
     return str(path)
 
 

@@ -3,8 +3,9 @@
 Exit codes: 0 when the controlplane asked the worker to stop, or on SIGTERM
 once the current command (a step, a model load) has finished and its reply is
 sent; 1 when the stream broke, a start-up step failed, or the current command
-outlived --shutdown-timeout after SIGTERM; 2 when registration was refused
-or --metrics-port is held by another process.
+outlived --shutdown-timeout after SIGTERM; 2 when registration was refused,
+--metrics-port is held by another process, or --controlplane or --device is
+malformed (one line, no usage text).
 With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -133,8 +135,26 @@ def _advertise_host(args) -> str:
     return socket.gethostname()
 
 
+DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def startup_problem(args) -> str | None:
+    """A value argparse accepted but the worker cannot start with."""
+    host, _, port = args.controlplane.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return (f"--controlplane {args.controlplane}: expected HOST:PORT of the controlplane's "
+                f"worker port (its --worker-port), e.g. 127.0.0.1:50052")
+    if not DEVICE_RE.fullmatch(args.device):
+        return f"--device {args.device}: expected auto, cpu, mps, cuda or cuda:N"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    problem = startup_problem(args)
+    if problem:  # one line, no usage text: the flag was well-formed for argparse
+        print(f"kvloom-workerd: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     setup_logging(args.log_level, f"workerd[{args.rank if args.rank >= 0 else '?'}]")
     if args.num_threads > 0:
         import torch

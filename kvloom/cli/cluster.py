@@ -167,6 +167,7 @@ def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
 
 def start_and_wait(cluster: launcher.Cluster, timeout: float) -> None:
     spec = cluster.spec
+    cluster.check()  # ports, model and layout, before we announce any process
     print(
         f"kvloom: starting controlplane + {spec.world_size} worker(s) "
         f"(tp={spec.tensor_parallel_size}, pp={spec.pipeline_parallel_size}) "

@@ -219,6 +219,7 @@ class Cluster:
         self.processes: list[ManagedProcess] = []
         self.model = ""
         self.ports = Ports(0, 0, 0)
+        self._checked = False
         self._lock = threading.Lock()
 
     @property
@@ -235,11 +236,17 @@ class Cluster:
         host = connect_host(self.spec.host)
         return [f"http://{host}:{port}/metrics" for port in self.ports.worker_metrics]
 
-    def start(self) -> None:
-        """Spawn the controlplane and every rank, then relay their logs."""
+    def check(self) -> None:
+        """Resolve the model and the ports and preflight() them; spawns nothing."""
         self.model = self.spec.model or _default_model()
         self.ports = resolve_ports(self.spec)
         preflight(self.spec, self.model, self.ports)
+        self._checked = True
+
+    def start(self) -> None:
+        """check() (unless done), spawn the controlplane and every rank, relay their logs."""
+        if not self._checked:
+            self.check()
         self._spawn("controlplane", controlplane_command(self.spec, self.model, self.ports))
         for rank in range(self.spec.world_size):
             argv = workerd_command(

@@ -32,6 +32,7 @@ from controlplane.config import (
 from controlplane.config_args import add_config_group, config_from_args
 from controlplane.model_info import ModelInfo, read_model_info
 from kvloom.envargs import EnvArgumentParser
+from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.server.logs import setup_logging
 from kvloom.server.ports import PortInUse, port_in_use
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = EnvArgumentParser(
         prog="kvloom-controlplane",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     groups = {title: add_config_group(p, cls, title) for title, cls in CONFIG_GROUPS}
     # Not config fields. --max-model-len is checked against the checkpoint and

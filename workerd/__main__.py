@@ -22,6 +22,7 @@ import threading
 import time
 
 from kvloom.envargs import EnvArgumentParser
+from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.server.logs import setup_logging
 from kvloom.server.ports import PortInUse
 from kvloom.worker.v1 import worker_pb2
@@ -32,7 +33,8 @@ logger = logging.getLogger("workerd")
 
 
 def build_parser() -> EnvArgumentParser:
-    p = EnvArgumentParser(prog="kvloom-workerd", description=__doc__.splitlines()[0])
+    p = EnvArgumentParser(prog="kvloom-workerd", description=__doc__.splitlines()[0],
+                          formatter_class=DefaultsHelpFormatter)
     p.add_argument("--controlplane", required=True, help="HOST:WORKER_PORT of the controlplane")
     p.add_argument("--rank", type=int, default=-1, help="explicit rank; -1 = assigned")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -44,8 +46,10 @@ def build_parser() -> EnvArgumentParser:
                    help="port for the torch.distributed store if this is rank 0; 0 = free port")
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch intra-op threads; 0 = torch's default")
-    p.add_argument("--connect-timeout", type=float, default=120.0)
-    p.add_argument("--heartbeat-interval", type=float, default=5.0)
+    p.add_argument("--connect-timeout", type=float, default=120.0,
+                   help="seconds to keep dialing and registering before giving up")
+    p.add_argument("--heartbeat-interval", type=float, default=5.0,
+                   help="seconds between heartbeats to the controlplane")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve this rank's Prometheus /metrics on this port; 0 = off")
     p.add_argument("--metrics-host", default="0.0.0.0",
@@ -53,7 +57,7 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--shutdown-timeout", type=_shutdown_timeout, default=20.0,
                    help="seconds after SIGTERM for the current command to finish before the "
                         "process exits anyway; keep it below the orchestrator's grace period")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="logging level of the worker")
     return p
 
 

@@ -28,6 +28,7 @@ from kvloom.cli.cluster import add_cluster_args, cmd_down, cmd_run, cmd_up
 from kvloom.cli.generate import EXIT_FAILURE, add_generation_args, chat_turns, complete
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError, default_server
 from kvloom.envargs import EnvArgumentParser
+from kvloom.helpformat import DefaultsHelpFormatter
 
 EXIT_INTERRUPTED = 130
 
@@ -92,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(run)
     add_generation_args(run)
     for subparser in sub.choices.values():  # every --help shows every default
-        subparser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        subparser.formatter_class = DefaultsHelpFormatter
     return parser
 
 

@@ -1,0 +1,27 @@
+"""Every kvloom command's --help shows the defaults, but never a secret's:
+--auth-token's default comes from KVLOOM_AUTH_TOKEN."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SECRET = "s3cr3t-from-env"
+
+
+@pytest.mark.parametrize(("module", "shown"), [
+    (["controlplane"], "(default: 50051)"),
+    (["workerd"], "(default: 120.0)"),
+    (["kvloom.cli", "up"], "(default: 1)"),
+    (["kvloom.cli", "run"], "(default: 1)"),
+])
+def test_help_shows_defaults_but_not_the_auth_token(module, shown, monkeypatch):
+    monkeypatch.setenv("KVLOOM_AUTH_TOKEN", SECRET)
+    done = subprocess.run([sys.executable, "-m", *module, "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert shown in done.stdout
+    assert "--auth-token" in done.stdout
+    assert SECRET not in done.stdout

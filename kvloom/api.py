@@ -113,6 +113,10 @@ class GenerateChunk:
     prompt_info: PromptInfo | None = None
     logprobs: list[Logprob] = field(default_factory=list)
 
+    def __str__(self) -> str:
+        """This chunk's new text, so print(chunk, end="") streams the answer."""
+        return self.text
+
 
 @dataclass(frozen=True)
 class GenerateResult:
@@ -125,6 +129,10 @@ class GenerateResult:
     index: int = 0
     prompt_info: PromptInfo | None = None
     logprobs: list[Logprob] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        """The generated text, so print(client.generate_text(...)) shows the answer."""
+        return self.text
 
 
 class Tokenized(NamedTuple):

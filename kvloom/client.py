@@ -1,17 +1,30 @@
 """Client library for the controlplane's public gRPC API (kvloom.v1.Generation).
 
-`KvloomClient` (blocking) and `AsyncKvloomClient` (grpc.aio) wrap the generated
-stubs so callers deal in plain dataclasses (kvloom.api): a Generate stream
-becomes an iterator of `GenerateChunk`, `generate_text` collects it into one
-`GenerateResult` per sample, and every grpc.RpcError surfaces as a
-`KvloomError` carrying the status code, the details and the server address.
-Arguments are checked when generate() is called, before anything is sent;
-closing a stream early (break, exception, task cancellation) cancels the call,
-which makes the server abort the request and free its KV blocks. Health checks
-use the standard grpc.health.v1 service ("" = live, "kvloom.v1.Generation" =
-ready to generate).
-"""
+The calls mirror the CLI (`kvloom generate`, `kvloom chat`):
 
+    from kvloom.client import KvloomClient
+
+    with KvloomClient("localhost:50051") as client:
+        print(client.generate_text("The capital of France is", max_tokens=8, temperature=0))
+        print(client.chat("Name one colour.", max_tokens=16, temperature=0))
+        for chunk in client.stream_chat([("user", "Count to three.")], max_tokens=16):
+            print(chunk.text, end="", flush=True)
+
+`KvloomClient` (blocking) and `AsyncKvloomClient` (grpc.aio, same method
+names, awaited / `async for`) wrap the generated stubs so callers deal in
+plain dataclasses (kvloom.api). `generate_text` and `chat` return one
+`GenerateResult` per sample (printing one prints its text); `stream` and
+`stream_chat` yield `GenerateChunk`s as tokens arrive (`generate` is the
+older name of `stream`). `chat` takes a string (one user turn) or chat turns
+(dicts with "role"/"content", or (role, content) tuples), rendered by the
+server's chat template. Every grpc.RpcError surfaces as a `KvloomError`
+carrying the status code, the details and the server address. Arguments are
+checked when the call is made, before anything is sent; closing a stream
+early (break, exception, task cancellation) cancels the call, which makes the
+server abort the request and free its KV blocks. Health checks use the
+standard grpc.health.v1 service ("" = live, "kvloom.v1.Generation" = ready to
+generate).
+"""
 from __future__ import annotations
 
 import os
@@ -48,7 +61,7 @@ __all__ = [
     "DEFAULT_SERVER", "READY_SERVICE", "AsyncKvloomClient", "ChatTurn", "Collector", "Finish",
     "GenerateChunk", "GenerateResult", "InvalidArgument", "KvloomClient", "KvloomError",
     "Logprob", "ModelInfo", "PromptInfo", "ServerInfo", "Tokenized", "TopLogprob",
-    "build_request", "chunk_from_pb", "default_server",
+    "build_request", "chat_turns", "chunk_from_pb", "default_server",
 ]
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -74,6 +87,13 @@ def default_server() -> str:
 
 def _status_name(response: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def chat_turns(messages: str | Sequence[ChatTurn]) -> list[ChatTurn]:
+    """Chat turns for chat()/stream_chat(): a string is one user turn."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    return list(messages)
 
 
 def _abort_request(request_ids: str | Iterable[str]) -> pb.AbortRequest:
@@ -133,7 +153,7 @@ class KvloomClient:
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def generate(
+    def stream(
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **options
     ) -> Iterator[GenerateChunk]:
         """Stream a completion's chunks; closing the iterator early cancels the request.
@@ -144,6 +164,20 @@ class KvloomClient:
         raise InvalidArgument here, before anything is sent.
         """
         return self._stream(build_request(prompt, **options), timeout)
+
+    generate = stream  # the older name; kept for existing callers
+
+    def stream_chat(
+        self, messages: str | Sequence[ChatTurn], **options
+    ) -> Iterator[GenerateChunk]:
+        """stream() of a chat: a string (one user turn) or chat turns."""
+        return self.stream(messages=chat_turns(messages), **options)
+
+    def chat(
+        self, messages: str | Sequence[ChatTurn], **options
+    ) -> GenerateResult | list[GenerateResult]:
+        """generate_text() of a chat: the assistant's reply as a GenerateResult."""
+        return self.generate_text(messages=chat_turns(messages), **options)
 
     def _stream(self, request: pb.GenerateRequest, timeout) -> Iterator[GenerateChunk]:
         call = self._stub.Generate(request, timeout=timeout)
@@ -160,9 +194,9 @@ class KvloomClient:
     def generate_text(
         self, prompt: Prompt | None = None, **options
     ) -> GenerateResult | list[GenerateResult]:
-        """Run generate() to the end: one GenerateResult, or a list by index when n > 1."""
+        """Run stream() to the end: one GenerateResult, or a list by index when n > 1."""
         collector = Collector(self.server, options.get("n"))
-        for chunk in self.generate(prompt, **options):
+        for chunk in self.stream(prompt, **options):
             collector.add(chunk)
         return collector.result()
 
@@ -234,11 +268,25 @@ class AsyncKvloomClient:
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def generate(
+    def stream(
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **options
     ) -> AsyncIterator[GenerateChunk]:
-        """Stream a completion's chunks (async for); see KvloomClient.generate."""
+        """Stream a completion's chunks (async for); see KvloomClient.stream."""
         return self._stream(build_request(prompt, **options), timeout)
+
+    generate = stream  # the older name; kept for existing callers
+
+    def stream_chat(
+        self, messages: str | Sequence[ChatTurn], **options
+    ) -> AsyncIterator[GenerateChunk]:
+        """stream() of a chat (async for): a string (one user turn) or chat turns."""
+        return self.stream(messages=chat_turns(messages), **options)
+
+    async def chat(
+        self, messages: str | Sequence[ChatTurn], **options
+    ) -> GenerateResult | list[GenerateResult]:
+        """generate_text() of a chat: the assistant's reply as a GenerateResult."""
+        return await self.generate_text(messages=chat_turns(messages), **options)
 
     async def _stream(self, request: pb.GenerateRequest, timeout) -> AsyncIterator[GenerateChunk]:
         call = self._stub.Generate(request, timeout=timeout)
@@ -253,9 +301,9 @@ class AsyncKvloomClient:
     async def generate_text(
         self, prompt: Prompt | None = None, **options
     ) -> GenerateResult | list[GenerateResult]:
-        """Run generate() to the end: one GenerateResult, or a list by index when n > 1."""
+        """Run stream() to the end: one GenerateResult, or a list by index when n > 1."""
         collector = Collector(self.server, options.get("n"))
-        async for chunk in self.generate(prompt, **options):
+        async for chunk in self.stream(prompt, **options):
             collector.add(chunk)
         return collector.result()
 

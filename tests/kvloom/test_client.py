@@ -357,3 +357,35 @@ def test_async_error_mapping(fake_server):
 
     with pytest.raises(KvloomError, match="INVALID_ARGUMENT: prompt too long"):
         asyncio.run(scenario())
+
+
+def test_chat_and_stream_names_mirror_the_cli(fake_server):
+    address, servicer = fake_server
+    with KvloomClient(address) as client:
+        reply = client.chat("hi", max_tokens=4)
+        turns = client.chat([("system", "be brief"), {"role": "user", "content": "yo"}])
+        streamed = [c.text for c in client.stream_chat("hi")]
+        plain = [c.text for c in client.stream("hello")]
+        assert client.generate == client.stream  # the older name still streams
+    assert str(reply) == "abc" and reply.finish.reason == "stop" and turns.text == "abc"
+    assert streamed == plain == ["a", "b", "c"]
+    sent = [
+        [(m.role, m.content) for m in r.messages.messages] for r in servicer.requests[:3]
+    ]
+    assert sent == [[("user", "hi")], [("system", "be brief"), ("user", "yo")], [("user", "hi")]]
+    assert servicer.requests[0].sampling.max_tokens == 4
+    assert servicer.requests[3].WhichOneof("prompt") == "text"
+
+
+def test_async_chat_and_stream_chat(fake_server):
+    address, servicer = fake_server
+
+    async def scenario():
+        async with AsyncKvloomClient(address) as client:
+            reply = await client.chat("hi")
+            texts = [c.text async for c in client.stream_chat([("user", "yo")])]
+            return reply, texts
+
+    reply, texts = asyncio.run(scenario())
+    assert str(reply) == "abc" and texts == ["a", "b", "c"]
+    assert [r.messages.messages[0].content for r in servicer.requests] == ["hi", "yo"]

@@ -107,8 +107,15 @@ def default_model_dir() -> str:
     with _exclusive_lock(target.parent / f".{MODEL_NAME}.lock"):
         # Another process may have finished converting while we waited.
         if not _is_complete(target):
+            _stage(f"converting {MODEL_NAME} from GGUF into {target} (first run only, ~20 s)")
             _convert_atomically(source, target)
+            _stage("conversion done")
     return str(target)
+
+
+def _stage(message: str) -> None:
+    """One progress line on stderr, so a first run is never silent."""
+    print(f"kvloom: default model: {message}", file=sys.stderr, flush=True)
 
 
 def _is_complete(target: Path) -> bool:
@@ -183,19 +190,23 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     """Write the GGUF model as a safetensors Hugging Face directory into out_dir."""
     from transformers import GenerationConfig
 
+    _stage("1/4 reading and dequantizing GGUF weights")
     model = load_gguf_model(source)
     model.config.architectures = [type(model).__name__]
     # The GGUF's general.name is a training-run label; name the checkpoint instead.
     model.config._name_or_path = MODEL_NAME
+    _stage("2/4 writing safetensors")
     model.save_pretrained(out_dir, safe_serialization=True)
     generation = GenerationConfig.from_model_config(model.config)
     # SmolLM2-Instruct's published sampling settings; the controlplane uses a
     # checkpoint's generation_config values as defaults for unset knobs.
     generation.update(do_sample=True, temperature=0.2, top_p=0.9)
     generation.save_pretrained(out_dir)
+    _stage("3/4 writing the tokenizer")
     tokenizer = load_gguf_tokenizer(source)
     tokenizer.model_max_length = model.config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)
+    _stage("4/4 verifying the checkpoint")
     verify_model_dir(out_dir)
     marker = {"version": CONVERSION_VERSION, "source": str(source), "dtype": "float32"}
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")

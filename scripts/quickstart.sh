@@ -6,6 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+echo "== installing kvloom into .venv (no root; about two minutes on a first run, seconds after)"
 scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate

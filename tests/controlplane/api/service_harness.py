@@ -1,0 +1,304 @@
+"""Harness for GenerationService tests, in one process: a grpc.aio server on a
+free loopback port, a real EngineCore (scheduler, KV pool, busy loop on its
+thread) and an OutputRouter wired as controlplane/server.py wires them.
+
+The worker group is a scripted model step (ScriptedModel: sample k of a
+request is a fixed function of its seed and k), because these tests are about
+the API edge, not the model. A gate on the model step holds the engine
+mid-step (and can let it run one step at a time), so a request is reliably in
+flight while a test sends a duplicate, fills capacity, aborts or cancels, and
+the engine cannot run ahead of what the test checks. No assertion depends on
+timing. The fixtures `tok`, `words` and `api` are in this directory's conftest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from controlplane.api.generation_service import GenerationService
+from controlplane.api.output_router import OutputRouter
+from controlplane.config import (
+    ApiLimitsConfig,
+    CacheConfig,
+    ControlPlaneConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.request import Request
+from controlplane.core.sched_stats import SchedulerStats
+from controlplane.engine import EngineCore
+from controlplane.executor.wire import scheduler_output_to_proto
+from controlplane.executor.worker_calls import WorkerGroupFailed
+from controlplane.model_info import read_model_info
+from kvloom.v1 import generation_pb2 as pb
+from kvloom.v1 import generation_pb2_grpc
+
+WAIT_S = 20.0  # bound on waiting for something that must happen
+PROMPT = "The quick brown fox"
+OUTPUT = " jumps over the lazy dog."
+BLOCK_SIZE = 4
+
+
+class ScriptedModel:
+    """The worker group's execute_model as a pure function: a request whose
+    tokens are all computed after this step samples words[(k + seed) % len],
+    k being its number of outputs so far.
+
+    Steps run freely until hold(); then each needs a credit (grant()) and
+    waits for one, so the engine cannot run ahead of the test; release()
+    lets them run freely again."""
+
+    def __init__(self, words: list[int]):
+        self.words = words
+        self.engine: EngineCore | None = None
+        self._cond = threading.Condition()
+        self._credits: int | None = None  # None: no limit
+        self.waiting_at_gate = threading.Event()
+        self.num_steps = 0
+
+    def token(self, request: Request) -> int:
+        seed = request.sampling_params.seed or 0
+        return self.words[(request.num_output_tokens + seed) % len(self.words)]
+
+    def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._pass_gate()
+        self.num_steps += 1
+        scheduler = self.engine.scheduler
+        req_ids, sampled = [], []
+        for req_id in so.num_scheduled_tokens:
+            req = scheduler.get_request(req_id)
+            # schedule() has advanced num_computed_tokens: a finished prefill samples.
+            if req is not None and req.num_computed_tokens >= req.num_tokens:
+                req_ids.append(req_id)
+                sampled.append(self.token(req))
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _pass_gate(self) -> None:
+        with self._cond:
+            if self._credits == 0:
+                self.waiting_at_gate.set()
+            if not self._cond.wait_for(lambda: self._credits != 0, WAIT_S):
+                raise WorkerGroupFailed("the test never let the step run")
+            self.waiting_at_gate.clear()
+            if self._credits is not None:
+                self._credits -= 1
+
+    def hold(self) -> None:
+        with self._cond:
+            self._credits = 0
+
+    def grant(self, steps: int = 1) -> None:
+        with self._cond:
+            self._credits = (self._credits or 0) + steps
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        with self._cond:
+            self._credits = None
+            self._cond.notify_all()
+
+
+class WiredModel(ScriptedModel):
+    """A ScriptedModel whose steps first go through the executor's wire module,
+    as every real step does (serialization is where out-of-range fields fail)."""
+
+    def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        scheduler_output_to_proto(so).SerializeToString()
+        return super().__call__(so)
+
+
+class Api:
+    """The service, an engine and a client stub; everything stopped on exit."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        tokenizer,
+        execute_model: Callable[[SchedulerOutput], ModelRunnerOutput],
+        *,
+        num_blocks: int = 64,
+        max_num_seqs: int = 8,
+        max_waiting_requests: int = 8,
+        enable_chunked_prefill: bool = True,
+        max_num_batched_tokens: int = 64,
+        api_limits: ApiLimitsConfig | None = None,
+    ):
+        self.config = ControlPlaneConfig(
+            model=ModelConfig(model=model_dir, served_model_name="tiny",
+                              worker_model_path=model_dir),
+            cache=CacheConfig(block_size=BLOCK_SIZE),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=256,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            server=ServerConfig(max_waiting_requests=max_waiting_requests),
+            api_limits=api_limits or ApiLimitsConfig(),
+        )
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.execute_model = execute_model
+        self.num_blocks = num_blocks
+        self.router = OutputRouter()
+        # What the engine was handed, and what it emitted in order: each
+        # output, and the scheduler stats of each completed step.
+        self.added: list[Request] = []
+        self.events: list[EngineCoreOutput | SchedulerStats] = []
+
+    async def __aenter__(self) -> Api:
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def emit(outputs, record=None) -> None:
+            self.events.extend(outputs)
+            if record is not None:
+                self.events.append(record.stats)
+            if outputs:
+                loop.call_soon_threadsafe(self.router.dispatch, outputs)
+
+        self.engine = EngineCore(
+            self.config.scheduler, self.config.cache, self.execute_model, emit
+        )
+        add_request = self.engine.add_request
+
+        def recording_add_request(request: Request) -> None:
+            self.added.append(request)
+            add_request(request)
+
+        self.engine.add_request = recording_add_request
+        if isinstance(self.execute_model, ScriptedModel):
+            self.execute_model.engine = self.engine
+        self.service = GenerationService(
+            self.config,
+            read_model_info(self.model_dir),
+            self.tokenizer,
+            self.engine,
+            self.router,
+            readiness=lambda: None,
+            num_ranks_attached=lambda: 1,
+        )
+        self.server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(self.service, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.engine.start()
+        self.engine.group_ready(self.num_blocks)
+        await until(lambda: self.engine.last_stats is not None)
+
+    @property
+    def model(self) -> ScriptedModel:
+        return self.execute_model
+
+    async def __aexit__(self, *exc) -> None:
+        if isinstance(self.execute_model, ScriptedModel):
+            self.execute_model.release()
+        if hasattr(self, "engine"):
+            await asyncio.to_thread(self.engine.shutdown)
+        if hasattr(self, "channel"):
+            await self.channel.close()
+        if hasattr(self, "server"):
+            await self.server.stop(0)
+
+    async def generate(self, **fields) -> list[pb.GenerateResponse]:
+        return [m async for m in self.stub.Generate(request(**fields))]
+
+    @property
+    def emitted(self) -> list[EngineCoreOutput]:
+        return [e for e in list(self.events) if isinstance(e, EngineCoreOutput)]
+
+    def samples(self, *client_ids: str) -> list[str]:
+        """Engine request ids the engine was handed for these client ids."""
+        return [r.request_id for r in self.added if client_of(r.request_id) in client_ids]
+
+    def in_flight(self, client_id: str) -> bool:
+        return client_id in self.service._in_flight
+
+    def finishes(self, client_id: str) -> list[EngineCoreOutput]:
+        return [o for o in self.emitted if client_of(o.request_id) == client_id and o.finished]
+
+    async def pool_is_idle(self, *client_ids: str) -> None:
+        """The engine ended every sample of client_ids, and a step after the
+        last of those ends found no request left and every KV block free."""
+        req_ids = self.samples(*client_ids)
+        assert req_ids, f"the engine got no sample of {client_ids}"
+
+        def idle() -> bool:
+            events = list(self.events)
+            ends = [
+                i for i, e in enumerate(events)
+                if isinstance(e, EngineCoreOutput) and e.finished and e.request_id in req_ids
+            ]
+            if len({events[i].request_id for i in ends}) < len(set(req_ids)):
+                return False
+            after = [e for e in events[max(ends) + 1 :] if isinstance(e, SchedulerStats)]
+            return bool(after) and (
+                after[-1].num_running_reqs == 0
+                and after[-1].num_waiting_reqs == 0
+                and after[-1].num_free_blocks == after[-1].num_total_blocks
+            )
+
+        await until(idle)
+
+
+def client_of(engine_id: str) -> str:
+    """The client id in an engine request id "<client id>/<call>.<index>"."""
+    return engine_id.rsplit("/", 1)[0]
+
+
+def index_of(engine_id: str) -> int:
+    return int(engine_id.rsplit(".", 1)[1])
+
+
+def request(text: str = PROMPT, token_ids: list[int] | None = None, **fields):
+    sampling = fields.pop("sampling", {})
+    msg = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **fields)
+    if token_ids is not None:
+        msg.token_ids.ids.extend(token_ids)
+    else:
+        msg.text = text
+    return msg
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), WAIT_S)
+
+
+async def rpc_error(coro) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    return info.value
+
+
+def by_index(msgs: list[pb.GenerateResponse]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for m in msgs:
+        out.setdefault(m.index, []).extend(m.token_ids)
+    return out
+
+
+# ---- the happy path -------------------------------------------------------------
+
+
+async def drain(call) -> list[pb.GenerateResponse]:
+    return [m async for m in call]

@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
-from controlplane.core.outputs import CachedRequestData, SchedulerOutput
 from controlplane.executor.grpc_executor import Executor, WorkerGroupFailed
 from controlplane.executor.status import FailureKind, GroupState
 from controlplane.executor.worker_service import WorkerControlService
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.controlplane.executor.steps import decode_step
 
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/m")
 
@@ -125,23 +125,6 @@ class Harness:
         await self.server.stop(0)
 
 
-def _step(req_ids):
-    return SchedulerOutput(
-        step_id=1,
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=list(req_ids),
-            resumed_from_preemption=[False] * len(req_ids),
-            new_token_ids=[[1]] * len(req_ids),
-            new_block_ids=[[]] * len(req_ids),
-            num_computed_tokens=[5] * len(req_ids),
-        ),
-        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
-        total_num_scheduled_tokens=len(req_ids),
-        finished_req_ids=set(),
-        preempted_req_ids=set(),
-        sampling_reqs=dict.fromkeys(req_ids),
-    )
 
 
 async def _refused(h: Harness, **kwargs) -> grpc.StatusCode:
@@ -187,7 +170,7 @@ def test_startup_broadcast_and_failure():
             assert ready.describe() == "ready: 2 ranks attached"
 
             # execute_model blocks, so it runs on a thread like the engine's.
-            out = await asyncio.to_thread(h.executor.execute_model, _step(["a", "b"]))
+            out = await asyncio.to_thread(h.executor.execute_model, decode_step(["a", "b"]))
             assert out.req_ids == ["a", "b"] and out.sampled_token_ids == [7, 7]
             # Every rank received byte-identical commands.
             assert workers[0].steps == workers[1].steps and len(workers[0].steps) == 1
@@ -199,7 +182,7 @@ def test_startup_broadcast_and_failure():
 
             def step_in_thread():
                 try:
-                    h.executor.execute_model(_step(["a"]))
+                    h.executor.execute_model(decode_step(["a"]))
                 except WorkerGroupFailed as exc:
                     result["error"] = str(exc)
 

@@ -16,10 +16,10 @@ import asyncio
 import pytest
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
-from controlplane.core.outputs import CachedRequestData, SchedulerOutput
 from controlplane.executor.grpc_executor import Executor, WorkerHandle
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
+from tests.controlplane.executor.steps import decode_step
 
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/m")
 # tp=1, pp=2: rank 1 is the output rank, rank 0 never answers steps anyway.
@@ -64,24 +64,6 @@ class ScriptedRank:
         self.stream_ended = True
 
 
-def _step(req_ids: list[str]) -> SchedulerOutput:
-    n = len(req_ids)
-    return SchedulerOutput(
-        step_id=1,
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=list(req_ids),
-            resumed_from_preemption=[False] * n,
-            new_token_ids=[[1]] * n,
-            new_block_ids=[[]] * n,
-            num_computed_tokens=[5] * n,
-        ),
-        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
-        total_num_scheduled_tokens=n,
-        finished_req_ids=set(),
-        preempted_req_ids=set(),
-        sampling_reqs=dict.fromkeys(req_ids),
-    )
 
 
 async def _ready_group(step_timeout_s: float):
@@ -127,13 +109,13 @@ def test_silent_output_rank_fails_the_step_and_the_group():
         executor, ranks, tasks, failed = await _ready_group(step_timeout_s=1.0)
         try:
             # Control: the same harness answers a step in time.
-            out = await asyncio.to_thread(executor.execute_model, _step(["a"]))
+            out = await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
             assert out.req_ids == ["a"] and out.sampled_token_ids == [7]
 
             for r in ranks:
                 r.answer_steps = False
             with pytest.raises(WorkerGroupFailed) as info:
-                await asyncio.to_thread(executor.execute_model, _step(["a"]))
+                await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
             message = str(info.value)
             assert f"output rank {OUTPUT_RANK} missed the step deadline (1 s)" in message
 
@@ -152,7 +134,7 @@ def test_silent_output_rank_fails_the_step_and_the_group():
             # The engine's next step fails at once, naming the cause, not after
             # another deadline.
             with pytest.raises(WorkerGroupFailed, match="missed the step deadline"):
-                await asyncio.to_thread(executor.execute_model, _step(["a"]))
+                await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
             # A reply that finally arrives for the abandoned step changes nothing.
             late = worker_pb2.WorkerMessage(call_id=ranks[OUTPUT_RANK].step_call_ids[-1])
             late.model_runner_output.req_ids.append("a")
@@ -177,7 +159,7 @@ def test_sub_second_deadline_is_named_as_configured():
             for r in ranks:
                 r.answer_steps = False
             with pytest.raises(WorkerGroupFailed) as info:
-                await asyncio.to_thread(executor.execute_model, _step(["a"]))
+                await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
             await asyncio.wait_for(failed.get(), 10)
         finally:
             await _teardown(executor, tasks)

@@ -19,12 +19,12 @@ import grpc
 import pytest
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
-from controlplane.core.outputs import CachedRequestData, SchedulerOutput
 from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.executor.worker_plane import WorkerPlane, WorkerPlaneStopped
 from controlplane.metrics.loop_lag import LoopLagProbe
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.controlplane.executor.steps import decode_step
 
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/m")
 PARALLEL = ParallelConfig()  # one rank, the output rank
@@ -83,24 +83,6 @@ class SyncWorker(threading.Thread):
         self._out.put(reply)
 
 
-def _step(req_ids: list[str]) -> SchedulerOutput:
-    n = len(req_ids)
-    return SchedulerOutput(
-        step_id=1,
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=list(req_ids),
-            resumed_from_preemption=[False] * n,
-            new_token_ids=[[1]] * n,
-            new_block_ids=[[]] * n,
-            num_computed_tokens=[5] * n,
-        ),
-        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
-        total_num_scheduled_tokens=n,
-        finished_req_ids=set(),
-        preempted_req_ids=set(),
-        sampling_reqs=dict.fromkeys(req_ids),
-    )
 
 
 async def _until(condition) -> None:
@@ -140,7 +122,7 @@ def test_workers_register_start_and_answer_steps_while_the_api_loop_is_blocked()
         assert h.plane.loop is not asyncio.get_running_loop()
         # From here on this loop is blocked: every wait below is synchronous.
         assert h.ready.wait(WAIT_S), "the group never became ready"
-        out = h.executor.execute_model(_step(["a", "b"]))
+        out = h.executor.execute_model(decode_step(["a", "b"]))
         assert out.req_ids == ["a", "b"] and out.sampled_token_ids == [7, 7]
         # Unblocked again. The plane's loop lag probe runs there (it wakes up).
         await asyncio.wait_for(_until(lambda: h.probe.num_wakeups > 0), WAIT_S)
@@ -174,7 +156,9 @@ def test_stop_executor_fails_a_waiting_step_at_once():
         h = Plane(step_timeout_s=3600)
         worker = await h.start(answer_steps=False)
         assert await asyncio.to_thread(h.ready.wait, WAIT_S)
-        step = asyncio.ensure_future(asyncio.to_thread(h.executor.execute_model, _step(["a"])))
+        step = asyncio.ensure_future(
+            asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
+        )
         assert await asyncio.to_thread(worker.got_step.wait, WAIT_S)
         await h.plane.stop_executor()
         with pytest.raises(WorkerGroupFailed, match="shutting down"):
@@ -182,7 +166,7 @@ def test_stop_executor_fails_a_waiting_step_at_once():
         # And a step after that is refused without reaching any worker.
         with pytest.raises(WorkerGroupFailed, match="shutting down"):
             await asyncio.wait_for(
-                asyncio.to_thread(h.executor.execute_model, _step(["b"])), WAIT_S)
+                asyncio.to_thread(h.executor.execute_model, decode_step(["b"])), WAIT_S)
         await h.plane.stop()
         await asyncio.to_thread(worker.join, WAIT_S)
         assert worker.kinds.count("execute_model") == 1
@@ -205,7 +189,7 @@ def test_nothing_runs_on_a_stopped_plane():
         # once, not left waiting an hour for a loop that is gone.
         with pytest.raises(WorkerGroupFailed, match="shutting down"):
             await asyncio.wait_for(
-                asyncio.to_thread(h.executor.execute_model, _step(["a"])), WAIT_S)
+                asyncio.to_thread(h.executor.execute_model, decode_step(["a"])), WAIT_S)
         await asyncio.to_thread(worker.join, WAIT_S)
 
     asyncio.run(scenario())

@@ -1,0 +1,26 @@
+"""A one-token decode step for executor tests that play the workers by hand."""
+
+from __future__ import annotations
+
+from controlplane.core.outputs import CachedRequestData, SchedulerOutput
+
+
+def decode_step(req_ids: list[str]) -> SchedulerOutput:
+    """Every request decodes one token past 5 computed ones, and samples."""
+    n = len(req_ids)
+    return SchedulerOutput(
+        step_id=1,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=list(req_ids),
+            resumed_from_preemption=[False] * n,
+            new_token_ids=[[1]] * n,
+            new_block_ids=[[]] * n,
+            num_computed_tokens=[5] * n,
+        ),
+        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+        total_num_scheduled_tokens=n,
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        sampling_reqs=dict.fromkeys(req_ids),
+    )

@@ -4,13 +4,13 @@ flag spellings deployments use, hostile values refused naming the flag."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import pytest
 
 from controlplane.__main__ import CONFIG_GROUPS, build_config, build_parser
 from controlplane.config_args import flag_of, option_fields
+from tests.checkpoints import config_only_checkpoint
 
 # Fields that are no flag: build_config resolves them at start-up.
 RESOLVED = {("SchedulerConfig", "max_model_len")}
@@ -114,13 +114,7 @@ def test_hostile_env_value_is_refused_naming_the_variable(monkeypatch):
 
 @pytest.fixture
 def model_dir(tmp_path):
-    path = tmp_path / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
-        "max_position_embeddings": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-    }))
-    return str(path)
+    return config_only_checkpoint(tmp_path, with_tokenizer=False)
 
 
 def _build(argv):

@@ -5,7 +5,6 @@ the port (gRPC's default SO_REUSEPORT) with whoever holds it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from controlplane.__main__ import build_config, build_parser
 from controlplane.executor.worker_plane import WorkerPlane
 from controlplane.server import grpc_options
 from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_insecure_port
+from tests.checkpoints import config_only_checkpoint
 from tests.controlplane.executor.test_worker_plane import Plane
 
 
@@ -33,14 +33,7 @@ def held_port():
 
 @pytest.fixture
 def model_dir(tmp_path):
-    path = tmp_path / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
-        "max_position_embeddings": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-    }))
-    (path / "tokenizer.json").write_text("{}")  # present is all the start-up check asks
-    return str(path)
+    return config_only_checkpoint(tmp_path)
 
 
 def _controlplane(*argv: str) -> subprocess.CompletedProcess:

@@ -3,25 +3,18 @@ before they spawn anything, with one line (no usage text)."""
 
 from __future__ import annotations
 
-import json
 import socket
 
 import pytest
 
 from kvloom.cli import launcher
 from kvloom.cli.main import main
+from tests.checkpoints import config_only_checkpoint
 
 
 @pytest.fixture
 def model_dir(tmp_path):
-    path = tmp_path / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
-        "max_position_embeddings": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-    }))
-    (path / "tokenizer.json").write_text("{}")  # present is all the start-up check asks
-    return str(path)
+    return config_only_checkpoint(tmp_path)
 
 
 @pytest.fixture

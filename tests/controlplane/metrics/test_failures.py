@@ -12,7 +12,8 @@ import pytest
 from controlplane.executor.grpc_executor import WorkerGroupFailed
 from controlplane.executor.status import FailureKind, GroupState
 from kvloom.worker.v1 import worker_pb2
-from tests.controlplane.executor.test_grpc_executor import FakeWorker, Harness, _step
+from tests.controlplane.executor.steps import decode_step
+from tests.controlplane.executor.test_grpc_executor import FakeWorker, Harness
 
 
 class FailingWorker(FakeWorker):
@@ -43,7 +44,7 @@ def test_round_trip_heartbeat_and_disconnect_are_recorded():
     async def scenario():
         async with Harness() as h:
             workers, tasks = await _ready_group(h)
-            await asyncio.to_thread(h.executor.execute_model, _step(["a"]))
+            await asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
             assert 0 < h.executor.last_round_trip_s < 5
             w0 = next(w for w in workers if w.rank == 0)
             beat = worker_pb2.Heartbeat(last_forward_time_s=0.25)
@@ -69,7 +70,7 @@ def test_step_error_fails_the_group_as_worker_error():
         async with Harness() as h:
             _, tasks = await _ready_group(h, FailingWorker)
             with pytest.raises(WorkerGroupFailed, match="boom"):
-                await asyncio.to_thread(h.executor.execute_model, _step(["a"]))
+                await asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
             # The failure is recorded on the loop: poll for it, no fixed sleep.
             for _ in range(3000):
                 if h.failed and h.executor.status().failure_counts:

@@ -88,6 +88,12 @@ class WorkerGroupConfig:
     heartbeat_timeout_s: float = option(
         30.0, "seconds a worker may send nothing (reply or heartbeat) before it counts as "
         "dead", flag="--heartbeat-timeout", gt=0)
+    # vLLM's fault-tolerance name. Requests outlive their worker group this
+    # long: held as preempted-for-recompute until the group re-forms.
+    engine_recovery_timeout_s: float = option(
+        120.0, "seconds in-flight requests are held while the worker group re-forms after a "
+        "failure; 0 = fail them at once with UNAVAILABLE (fail-fast)",
+        flag="--engine-recovery-timeout", ge=0, le=86400)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 `up` runs a cluster in the foreground (or with --detach in the background,
 recorded in a state file for `down`); `run` starts one, sends one chat
-message through it and stops it again.
+message through it and stops it again. In the foreground (`up` and `run`) a
+worker that dies after the cluster was ready is restarted with the same rank
+(launcher.Cluster.monitor / SupervisorThread); a detached cluster has no
+supervisor process, so there a dead worker stays dead.
 """
 
 from __future__ import annotations
@@ -73,12 +76,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def serve_foreground(cluster: launcher.Cluster, state_file: Path) -> int:
-    """Run until Ctrl-C/SIGTERM (exit 0) or until a daemon dies (ClusterError)."""
+    """Run until Ctrl-C/SIGTERM (exit 0) or until the controlplane dies or a
+    rank crash-loops (ClusterError); a dead worker is restarted meanwhile.
+    Supervision runs here, on the main thread, which outlives every child it
+    restarts (their PR_SET_PDEATHSIG follows the thread that forked them)."""
+
+    def record_restarts(_: list[launcher.Restart]) -> None:
+        if not stopped_by_down(state_file):  # `kvloom down` must find the new pids
+            cluster.state().save(state_file)
+
     try:
         cluster.state().save(state_file)  # lets `kvloom down` stop us from elsewhere
         print_endpoints(cluster)
         print("kvloom: press Ctrl-C to stop", file=sys.stderr)
-        cluster.monitor()
+        cluster.monitor(restart_workers=True, stop_requested=lambda: stopped_by_down(state_file),
+                        on_restart=record_restarts)
     except (KeyboardInterrupt, launcher.Terminated):
         print("kvloom: stopping", file=sys.stderr)
         return 0  # the normal way to end `up`
@@ -140,17 +152,23 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
     cluster = launcher.Cluster(cluster_spec_for_launch(args), log_sink=sink)
+    supervisor = launcher.SupervisorThread(cluster)  # restarts a dead worker meanwhile
     try:
         start_and_wait(cluster, args.ready_timeout)
+        supervisor.start()
         with KvloomClient(cluster.api_address) as client:
             try:
                 return complete(client, chat_turns(args.message, args.system), args)
             except KvloomError:
                 # A dead daemon explains a failed stream better than the RPC status.
+                if supervisor.error is not None:
+                    raise supervisor.error from None
                 cluster.check_alive(phase="while generating")
                 raise
     finally:
         cluster.stop()
+        if supervisor.is_alive():
+            supervisor.join(timeout=5)
         if sink is not sys.stderr:
             sink.close()
 

@@ -13,6 +13,17 @@ service "kvloom.v1.Generation" until SERVING, failing fast (with the dead
 process's last log lines) if a child exits first; `stop()` sends SIGTERM and
 SIGKILLs whatever outlives the grace period.
 
+Supervision (foreground only): `monitor(restart_workers=True)` restarts a
+worker that dies once the cluster has served (same argv: same rank, same
+metrics port) with the back-off and crash-loop limit of
+kvloom.cli.supervisor.RestartPolicy; the controlplane's death stays fatal, and
+so does a worker's before `wait_ready()` returned (a configuration error).
+Restarts are spawned by the thread that runs `monitor()` / `supervise_once()`,
+so run it on a thread that lives as long as the cluster (`kvloom up`: the main
+thread): PR_SET_PDEATHSIG fires when the *thread* that forked a child exits.
+`stop()` and supervision share a lock, so a worker that stop() SIGTERMs is
+never restarted. Detached clusters have no supervisor.
+
 Foreground children share a process group of their own (so a terminal
 Ctrl-C reaches only the launcher, which then stops them in order) and, on
 Linux, get PR_SET_PDEATHSIG so a SIGKILLed launcher leaves no orphans.
@@ -31,13 +42,14 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
 from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
+from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
 from kvloom.server.ports import PortInUse, port_in_use
 
@@ -198,6 +210,14 @@ class ManagedProcess:
     popen: subprocess.Popen
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     log_path: Path | None = None
+    # The command as built (before the parent-death wrapper); a restart reuses it.
+    argv: tuple[str, ...] = ()
+
+    @property
+    def rank(self) -> int | None:
+        """The worker's rank; None for the controlplane."""
+        kind, _, number = self.name.partition(" ")
+        return int(number) if kind == "rank" and number.isdigit() else None
 
     def last_lines(self) -> list[str]:
         if self.log_path is not None and self.log_path.exists():
@@ -206,11 +226,23 @@ class ManagedProcess:
         return list(self.tail)
 
 
+@dataclass(frozen=True)
+class Restart:
+    """One worker restart done by the supervision of a foreground Cluster."""
+
+    name: str
+    rank: int
+    exit_code: int  # negative: killed by that signal
+    delay: float  # seconds waited before the restart
+    pid: int  # the new process
+
+
 class Cluster:
     """A controlplane and its workers as children of this process."""
 
     def __init__(
-        self, spec: ClusterSpec, *, log_sink: IO[str] | None = None, log_dir: Path | None = None
+        self, spec: ClusterSpec, *, log_sink: IO[str] | None = None, log_dir: Path | None = None,
+        restart_policy: RestartPolicy | None = None,
     ):
         self.spec = spec
         self.log_sink = log_sink if log_sink is not None else sys.stderr
@@ -221,6 +253,14 @@ class Cluster:
         self.ports = Ports(0, 0, 0)
         self._checked = False
         self._lock = threading.Lock()
+        # Worker restarts (supervise_once); every one done so far, in order.
+        self.supervisor = Supervisor(restart_policy)
+        self.restarts: list[Restart] = []
+        self._exited: dict[str, tuple[int, float]] = {}  # name -> (exit code, delay)
+        # Held while supervising and while stop() marks the cluster stopping,
+        # so stop() never races a restart.
+        self._supervise_lock = threading.RLock()
+        self._stopping = threading.Event()
 
     @property
     def api_address(self) -> str:
@@ -243,6 +283,19 @@ class Cluster:
         preflight(self.spec, self.model, self.ports)
         self._checked = True
 
+    @property
+    def restart_counts(self) -> dict[int, int]:
+        """Restarts per rank so far (ranks never restarted are absent)."""
+        counts: dict[int, int] = {}
+        for restart in self.restarts:
+            counts[restart.rank] = counts.get(restart.rank, 0) + 1
+        return counts
+
+    @property
+    def stopping(self) -> bool:
+        """stop() has been called."""
+        return self._stopping.is_set()
+
     def start(self) -> None:
         """check() (unless done), spawn the controlplane and every rank, relay their logs."""
         if not self._checked:
@@ -258,6 +311,13 @@ class Cluster:
                 self._start_relay(proc)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        self.processes.append(self._launch(name, argv))
+        self.supervisor.started(name)
+
+    def _launch(
+        self, name: str, argv: list[str] | tuple[str, ...], tail: deque[str] | None = None
+    ) -> ManagedProcess:
+        command = list(argv)
         kwargs: dict = {"stdin": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
         log_path = None
         if self.log_dir is not None:
@@ -269,13 +329,16 @@ class Cluster:
             kwargs["stdout"] = subprocess.PIPE
             # Join the group of the first child; 0 makes the controlplane its leader.
             kwargs["process_group"] = self.processes[0].popen.pid if self.processes else 0
-            argv = with_parent_death_signal(argv, self.spec.python)
+            argv = with_parent_death_signal(command, self.spec.python)
         try:
             popen = subprocess.Popen(argv, env=child_env(self.spec), **kwargs)
         finally:
             if log_path is not None:
                 kwargs["stdout"].close()
-        self.processes.append(ManagedProcess(name, popen, log_path=log_path))
+        proc = ManagedProcess(name, popen, log_path=log_path, argv=tuple(command))
+        if tail is not None:
+            proc.tail = tail
+        return proc
 
     def _start_relay(self, proc: ManagedProcess) -> None:
         args = (proc.popen.stdout, f"[{proc.name}] ", self.log_sink, proc.tail, self._lock)
@@ -287,11 +350,78 @@ class Cluster:
             if code is not None:
                 raise ClusterError(describe_exit(proc, code, phase))
 
-    def monitor(self, poll_interval: float = 0.5) -> None:
-        """Block while every child runs; raise ClusterError when one exits."""
-        while True:
-            self.check_alive(phase="while serving")
-            time.sleep(poll_interval)
+    def monitor(
+        self, poll_interval: float = 0.5, *, restart_workers: bool = False,
+        stop_requested: Callable[[], bool] | None = None,
+        on_restart: Callable[[list[Restart]], None] | None = None,
+    ) -> None:
+        """Block while the cluster runs; raise ClusterError when a child exits
+        for good. restart_workers: a dead worker is restarted (supervise_once)
+        instead, and only the controlplane's death or a crash loop is fatal.
+        Returns once stop() was called (from another thread). Restarts are
+        forked by the calling thread: call it from one that outlives the cluster.
+        stop_requested: when it turns true (e.g. `kvloom down` is stopping
+        us) exits are reported, not restarted; on_restart gets each pass's
+        new restarts (e.g. to record the new pids)."""
+        while not self._stopping.is_set():
+            if restart_workers:
+                done = self.supervise_once(stop_requested=stop_requested)
+                if done and on_restart is not None:
+                    on_restart(done)
+            else:
+                self.check_alive(phase="while serving")
+            self._stopping.wait(poll_interval)
+
+    def supervise_once(self, *, stop_requested: Callable[[], bool] | None = None) -> list[Restart]:
+        """One supervision pass: note the workers that died (each restart is
+        scheduled after its back-off, one log line each) and restart those
+        whose back-off has passed; returns the restarts done in this pass.
+        Raises ClusterError when the controlplane died or a rank crash-loops.
+        Does nothing once stop() was called; when stop_requested() is true,
+        behaves like check_alive() (any exit raises, nothing restarts)."""
+        with self._supervise_lock:
+            if self._stopping.is_set():
+                return []
+            if stop_requested is not None and stop_requested():
+                self.check_alive(phase="while serving")
+                return []
+            for proc in self.processes:
+                code = proc.popen.poll()
+                if code is None or self.supervisor.pending(proc.name):
+                    continue
+                if proc.rank is None:
+                    raise ClusterError(describe_exit(proc, code, "while serving"))
+                try:
+                    delay = self.supervisor.exited(proc.name)
+                except CrashLoop as loop:
+                    phase = (f"while serving, after {loop.restarts} restarts within "
+                             f"{loop.window:.0f}s (a crash loop; giving up)")
+                    raise ClusterError(describe_exit(proc, code, phase)) from None
+                self._exited[proc.name] = (code, delay)
+                self._note(f"kvloom: {proc.name} {exit_how(code)}; restarting it in "
+                           f"{delay:.1f}s (same rank and flags)")
+            return [self._restart(name) for name in self.supervisor.due()]
+
+    def _restart(self, name: str) -> Restart:
+        index, old = next((i, p) for i, p in enumerate(self.processes) if p.name == name)
+        reap(old.popen)
+        try:
+            new = self._launch(name, old.argv, tail=old.tail)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise ClusterError(f"could not restart {name}: {exc}") from exc
+        self.processes[index] = new  # same slot, same name: lookups by name see it
+        self.supervisor.started(name)
+        if self.log_dir is None:
+            self._start_relay(new)
+        code, delay = self._exited.pop(name)
+        restart = Restart(name, old.rank or 0, code, delay, new.popen.pid)
+        self.restarts.append(restart)
+        return restart
+
+    def _note(self, line: str) -> None:
+        with self._lock:  # the relay threads' lock: whole lines only
+            self.log_sink.write(line + "\n")
+            self.log_sink.flush()
 
     def wait_ready(self, timeout: float = 600.0, poll_interval: float = 0.5) -> None:
         """Block until the controlplane reports kvloom.v1.Generation SERVING."""
@@ -309,7 +439,10 @@ class Cluster:
                 time.sleep(poll_interval)
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM every child, then SIGKILL those still running after `grace` seconds."""
+        """SIGTERM every child, then SIGKILL those still running after `grace` seconds.
+        Waits for a supervision pass under way, and none restarts anything after."""
+        with self._supervise_lock:
+            self._stopping.set()
         stop_pids([(p.name, p.popen.pid) for p in self.processes if p.popen.poll() is None], grace)
         for proc in self.processes:
             reap(proc.popen)
@@ -336,6 +469,28 @@ class Cluster:
         self.stop()
 
 
+class SupervisorThread(threading.Thread):
+    """Runs cluster.monitor(restart_workers=True) in the background until
+    cluster.stop(), for callers whose main thread is busy (`kvloom run`, tests).
+    The workers it restarts are its children, tied to its life by
+    PR_SET_PDEATHSIG; it lives until the cluster stops. A fatal ClusterError
+    (the controlplane died, a rank crash-loops) is kept in .error and stops
+    the cluster, so a client waiting on it fails instead of hanging."""
+
+    def __init__(self, cluster: Cluster, poll_interval: float = 0.5):
+        super().__init__(name="kvloom-supervisor", daemon=True)
+        self.cluster = cluster
+        self.poll_interval = poll_interval
+        self.error: ClusterError | None = None
+
+    def run(self) -> None:
+        try:
+            self.cluster.monitor(self.poll_interval, restart_workers=True)
+        except ClusterError as exc:
+            self.error = exc
+            self.cluster.stop()
+
+
 def preflight(spec: ClusterSpec, model: str, ports: Ports) -> None:
     """Refuse, before any process starts, a port another process holds and
     whatever `controlplane --check` refuses (model, layout, flags): one line."""
@@ -353,8 +508,18 @@ def preflight(spec: ClusterSpec, model: str, ports: Ports) -> None:
         raise ClusterError((errors or lines)[-1])
 
 
+def exit_how(code: int) -> str:
+    """'exited with code 3' / 'was killed by signal 9 (SIGKILL)'."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up") -> str:
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    how = exit_how(code)
     # Give the relay thread a moment to drain the pipe so the tail is complete.
     time.sleep(0.2)
     lines = proc.last_lines()

@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a local cluster (extra args go to the controlplane)")
     add_cluster_args(up)
-    up.add_argument("--detach", action="store_true", help="start in the background and return")
+    up.add_argument("--detach", action="store_true",
+                    help="start in the background and return; nothing then restarts a dead "
+                         "worker (in the foreground `up` restarts it, with back-off)")
     up.add_argument("--state-file", type=Path, default=None,
                     help="where pids/ports are kept; default: ~/.cache/kvloom/cluster.json")
 

@@ -299,3 +299,60 @@ def test_sigkill_comes_after_every_daemons_shutdown_timeout():
     assert max(timeouts.values()) < 30
     for obj in by_kind(render(), "Deployment") + by_kind(render(), "StatefulSet"):
         assert obj["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+
+
+# --- supervision and recovery (docs/supervision.md) --------------------------
+
+
+def test_every_daemon_is_restarted_when_it_exits():
+    # A dead rank must come back (same rank) for its group to re-form.
+    services = compose_config("docker-compose.yml")["services"]
+    daemons = {n: s for n, s in services.items()
+               if (s.get("command") or [""])[0] in ("kvloom-controlplane", "kvloom-workerd")}
+    assert len(daemons) >= 3, daemons.keys()
+    for name, svc in daemons.items():
+        assert svc.get("restart") in ("unless-stopped", "always", "on-failure"), name
+    docs = render()
+    for obj in by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet"):
+        assert obj["spec"]["template"]["spec"]["restartPolicy"] == "Always"
+
+
+def test_probes_let_a_recovery_finish():
+    docs = render()
+    (deployment,) = by_kind(docs, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    # Only readiness follows the worker group; the probes that restart the
+    # controlplane ask whether the process answers at all.
+    assert container["startupProbe"]["grpc"]["service"] == ""
+    assert container["livenessProbe"]["grpc"]["service"] == ""
+    assert container["readinessProbe"]["grpc"]["service"] == "kvloom.v1.Generation"
+    # A rank waiting for its group to re-form is never killed for it: no
+    # liveness or startup probe, readiness only.
+    (sts,) = by_kind(docs, "StatefulSet")
+    (worker,) = sts["spec"]["template"]["spec"]["containers"]
+    assert "livenessProbe" not in worker and "startupProbe" not in worker
+    assert worker["readinessProbe"]["exec"]["command"][-1] == "kvloom.v1.Generation"
+    # Compose healthchecks restart nothing; the controlplane's gates the
+    # workers' start and must not depend on them.
+    services = compose_config("docker-compose.yml")["services"]
+    test = services["controlplane"]["healthcheck"]["test"]
+    assert test[test.index("--service") + 1] == ""
+
+
+def _flag(args: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(name + "=")]
+    return value
+
+
+def test_engine_recovery_timeout_is_configurable():
+    assert _flag(_controlplane_args(render()), "--engine-recovery-timeout") == "120"
+    args = _controlplane_args(render("controlplane.engineRecoveryTimeout=300"))
+    assert _flag(args, "--engine-recovery-timeout") == "300"
+    # 0 (fail-fast) is passed, not dropped as an empty value.
+    args = _controlplane_args(render("controlplane.engineRecoveryTimeout=0"))
+    assert _flag(args, "--engine-recovery-timeout") == "0"
+    for files in (("docker-compose.yml",), ("docker-compose.yml", "deploy/compose.gpu.yml")):
+        text = "".join((ROOT / name).read_text() for name in files)
+        assert "--engine-recovery-timeout=${KVLOOM_ENGINE_RECOVERY_TIMEOUT:-120}" in text
+        command = compose_config(*files)["services"]["controlplane"]["command"]
+        assert _flag(command, "--engine-recovery-timeout") == "120"

@@ -172,6 +172,18 @@ class InProcessExecutor:
         self.failure_reason = ""
         return self.num_gpu_blocks
 
+    def rejoin_group(self) -> int:
+        """Re-form the group as a survivor does: Reset the same Worker (it keeps
+        its weights), then the whole handshake again; KV block count."""
+        assert self.worker is not None, "no worker to keep: start_group()"
+        call_worker(self.worker, worker_pb2.ControlMessage(
+            call_id=next(self._call_ids), reset=worker_pb2.Reset(reason="test")))
+        self.num_gpu_blocks = handshake(
+            self.worker, self.model, call_ids=self._call_ids.__next__, **self._startup
+        )
+        self.failure_reason = ""
+        return self.num_gpu_blocks
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.worker is None:
             raise WorkerGroupFailed(f"worker group is down: {self.failure_reason}")

@@ -157,6 +157,20 @@ def init_parallel_state(
     )
 
 
+def rebind_parallel_state(ps: ParallelState, new: ParallelState) -> bool:
+    """Point ps (which the loaded model's layers hold) at new's process groups,
+    when both describe the same place in the same grid; False otherwise.
+
+    This is how a surviving rank keeps its weights across a group failure:
+    its shard is only valid at the same (rank, tp, pp) coordinates."""
+    same = (ps.rank, ps.world_size, ps.tp_size, ps.pp_size, ps.device) == (
+        new.rank, new.world_size, new.tp_size, new.pp_size, new.device)
+    if same:
+        ps.tp_group = new.tp_group
+        ps.owns_process_group = new.owns_process_group
+    return same
+
+
 def destroy_parallel_state(ps: ParallelState) -> None:
     if ps.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

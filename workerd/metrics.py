@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvloom.server.metrics_http import MetricsEndpoint
@@ -63,6 +63,12 @@ class WorkerMetrics:
             "This rank's execute_model time per step (inputs, forward, sampling).",
             ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
         )
+        # reused="true": a survivor of a group failure kept its weights.
+        self._loads = Counter(
+            "kvloom_workerd_model_loads",
+            "LoadModel commands answered, by whether the weights already loaded were reused.",
+            ["model_name", "rank", "reused"], registry=self.registry,
+        )
         self.registry.register(_StateCollector(self))
 
     def registered(self, rank: int) -> None:
@@ -89,6 +95,8 @@ class WorkerMetrics:
         elif kind == "load_model" and worker.runner is not None:
             self.model_name = model_name_of(msg.load_model.model_path)
             self.weights_bytes = worker.runner.weights_bytes()
+            reused = reply is not None and reply.model_loaded.reused
+            self._loads.labels(self.model_name, str(self.rank), str(reused).lower()).inc()
         elif kind == "profile_memory" and reply is not None:
             self.kv_block_bytes = reply.memory_profile.bytes_per_block
         elif kind == "init_kv_cache":

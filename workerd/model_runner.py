@@ -129,6 +129,14 @@ class ModelRunner:
         )
         self.block_size = block_size
 
+    def reset_state(self) -> None:
+        """The group failed: forget every request and the KV cache (its blocks
+        mean nothing to the next group's scheduler); the weights stay."""
+        self.requests = {}
+        self.input_batch = InputBatch()
+        self.kv_caches = []
+        self.block_size = 0
+
     # ---- one step -------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

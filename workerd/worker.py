@@ -4,6 +4,13 @@ Commands arrive as a closed protobuf oneof and are dispatched through an
 explicit table; there is no getattr on names that came over the network.
 Each handler returns the reply to send, or None when this rank stays silent
 (execute_model on every rank but the output rank).
+
+A worker outlives the group it serves: when another rank dies the
+controlplane sends Reset, and this rank leaves its process groups and drops
+every request's state and its KV cache but keeps the loaded weights; the
+next InitDistributed re-binds the same ParallelState object (the model's
+layers hold it) to the new process groups, and a LoadModel with the same
+arguments answers reused=True without reading the checkpoint again.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvloom.worker.v1 import worker_pb2
+from workerd.connection import free_port
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
 logger = logging.getLogger(__name__)
@@ -41,6 +49,8 @@ class Worker:
         self.ps = None
         self.runner = None
         self.last_forward_time_s = 0.0
+        # What the runner's weights were loaded from (LoadModel's arguments).
+        self._loaded: tuple | None = None
         self._handlers: dict[str, Callable] = {
             "init_distributed": self.init_distributed,
             "load_model": self.load_model,
@@ -48,6 +58,7 @@ class Worker:
             "init_kv_cache": self.init_kv_cache,
             "execute_model": self.execute_model,
             "ping": self.ping,
+            "reset": self.reset,
         }
 
     def handle(self, msg: worker_pb2.ControlMessage) -> worker_pb2.WorkerMessage | None:
@@ -68,11 +79,11 @@ class Worker:
     # ---- handlers --------------------------------------------------------
 
     def init_distributed(self, cmd: worker_pb2.InitDistributed) -> worker_pb2.WorkerMessage:
-        from workerd.distributed import init_parallel_state
+        from workerd.distributed import init_parallel_state, rebind_parallel_state
 
         device = resolve_device(self.device_spec, cmd.rank)
         t0 = time.monotonic()
-        self.ps = init_parallel_state(
+        ps = init_parallel_state(
             rank=cmd.rank,
             world_size=cmd.world_size,
             tp_size=cmd.tensor_parallel_size,
@@ -82,10 +93,18 @@ class Worker:
             timeout_s=cmd.timeout_s,
             device=device,
         )
+        if self.ps is not None and self.runner is not None and rebind_parallel_state(self.ps, ps):
+            pass  # same place in the same grid: the loaded shard stays valid
+        else:
+            if self.runner is not None:
+                logger.info("new rank layout; the loaded weights will be dropped")
+            self.runner = None
+            self.ps = ps
+        ps = self.ps
         logger.info(
             "joined group: rank %d/%d (tp %d/%d, pp %d/%d) on %s in %.1f s",
-            self.ps.rank, self.ps.world_size, self.ps.tp_rank, self.ps.tp_size,
-            self.ps.pp_rank, self.ps.pp_size, device, time.monotonic() - t0,
+            ps.rank, ps.world_size, ps.tp_rank, ps.tp_size,
+            ps.pp_rank, ps.pp_size, device, time.monotonic() - t0,
         )
         return _ack()
 
@@ -96,16 +115,23 @@ class Worker:
             raise CommandError("load_model before init_distributed")
         if cmd.dtype not in _DTYPES:
             raise CommandError(f"unsupported dtype {cmd.dtype!r}; use one of {sorted(_DTYPES)}")
+        key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition))
+        if self.runner is not None and self._loaded == key:
+            logger.info("reusing the weights loaded from %s (%.1f MiB on this rank)",
+                        cmd.model_path, self.runner.weights_bytes() / 2**20)
+            return _model_loaded(True, self.runner.weights_bytes())
+        self.runner = None  # a different model: let the old one go first
         t0 = time.monotonic()
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition)
         )
-        self.runner.load_model()
+        runner.load_model()
+        self.runner, self._loaded = runner, key
         logger.info(
             "model loaded from %s: %.1f MiB of weights on this rank in %.1f s",
-            cmd.model_path, self.runner.weights_bytes() / 2**20, time.monotonic() - t0,
+            cmd.model_path, runner.weights_bytes() / 2**20, time.monotonic() - t0,
         )
-        return _ack()
+        return _model_loaded(False, runner.weights_bytes())
 
     def profile_memory(self, cmd: worker_pb2.ProfileMemory) -> worker_pb2.WorkerMessage:
         runner = self._require_runner()
@@ -138,6 +164,19 @@ class Worker:
     def ping(self, cmd: worker_pb2.Ping) -> worker_pb2.WorkerMessage:
         return _ack()
 
+    def reset(self, cmd: worker_pb2.Reset) -> worker_pb2.WorkerMessage:
+        """Leave the failed group; keep the weights for the next one."""
+        from workerd.distributed import destroy_parallel_state
+
+        if self.ps is not None:
+            destroy_parallel_state(self.ps)
+        if self.runner is not None:
+            self.runner.reset_state()
+        port = free_port()
+        logger.info("left the worker group (%s); weights kept, rendezvous port %d next",
+                    cmd.reason or "no reason given", port)
+        return worker_pb2.WorkerMessage(reset_done=worker_pb2.ResetDone(dist_port=port))
+
     def _require_runner(self):
         if self.runner is None:
             raise CommandError("the model is not loaded yet")
@@ -153,6 +192,12 @@ class Worker:
 
 def _ack() -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(ack=worker_pb2.Ack())
+
+
+def _model_loaded(reused: bool, weights_bytes: int) -> worker_pb2.WorkerMessage:
+    return worker_pb2.WorkerMessage(
+        model_loaded=worker_pb2.ModelLoaded(reused=reused, weights_bytes=weights_bytes)
+    )
 
 
 def _error(call_id: int, kind: str, message: str) -> worker_pb2.WorkerMessage:

@@ -72,8 +72,10 @@ class GroupStartup:
             )
         )
         t0 = time.monotonic()
-        await self.calls.call_all(load, cfg.startup_timeout_s, "load_model")
-        logger.info("model loaded on all ranks in %.1f s", time.monotonic() - t0)
+        loaded = await self.calls.call_all(load, cfg.startup_timeout_s, "load_model")
+        reused = sorted(rank for rank, r in loaded.items() if r.model_loaded.reused)
+        logger.info("model loaded on all ranks in %.1f s%s", time.monotonic() - t0,
+                    f"; rank(s) {reused} kept their weights" if reused else "")
 
         num_blocks = await self._profile_memory()
         init = worker_pb2.ControlMessage(

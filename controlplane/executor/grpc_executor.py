@@ -8,9 +8,20 @@ step it serializes the SchedulerOutput once, writes the same bytes to every
 worker stream and waits for the output rank only. Any lost stream, silent
 worker, worker error, missed step deadline or reply that does not match its command
 (reply_check.py: a protocol violation) fails the whole group: pending
-calls raise WorkerGroupFailed at once, the survivors are told to shut down,
-and the group re-forms from registration. A malformed reply never reaches
-the scheduler.
+calls raise WorkerGroupFailed at once and the group re-forms from
+registration. A malformed reply never reaches the scheduler.
+
+Survivors (with --engine-recovery-timeout > 0) are not let go: they stay
+attached and are sent Reset, which makes them leave their process groups and
+drop all request state but keep their weights; the rank that failed (its
+stream closed, it went silent or broke the protocol) is let go and its
+supervisor restarts it. Once every rank is attached again the handshake runs
+anew, rendezvous on the port rank 0 named in its ResetDone, and LoadModel is
+answered from the weights already loaded. A survivor that cannot answer Reset
+within the heartbeat timeout (stuck in a collective with the dead peer) is let
+go too. Replies to calls of a failed group are dropped by call id. With
+recovery off (timeout 0) every rank is told to shut down, as before.
+docs/recovery.md has the whole sequence.
 
 Threading: registration, replies and start-up run on the worker plane's
 asyncio loop (worker_plane.py: a thread of its own, apart from the client
@@ -24,66 +35,35 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import MappingProxyType
-
-import grpc
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
 from controlplane.executor.group_startup import GroupStartup
+from controlplane.executor.registration import (
+    WorkerHandle,
+    check_registration,
+    pick_rank,
+)
 from controlplane.executor.reply_check import (
     ProtocolViolation,
     check_step_reply,
     reply_payload_problem,
 )
-from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState, RankStatus
+from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = worker_pb2.PROTOCOL_VERSION_CURRENT
-
-
-class RegistrationRefused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    rank: int
-    host: str
-    device: str
-    dist_port: int
-    pid: int
-    # Serialized ControlMessages for this worker's stream; None ends the stream.
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    last_seen: float = field(default_factory=time.monotonic)
-    # From the rank's heartbeats, for the controlplane's /metrics.
-    last_forward_time_s: float = 0.0
-
-    def describe(self) -> str:
-        return self.snapshot().describe()
-
-    def snapshot(self) -> RankStatus:
-        return RankStatus(
-            rank=self.rank,
-            host=self.host,
-            device=self.device,
-            pid=self.pid,
-            last_seen=self.last_seen,
-            last_forward_time_s=self.last_forward_time_s,
-        )
+# First and largest pause before re-forming a group whose start-up failed.
+RESTART_BACKOFF_S = 0.5
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class Executor:
@@ -94,7 +74,7 @@ class Executor:
         model: ModelConfig,
         cache: CacheConfig,
         on_ready: Callable[[int], None],
-        on_failed: Callable[[str], None],
+        on_failed: Callable[[str, FailureKind], None],
         *,
         vocab_size: int,
     ):
@@ -116,7 +96,16 @@ class Executor:
         self._num_gpu_blocks = 0
         self._failure_counts: dict[FailureKind, int] = {}
         self._pending: dict[int, PendingCall] = {}
-        self._call_ids = itertools.count(1)
+        self._next_call_id = 1
+        # Calls numbered below this belong to a group that failed: their late
+        # replies (a survivor's failing step, say) are dropped, not judged.
+        self._live_call_id = 1
+        # Keep survivors of a failure attached (Reset) instead of letting them go.
+        self._keep_survivors = workers.engine_recovery_timeout_s > 0
+        # The survivors' pending Reset, awaited before the next handshake.
+        self._resets: asyncio.Task | None = None
+        # Start-ups that failed in a row; backs off the next one.
+        self._failed_starts = 0
         self._watchdog: asyncio.Task | None = None
         self._startup_task: asyncio.Task | None = None
         # Readiness: when a step or canary last completed, and whether a step
@@ -137,7 +126,7 @@ class Executor:
         self._watchdog = loop.create_task(self._watch_heartbeats())
 
     async def stop(self) -> None:
-        for task in (self._watchdog, self._startup_task):
+        for task in (self._watchdog, self._startup_task, self._resets):
             if task is not None:
                 task.cancel()
         with self._lock:
@@ -167,60 +156,29 @@ class Executor:
 
     def register(self, req: worker_pb2.RegisterRequest) -> WorkerHandle:
         world = self.parallel.world_size
-        if req.protocol_version != PROTOCOL_VERSION:
-            raise RegistrationRefused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"worker speaks protocol version {req.protocol_version}, controlplane "
-                f"speaks {PROTOCOL_VERSION}: run the same kvloom release on both",
-            )
-        if self.cfg.auth_token and req.auth_token != self.cfg.auth_token:
-            raise RegistrationRefused(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong or missing worker auth token (set --auth-token / KVLOOM_AUTH_TOKEN "
-                "to the controlplane's)",
-            )
-        if self._state is not GroupState.FORMING:
-            raise RegistrationRefused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"all {world} ranks are already attached (group is {self._state.value})",
-            )
-        rank = self._pick_rank(req, world)
+        check_registration(req, self.cfg, self._state, world)
+        rank = pick_rank(req, self.parallel, self._handles)
         handle = WorkerHandle(
             rank=rank, host=req.host, device=req.device, dist_port=req.dist_port, pid=req.pid
         )
         with self._lock:
             self._handles[rank] = handle
             attached = len(self._handles)
-            if attached == world:
-                self._state = GroupState.STARTING
         logger.info(
             "worker registered: %s device=%s (%d/%d ranks)",
             handle.describe(), req.device, attached, world,
         )
-        if attached == world:
-            assert self._loop is not None
-            self._startup_task = self._loop.create_task(self._start_group())
+        self._start_if_complete()
         return handle
 
-    def _pick_rank(self, req: worker_pb2.RegisterRequest, world: int) -> int:
-        if req.HasField("rank"):
-            if req.rank >= world:
-                raise RegistrationRefused(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"rank {req.rank} is out of range: world size is {world} "
-                    f"(tensor_parallel_size {self.parallel.tensor_parallel_size} x "
-                    f"pipeline_parallel_size {self.parallel.pipeline_parallel_size})",
-                )
-            if req.rank in self._handles:
-                taken = self._handles[req.rank]
-                raise RegistrationRefused(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"rank {req.rank} is already taken by {taken.describe()}",
-                )
-            return req.rank
-        # Auto ranks must not steal a rank an explicitly-ranked worker may claim,
-        # but with mixed modes the lowest free rank is the only sane choice.
-        return min(r for r in range(world) if r not in self._handles)
+    def _start_if_complete(self) -> None:
+        """Every rank attached to a forming group: run the handshake (loop thread)."""
+        if self._state is not GroupState.FORMING or len(self._handles) < self.parallel.world_size:
+            return
+        with self._lock:
+            self._state = GroupState.STARTING
+        assert self._loop is not None
+        self._startup_task = self._loop.create_task(self._start_group())
 
     def on_message(self, handle: WorkerHandle, msg: worker_pb2.WorkerMessage) -> None:
         handle.last_seen = time.monotonic()
@@ -235,6 +193,8 @@ class Executor:
                     handle.rank, f"sent {payload or 'an empty message'} outside any call"
                 )
             return
+        if msg.call_id < self._live_call_id:
+            return  # answers a call of a group that has failed since
         call = self._pending.get(msg.call_id)
         if call is None:
             # Every call is answered once and then forgotten; a failed group
@@ -249,7 +209,8 @@ class Executor:
             # The step (or start-up) already failed through the pending call;
             # the group is failed too, or it would stay "ready" with no engine.
             err = msg.error
-            self.fail_group(f"rank {handle.rank} failed in {err.kind}: {err.message}")
+            self.fail_group(f"rank {handle.rank} failed in {err.kind}: {err.message}",
+                            rank=handle.rank)
             return
         problem = reply_payload_problem(
             call.command, call.expected, call.replies, handle.rank, payload
@@ -267,19 +228,36 @@ class Executor:
             self._protocol_violation(handle.rank, what)
 
     def _protocol_violation(self, rank: int, what: str) -> None:
-        self.fail_group(str(ProtocolViolation(rank, what)), FailureKind.PROTOCOL_VIOLATION)
+        self.fail_group(str(ProtocolViolation(rank, what)), FailureKind.PROTOCOL_VIOLATION, rank)
 
     def on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
         if self._handles.get(handle.rank) is not handle:
             return  # a worker we already let go
         self.fail_group(
-            f"worker {handle.describe()} disconnected: {reason}", FailureKind.DISCONNECTED
+            f"worker {handle.describe()} disconnected: {reason}", FailureKind.DISCONNECTED,
+            handle.rank,
         )
 
     # ---- start-up (loop thread) -------------------------------------------
 
     async def _start_group(self) -> None:
         try:
+            if self._resets is not None:
+                # Shielded: a failure now cancels this task, not the Reset
+                # round, which lets go whoever does not answer in time.
+                await asyncio.shield(self._resets)
+            if len(self._handles) < self.parallel.world_size:
+                with self._lock:  # a survivor was let go: wait for its return
+                    self._state = GroupState.FORMING
+                return
+            if self._failed_starts:
+                # A start-up that fails the same way every time (a bad
+                # checkpoint, a port) must not spin: back off between tries.
+                delay = min(RESTART_BACKOFF_S * 2 ** (self._failed_starts - 1),
+                            MAX_RESTART_BACKOFF_S)
+                logger.info("re-forming the group in %.1f s (%d failed start(s) in a row)",
+                            delay, self._failed_starts)
+                await asyncio.sleep(delay)
             master = self._handles[0]
             num_blocks = await self._group_startup.run(master.host, master.dist_port)
         except WorkerGroupFailed as exc:
@@ -291,6 +269,7 @@ class Executor:
             logger.exception("worker group start-up crashed")
             self.fail_group(f"start-up failed: {exc}")
             return
+        self._failed_starts = 0
         with self._lock:
             self._num_gpu_blocks = num_blocks
             self._state = GroupState.READY
@@ -302,33 +281,95 @@ class Executor:
 
     # ---- failure ---------------------------------------------------------
 
-    def fail_group(self, reason: str, kind: FailureKind | None = None) -> None:
-        """Fail every pending call, stop the survivors, re-open registration (loop thread).
+    def fail_group(
+        self, reason: str, kind: FailureKind | None = None, rank: int | None = None
+    ) -> None:
+        """Fail every pending call and re-open registration (loop thread).
 
-        By default a failure while starting is STARTUP and one while serving
-        is WORKER_ERROR.
+        rank names the rank at fault, when one is known. While the group is
+        still forming only that rank is let go. By default a failure while
+        starting is STARTUP and one while serving is WORKER_ERROR.
         """
-        if self._state is GroupState.FORMING and not self._handles:
+        if self._state is GroupState.FORMING:
+            if rank is not None and rank in self._handles:
+                kind = kind or FailureKind.WORKER_ERROR
+                with self._lock:
+                    self._failure_counts[kind] = self._failure_counts.get(kind, 0) + 1
+                    self._failure_reason = reason
+                self._let_go(rank, reason)
             return
+        starting = self._state is GroupState.STARTING
+        self._failed_starts = self._failed_starts + 1 if starting else 0
         if kind is None:
-            starting = self._state is GroupState.STARTING
             kind = FailureKind.STARTUP if starting else FailureKind.WORKER_ERROR
         logger.error("worker group failed (%s): %s", kind.value, reason)
-        was_live = self._state is not GroupState.FORMING
         with self._lock:
             self._failure_counts[kind] = self._failure_counts.get(kind, 0) + 1
             self._failure_reason = reason
             self._state = GroupState.FORMING
-            handles = self._detach_all()
+            self._live_call_id = self._next_call_id
+            if self._keep_survivors:
+                # A rank that replied with an error stays: its error is often
+                # the echo of a dead peer (a collective that broke).
+                culprit = rank is not None and kind is not FailureKind.WORKER_ERROR
+                gone = [self._handles.pop(rank)] if culprit and rank in self._handles else []
+            else:
+                gone = self._detach_all()
         exc = WorkerGroupFailed(reason)
         for call in self._pending.values():
             call.fail(exc)
         self._pending.clear()
         if self._startup_task is not None and not self._startup_task.done():
             self._startup_task.cancel()
-        self._shutdown_workers(handles, reason)
-        if was_live:
-            self._on_failed(reason)
+        self._shutdown_workers(gone, reason)
+        if self._handles:
+            self._reset_survivors(reason)
+        self._on_failed(reason, kind)
+
+    def _let_go(self, rank: int, reason: str) -> None:
+        """Detach one rank of a forming group and tell it to shut down; its
+        supervisor restarts it and it registers again."""
+        with self._lock:
+            handle = self._handles.pop(rank)
+        for call in list(self._pending.values()):
+            call.forget(rank)
+        logger.warning("rank %d let go while the group re-forms: %s", rank, reason)
+        self._shutdown_workers([handle], reason)
+
+    def _reset_survivors(self, reason: str) -> None:
+        """Tell every attached rank to leave the failed group, keeping its
+        weights; collect the rendezvous port each names (loop thread)."""
+        command = worker_pb2.ControlMessage(reset=worker_pb2.Reset(reason=reason))
+        call = self._send(command, set(self._handles))
+        logger.info("keeping rank(s) %s: told to leave the failed group and keep their weights",
+                    sorted(self._handles))
+        assert self._loop is not None
+        self._resets = self._loop.create_task(self._await_resets(call))
+
+    async def _await_resets(self, call: PendingCall) -> None:
+        timeout = self.cfg.heartbeat_timeout_s
+        try:
+            replies = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)),
+                                             timeout)
+        except TimeoutError:
+            replies = dict(call.replies)
+            for rank in sorted(call.expected - set(replies)):
+                if rank in self._handles:
+                    self._let_go(rank, f"did not answer Reset within {timeout:g} s "
+                                       f"(--heartbeat-timeout); it may be stuck in a collective")
+        except WorkerGroupFailed:
+            return  # the group failed again; a new Reset round is under way
+        finally:
+            for call_id, pending in list(self._pending.items()):
+                if pending is call:
+                    del self._pending[call_id]
+        for rank, msg in replies.items():
+            handle = self._handles.get(rank)
+            if handle is not None and msg.reset_done.dist_port:
+                handle.dist_port = msg.reset_done.dist_port
+        # Nobody died (a worker error, a missed deadline): nobody will
+        # register, so the survivors alone form the next group.
+        self._start_if_complete()
 
     def _detach_all(self) -> list[WorkerHandle]:
         """Let every worker go (caller holds _lock); their streams end after shutdown."""
@@ -355,7 +396,7 @@ class Executor:
                     self.fail_group(
                         f"worker {handle.describe()} sent nothing for {silent:.1f} s "
                         f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:g} s)",
-                        FailureKind.HEARTBEAT_TIMEOUT,
+                        FailureKind.HEARTBEAT_TIMEOUT, handle.rank,
                     )
                     break
 
@@ -371,7 +412,8 @@ class Executor:
         return call
 
     def _new_call(self, expected: set[int], command: str) -> tuple[int, PendingCall]:
-        call_id = next(self._call_ids)
+        call_id = self._next_call_id
+        self._next_call_id += 1
         call = self._pending[call_id] = PendingCall(expected, command)
         return call_id, call
 
@@ -445,7 +487,7 @@ class Executor:
             assert self._loop is not None
             try:
                 self._loop.call_soon_threadsafe(
-                    self.fail_group, str(exc), FailureKind.PROTOCOL_VIOLATION
+                    self.fail_group, str(exc), FailureKind.PROTOCOL_VIOLATION, rank
                 )
             except RuntimeError:  # the loop is closed: the group went with it
                 logger.info("after the worker plane stopped: %s", exc)

@@ -36,11 +36,12 @@ from kvloom.worker.v1 import worker_pb2
 # (a WorkerError is always allowed: it is how a command fails).
 REPLY_PAYLOAD = {
     "init_distributed": "ack",
-    "load_model": "ack",
+    "load_model": "model_loaded",
     "profile_memory": "memory_profile",
     "init_kv_cache": "ack",
     "execute_model": "model_runner_output",
     "ping": "ack",
+    "reset": "reset_done",
 }
 
 # log_softmax is <= 0 exactly in IEEE arithmetic; the slack only forgives a

@@ -43,6 +43,13 @@ class PendingCall:
             if len(self.replies) == len(self.expected):
                 self.future.set_result(self.replies)
 
+    def forget(self, rank: int) -> None:
+        """A rank left the group: stop waiting for it."""
+        self.expected.discard(rank)
+        self.replies.pop(rank, None)
+        if not self.future.done() and len(self.replies) == len(self.expected):
+            self.future.set_result(self.replies)
+
     def fail(self, exc: Exception) -> None:
         if not self.future.done():
             self.future.set_exception(exc)

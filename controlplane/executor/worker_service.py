@@ -15,7 +15,8 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from controlplane.executor.grpc_executor import Executor, RegistrationRefused, WorkerHandle
+from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.registration import RegistrationRefused, WorkerHandle
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)

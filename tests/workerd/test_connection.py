@@ -210,7 +210,7 @@ class _RealControlplane:
             ModelConfig(model="/m", served_model_name="m", worker_model_path="/m"),
             CacheConfig(),
             on_ready=lambda n: None,
-            on_failed=lambda reason: None,
+            on_failed=lambda reason, kind: None,
             vocab_size=32000,
         )
         self.server = grpc.aio.server()

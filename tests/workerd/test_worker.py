@@ -22,6 +22,7 @@ DISPATCHED = {
     "init_kv_cache",
     "execute_model",
     "ping",
+    "reset",
 }
 _ONEOF = worker_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["command"]
 ALL_COMMANDS = {f.name for f in _ONEOF.fields}
@@ -98,7 +99,7 @@ def test_handshake_then_steps_and_a_failing_step_is_an_error_reply(tiny_model_di
     worker = Worker("cpu")
     assert _send(worker, 1, init_distributed=_init_distributed()).call_id == 1
     load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32")
-    assert _send(worker, 2, load_model=load).WhichOneof("payload") == "ack"
+    assert _send(worker, 2, load_model=load).WhichOneof("payload") == "model_loaded"
     budget = worker_pb2.ProfileMemory(block_size=4, kv_cache_memory_bytes=1 << 20)
     profile = _send(worker, 3, profile_memory=budget)
     mp = profile.memory_profile
@@ -127,4 +128,53 @@ def test_handshake_then_steps_and_a_failing_step_is_an_error_reply(tiny_model_di
     assert kind == "execute_model" and message.startswith("KeyError:") and "ghost" in message
     # Still serving: the controlplane decides what a failed step means.
     assert _send(worker, 7, ping=worker_pb2.Ping()).WhichOneof("payload") == "ack"
+    worker.close()
+
+
+def _step_for(prompt: list[int], req_id: str, step_id: int) -> worker_pb2.SchedulerOutput:
+    so = worker_pb2.SchedulerOutput(step_id=step_id, total_num_scheduled_tokens=len(prompt))
+    new = so.scheduled_new_reqs.add(req_id=req_id, prompt_token_ids=prompt,
+                                    num_computed_tokens=0, num_scheduled_tokens=len(prompt))
+    new.block_ids.extend([0, 1])
+    return so
+
+
+def test_reset_keeps_the_weights_and_the_next_group_reuses_them(tiny_model_dir):
+    worker = Worker("cpu")
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=3)
+
+    def start(first_id: int) -> worker_pb2.WorkerMessage:
+        assert _send(worker, first_id, init_distributed=_init_distributed()).WhichOneof(
+            "payload") == "ack"
+        loaded = _send(worker, first_id + 1, load_model=load)
+        init = worker_pb2.InitKVCache(num_blocks=8, block_size=4)
+        assert _send(worker, first_id + 2, init_kv_cache=init).WhichOneof("payload") == "ack"
+        return loaded
+
+    first = start(1)
+    assert first.model_loaded.reused is False
+    assert first.model_loaded.weights_bytes == worker.runner.weights_bytes() > 0
+    runner, weights = worker.runner, next(worker.runner.model.parameters())
+    before = _send(worker, 4, execute_model=_step_for([5, 6, 7], "a", 1))
+
+    reply = _send(worker, 5, reset=worker_pb2.Reset(reason="rank 1 died"))
+    assert reply.WhichOneof("payload") == "reset_done" and reply.reset_done.dist_port > 0
+    assert worker.runner.requests == {} and worker.runner.kv_caches == []
+    assert worker.ps.tp_group is None and not worker.ps.owns_process_group
+
+    again = start(6)
+    assert again.model_loaded.reused is True
+    assert worker.runner is runner and next(worker.runner.model.parameters()) is weights
+    # The same request id as before is new to the re-formed group and
+    # computes the same token: nothing of the old group's state leaked.
+    after = _send(worker, 9, execute_model=_step_for([5, 6, 7], "a", 1))
+    assert list(after.model_runner_output.sampled_token_ids) == list(
+        before.model_runner_output.sampled_token_ids)
+
+    # Another model (here: another seed) is loaded, not reused.
+    other = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=4)
+    _send(worker, 10, reset=worker_pb2.Reset())
+    _send(worker, 11, init_distributed=_init_distributed())
+    assert _send(worker, 12, load_model=other).model_loaded.reused is False
+    assert worker.runner is not runner
     worker.close()

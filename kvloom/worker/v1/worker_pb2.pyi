@@ -10,8 +10,10 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
@@ -220,6 +222,26 @@ class Ping(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Reset(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ResetDone(_message.Message):
+    __slots__ = ("dist_port",)
+    DIST_PORT_FIELD_NUMBER: _ClassVar[int]
+    dist_port: int
+    def __init__(self, dist_port: _Optional[int] = ...) -> None: ...
+
+class ModelLoaded(_message.Message):
+    __slots__ = ("reused", "weights_bytes")
+    REUSED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reused: bool
+    weights_bytes: int
+    def __init__(self, reused: _Optional[bool] = ..., weights_bytes: _Optional[int] = ...) -> None: ...
+
 class Shutdown(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -227,7 +249,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown")
+    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     INIT_DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +259,7 @@ class ControlMessage(_message.Message):
     EXECUTE_MODEL_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     registered: RegisterReply
     init_distributed: InitDistributed
@@ -246,7 +269,8 @@ class ControlMessage(_message.Message):
     execute_model: SchedulerOutput
     ping: Ping
     shutdown: Shutdown
-    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    reset: Reset
+    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
@@ -267,7 +291,7 @@ class WorkerError(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat")
+    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +299,8 @@ class WorkerMessage(_message.Message):
     MODEL_RUNNER_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    RESET_DONE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LOADED_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     register: RegisterRequest
     ack: Ack
@@ -282,4 +308,6 @@ class WorkerMessage(_message.Message):
     model_runner_output: ModelRunnerOutput
     error: WorkerError
     heartbeat: Heartbeat
-    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    reset_done: ResetDone
+    model_loaded: ModelLoaded
+    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ...) -> None: ...

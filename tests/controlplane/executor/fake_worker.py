@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.controlplane.executor.replies import command_reply
 
 GOOD_TOKEN = 7
 HEARTBEAT_S = 0.5
@@ -75,6 +76,10 @@ class ScriptedWorker:
     num_sampling_steps: int = 0
     tokens_sent: int = 0
     shutdown_reason: str | None = None
+    num_loads: int = 0
+    num_resets: int = 0
+    # Never answer Reset (a rank whose main thread is stuck).
+    ignore_reset: bool = False
     stream_error: grpc.StatusCode | None = None
 
     def __post_init__(self) -> None:
@@ -137,16 +142,19 @@ class ScriptedWorker:
             self.shutdown_reason = msg.shutdown.reason
             await self.close()
             return
-        reply = worker_pb2.WorkerMessage(call_id=msg.call_id)
-        if kind == "profile_memory":
-            reply.memory_profile.num_blocks = self.num_blocks
-            reply.memory_profile.bytes_per_block = 1
-        elif kind == "execute_model":
+        reply = command_reply(msg, self.num_blocks, reused=self.num_loads > 0)
+        if kind == "execute_model":
             reply = self._step(msg, msg.execute_model)
             if reply is None:
                 return
-        else:
-            reply.ack.SetInParent()
+        elif kind == "load_model":
+            self.num_loads += 1
+        elif kind == "reset":
+            # As workerd: leave the group, forget every request, keep "weights".
+            self.requests.clear()
+            self.num_resets += 1
+            if self.ignore_reset:
+                return  # a rank stuck in a collective never gets to answer
         await self._outbox.put(reply)
 
     # ---- steps -------------------------------------------------------------
@@ -228,6 +236,11 @@ def _break(
         out.sampled_token_ids.append(GOOD_TOKEN)
     elif kind == "silence":
         return None
+    elif kind == "error":
+        # Not a protocol violation: how a worker reports a step that raised.
+        return worker_pb2.WorkerMessage(
+            call_id=call_id, error=worker_pb2.WorkerError(kind="execute_model", message="boom")
+        )
     else:
         raise ValueError(f"unknown fault {kind!r}")
     return reply

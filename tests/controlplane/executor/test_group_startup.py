@@ -12,6 +12,7 @@ from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, Worker
 from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
+from tests.controlplane.executor.replies import command_reply
 
 PARALLEL = ParallelConfig(tensor_parallel_size=1, pipeline_parallel_size=2)
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/w")
@@ -25,12 +26,7 @@ class FakeCalls:
         self.sent: list[tuple[str, dict[int, worker_pb2.ControlMessage]]] = []
 
     def _reply(self, rank: int, command: worker_pb2.ControlMessage) -> worker_pb2.WorkerMessage:
-        reply = worker_pb2.WorkerMessage()
-        if command.WhichOneof("command") == "profile_memory":
-            reply.memory_profile.num_blocks = self.blocks[rank]
-        else:
-            reply.ack.SetInParent()
-        return reply
+        return command_reply(command, self.blocks[rank])
 
     async def call_all(self, command, timeout_s, what):
         return await self.call_each(lambda rank: command, timeout_s, what)

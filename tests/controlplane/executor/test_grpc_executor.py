@@ -17,6 +17,7 @@ from controlplane.executor.grpc_executor import Executor, WorkerGroupFailed
 from controlplane.executor.status import FailureKind, GroupState
 from controlplane.executor.worker_service import WorkerControlService
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.controlplane.executor.replies import command_reply
 from tests.controlplane.executor.steps import decode_step
 
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/m")
@@ -32,6 +33,7 @@ class FakeWorker:
         self.rank = rank
         self.register_fields = register
         self.steps: list[bytes] = []
+        self.resets = 0
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.registered = asyncio.get_running_loop().create_future()
 
@@ -76,9 +78,9 @@ class FakeWorker:
         if kind == "shutdown":
             await self.outbox.put(None)
             return
-        if kind == "profile_memory":
-            reply.memory_profile.num_blocks = self.num_blocks
-        elif kind == "execute_model":
+        if kind == "reset":
+            self.resets += 1
+        if kind == "execute_model":
             self.steps.append(msg.SerializeToString())
             if self.rank != 1:  # the output rank of tp=1, pp=2 is rank 1
                 return
@@ -88,7 +90,7 @@ class FakeWorker:
                 [7] * len(so.scheduled_cached_reqs.req_ids)
             )
         else:
-            reply.ack.SetInParent()
+            reply = command_reply(msg, self.num_blocks)
         await self.outbox.put(reply)
 
     async def close(self):
@@ -105,7 +107,7 @@ class Harness:
             MODEL,
             CacheConfig(block_size=16),
             on_ready=lambda n: self.ready.done() or self.ready.set_result(n),
-            on_failed=self.failed.append,
+            on_failed=lambda reason, kind: self.failed.append(reason),
             vocab_size=32000,
         )
 
@@ -201,8 +203,12 @@ def test_startup_broadcast_and_failure():
             status = h.executor.status()
             assert h.failed and status.state is GroupState.FORMING
             assert status.failure_counts == {FailureKind.DISCONNECTED: 1}
-            assert status.num_attached == 0 and "rank 0" in status.failure_reason
-            assert status.describe().startswith("worker group forming: 0/2 ranks attached")
+            # Recovery is on by default: the survivor stays, told to leave the
+            # failed group (Reset) and wait for rank 0's return.
+            assert status.num_attached == 1 and "rank 0" in status.failure_reason
+            assert status.describe().startswith("worker group forming: 1/2 ranks attached")
+            while by_rank[1].resets == 0:  # the Reset is on its way (bounded by the test)
+                await asyncio.sleep(0.01)
             # A snapshot taken earlier is a moment, not a view: it did not change.
             assert ready.state is GroupState.READY and ready.num_attached == 2
             for t in tasks:

@@ -41,18 +41,23 @@ WAIT_S = 30
 class Harness:
     """An Executor and its worker port on a loopback gRPC server (this loop)."""
 
-    def __init__(self, pp: int = 1, step_timeout_s: float = 30.0):
+    def __init__(self, pp: int = 1, step_timeout_s: float = 30.0, *,
+                 recovery_timeout_s: float = 0.0, heartbeat_timeout_s: float = 3600):
+        # Recovery off by default: these tests look at how a group fails, and
+        # then let a fresh worker in; test_survivors.py keeps the survivors.
         loop = asyncio.get_running_loop()
         self.parallel = ParallelConfig(pipeline_parallel_size=pp)
         self.ready: asyncio.Queue[int] = asyncio.Queue()
         self.failed: asyncio.Queue[str] = asyncio.Queue()
         self.executor = Executor(
             self.parallel,
-            WorkerGroupConfig(step_timeout_s=step_timeout_s, heartbeat_timeout_s=3600),
+            WorkerGroupConfig(step_timeout_s=step_timeout_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s,
+                              engine_recovery_timeout_s=recovery_timeout_s),
             MODEL,
             CacheConfig(block_size=4),
             on_ready=lambda n: loop.call_soon_threadsafe(self.ready.put_nowait, n),
-            on_failed=lambda r: loop.call_soon_threadsafe(self.failed.put_nowait, r),
+            on_failed=lambda r, kind: loop.call_soon_threadsafe(self.failed.put_nowait, r),
             vocab_size=VOCAB,
         )
 

@@ -305,7 +305,7 @@ def test_reply_payload_problems():
         "answered profile_memory with ack instead of memory_profile"
     )
     assert reply_payload_problem("load_model", {0}, {}, 0, None) == (
-        "answered load_model with an empty message instead of ack"
+        "answered load_model with an empty message instead of model_loaded"
     )
     assert reply_payload_problem("ping", {0}, {}, 0, "register") == (
         "answered ping with register instead of ack"

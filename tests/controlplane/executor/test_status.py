@@ -55,7 +55,7 @@ def _executor() -> Executor:
         ModelConfig(model="/m", served_model_name="m", worker_model_path="/m"),
         CacheConfig(),
         on_ready=lambda n: None,
-        on_failed=lambda reason: None,
+        on_failed=lambda reason, kind: None,
         vocab_size=32000,
     )
 
@@ -78,21 +78,21 @@ def test_executor_status_is_a_copy_of_one_moment():
     assert one.rank(1).last_forward_time_s == 0.0
     assert ex.status().rank(1).last_forward_time_s == 0.5
     # A serving failure is counted by kind; readers get a read-only mapping.
-    ex.fail_group("boom", FailureKind.HEARTBEAT_TIMEOUT)
+    ex.fail_group("boom", FailureKind.HEARTBEAT_TIMEOUT, rank=1)
     failed = ex.status()
     assert failed.failure_counts == {FailureKind.HEARTBEAT_TIMEOUT: 1}
     assert failed.failure_reason == "boom" and failed.num_attached == 0
     with pytest.raises(TypeError):
         failed.failure_counts[FailureKind.STARTUP] = 1  # type: ignore[index]
     # Failing an empty forming group again is not a new failure.
-    ex.fail_group("again")
+    ex.fail_group("again", rank=1)
     assert ex.status().failure_counts == {FailureKind.HEARTBEAT_TIMEOUT: 1}
 
 
 def test_failure_kind_defaults_to_the_state_that_failed():
     ex = _executor()
     _register(ex, 0)
-    ex.fail_group("lost while forming")  # not yet starting: a worker error
+    ex.fail_group("lost while forming", rank=0)  # not yet starting: a worker error
     assert ex.status().failure_counts == {FailureKind.WORKER_ERROR: 1}
 
 

@@ -16,9 +16,11 @@ import asyncio
 import pytest
 
 from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
-from controlplane.executor.grpc_executor import Executor, WorkerHandle
+from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.registration import WorkerHandle
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
+from tests.controlplane.executor.replies import command_reply
 from tests.controlplane.executor.steps import decode_step
 
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/m")
@@ -56,10 +58,8 @@ class ScriptedRank:
                 req_ids = list(msg.execute_model.scheduled_cached_reqs.req_ids)
                 reply.model_runner_output.req_ids.extend(req_ids)
                 reply.model_runner_output.sampled_token_ids.extend([7] * len(req_ids))
-            elif kind == "profile_memory":
-                reply.memory_profile.num_blocks = 8
             else:
-                reply.ack.SetInParent()
+                reply = command_reply(msg)
             self.executor.on_message(self.handle, reply)
         self.stream_ended = True
 
@@ -74,12 +74,14 @@ async def _ready_group(step_timeout_s: float):
     executor = Executor(
         PARALLEL,
         # Heartbeats are not under test: only the step deadline may fire.
+        # Recovery off: the survivors are told to shut down (test_survivors.py
+        # has the recovery side).
         WorkerGroupConfig(step_timeout_s=step_timeout_s, heartbeat_timeout_s=3600,
-                          startup_timeout_s=60),
+                          startup_timeout_s=60, engine_recovery_timeout_s=0),
         MODEL,
         CacheConfig(block_size=16),
         on_ready=lambda n: ready.done() or ready.set_result(n),
-        on_failed=failed.put_nowait,
+        on_failed=lambda reason, kind: failed.put_nowait(reason),
         vocab_size=32000,
     )
     executor.start(loop)

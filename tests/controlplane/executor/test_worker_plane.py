@@ -24,6 +24,7 @@ from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.executor.worker_plane import WorkerPlane, WorkerPlaneStopped
 from controlplane.metrics.loop_lag import LoopLagProbe
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.controlplane.executor.replies import command_reply
 from tests.controlplane.executor.steps import decode_step
 
 MODEL = ModelConfig(model="/m", served_model_name="m", worker_model_path="/m")
@@ -76,10 +77,8 @@ class SyncWorker(threading.Thread):
             req_ids = msg.execute_model.scheduled_cached_reqs.req_ids
             reply.model_runner_output.req_ids.extend(req_ids)
             reply.model_runner_output.sampled_token_ids.extend([7] * len(req_ids))
-        elif kind == "profile_memory":
-            reply.memory_profile.num_blocks = 8
         else:
-            reply.ack.SetInParent()
+            reply = command_reply(msg)
         self._out.put(reply)
 
 
@@ -102,7 +101,7 @@ class Plane:
             MODEL,
             CacheConfig(block_size=16),
             on_ready=lambda n: self.ready.set(),
-            on_failed=self.failed.append,
+            on_failed=lambda reason, kind: self.failed.append(reason),
             vocab_size=32000,
         )
         self.probe = LoopLagProbe("workers", interval_s=0.01)

@@ -16,7 +16,7 @@ from controlplane.config import ControlPlaneConfig, ModelConfig, ParallelConfig
 from controlplane.core.outputs import EngineCoreOutput
 from controlplane.core.request import FinishReason
 from controlplane.core.sched_stats import SchedulerStats
-from controlplane.executor.grpc_executor import WorkerHandle
+from controlplane.executor.registration import WorkerHandle
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.metrics.exporter import (
     FAILURE_REASONS,

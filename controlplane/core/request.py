@@ -105,6 +105,9 @@ class Request:
     # How many of all_token_ids the workers have been sent (drives the diff).
     num_tokens_sent: int = 0
     num_preemptions: int = 0
+    # Worker group failures this request was held across (the engine caps it:
+    # a request that crashes its workers every time must not cycle forever).
+    num_recoveries: int = 0
     # The token that matched a stop rule, when status is FINISHED_STOPPED.
     stop_token_id: int | None = None
     # Chained hashes of the full blocks of all_token_ids, extended incrementally
@@ -140,3 +143,16 @@ class Request:
         else:
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
+
+
+def min_tokens_stop_ids(request: Request) -> tuple[int, ...]:
+    """The ids the workers must not sample before min_tokens: the same ones
+    the scheduler's update_from_output stops on (EOS unless ignore_eos,
+    stop_token_ids)."""
+    params = request.sampling_params
+    if params.min_tokens <= 0:
+        return ()
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids |= request.eos_token_ids
+    return tuple(sorted(ids))

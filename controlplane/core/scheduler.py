@@ -38,6 +38,7 @@ from controlplane.core.request import (
     RequestStatus,
     exceeds_max_model_len,
     finish_reason_of,
+    min_tokens_stop_ids,
 )
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
@@ -45,18 +46,6 @@ from controlplane.core.sched_stats import SchedulerStats
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-def _min_tokens_stop_ids(request: Request) -> tuple[int, ...]:
-    """The ids the workers must not sample before min_tokens: the same ones
-    update_from_output would stop on (EOS unless ignore_eos, stop_token_ids)."""
-    params = request.sampling_params
-    if params.min_tokens <= 0:
-        return ()
-    ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ids |= request.eos_token_ids
-    return tuple(sorted(ids))
 
 
 class Scheduler:
@@ -339,7 +328,7 @@ class Scheduler:
                     request.sampling_params,
                     block_ids,
                     num_computed,
-                    _min_tokens_stop_ids(request),
+                    min_tokens_stop_ids(request),
                 )
             )
         else:
@@ -478,15 +467,35 @@ class Scheduler:
             kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_tokens_sent = 0
             request.num_preemptions += 1
         for request in self.waiting:
-            request.num_tokens_sent = 0
-        for request in self.running:
             request.num_tokens_sent = 0
         self.waiting.prepend_many(self.running)
         self.running = []
         kv.reset_prefix_cache()
         self.finished_req_ids = set()
+
+    def replace_kv_pool(self, num_gpu_blocks: int) -> list[Request]:
+        """The group re-formed with a KV pool of another size (only after
+        reset_for_recompute: no request holds blocks). Requests that could never
+        fit it leave as FINISHED_ERROR and are returned for the caller to fail."""
+        old = self.kv_cache_manager
+        if self.running or old.req_to_blocks:
+            raise RuntimeError("replace_kv_pool while requests hold KV blocks")
+        new = KVCacheManager(num_gpu_blocks, self.block_size, old.enable_caching)
+        # Cumulative counters: metrics take deltas and must not see them restart.
+        new.prefix_cache_queries = old.prefix_cache_queries
+        new.prefix_cache_hits = old.prefix_cache_hits
+        self.kv_cache_manager, self.num_gpu_blocks = new, num_gpu_blocks
+        size = self.block_size
+        too_big = [r for r in self.requests.values()
+                   if blocks_needed(r.num_prompt_tokens, r.max_tokens, size) > num_gpu_blocks]
+        for request in too_big:
+            request.status = RequestStatus.FINISHED_ERROR
+            del self.requests[request.request_id]
+        self.waiting.remove_ids({r.request_id for r in too_big})
+        return too_big
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -1,0 +1,76 @@
+"""The scheduler across a worker group recovery: reset_for_recompute, then
+replace_kv_pool when the re-formed group brought a KV pool of another size
+(requests that can no longer ever fit leave; the rest are recomputed in the
+new pool; cumulative prefix-cache counters do not restart)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.core.request import RequestStatus
+from tests.controlplane.core.helpers import make_request, make_scheduler, step
+
+
+def _mid_run_then_reset(num_blocks: int = 20):
+    """a (4 + 4 tokens at most: 2 blocks) and b (16 + 8: 6 blocks) mid-run,
+    c waiting behind max_num_seqs; then the group fails."""
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=2)
+    a = make_request(4, max_tokens=4, req_id="a")
+    b = make_request(16, max_tokens=8, req_id="b")
+    c = make_request(4, max_tokens=4, req_id="c")
+    for request in (a, b, c):
+        sched.add_request(request)
+    step(sched, {"a": 70, "b": 80})
+    step(sched, {"a": 71, "b": 81})
+    sched.reset_for_recompute()
+    return sched, a, b, c
+
+
+def test_a_smaller_pool_drops_only_what_can_never_fit_and_the_rest_recompute():
+    sched, a, b, c = _mid_run_then_reset()
+    queries = sched.kv_cache_manager.prefix_cache_queries
+    assert queries > 0
+    too_big = sched.replace_kv_pool(5)
+    assert too_big == [b] and b.status is RequestStatus.FINISHED_ERROR
+    assert sched.get_request("b") is None and "b" not in {r.request_id for r in sched.waiting}
+    kv = sched.kv_cache_manager
+    assert (sched.num_gpu_blocks, kv.num_total_blocks, kv.get_num_free_blocks()) == (5, 5, 5)
+    assert kv.prefix_cache_queries == queries  # counters do not restart with the pool
+    # a resends with its two tokens kept, c as it was; both fit the new pool.
+    so, _ = step(sched)
+    by_id = {n.req_id: n for n in so.scheduled_new_reqs}
+    assert list(by_id) == ["a", "c"] and by_id["a"].output_token_ids == [70, 71]
+    assert all(max(n.block_ids) < 5 for n in by_id.values())
+    for _ in range(10):
+        step(sched)
+    assert not sched.has_unfinished_requests()
+    assert a.output_token_ids[:2] == [70, 71] and a.num_output_tokens == 4
+    assert kv.get_num_free_blocks() == 5
+
+
+def test_a_larger_pool_keeps_every_request():
+    sched, *_ = _mid_run_then_reset()
+    assert sched.replace_kv_pool(40) == []
+    assert sched.get_num_unfinished_requests() == 3
+    assert sched.kv_cache_manager.get_num_free_blocks() == 40
+    # Admission now checks against the new pool.
+    sched.add_request(make_request(100, max_tokens=8, req_id="big"))
+
+
+def test_replace_kv_pool_refuses_while_requests_hold_blocks():
+    sched = make_scheduler(num_blocks=20)
+    sched.add_request(make_request(4, req_id="a"))
+    step(sched)
+    with pytest.raises(RuntimeError, match="hold KV blocks"):
+        sched.replace_kv_pool(10)
+    assert sched.num_gpu_blocks == 20
+
+
+def test_a_priority_queue_loses_only_the_requests_that_no_longer_fit():
+    sched = make_scheduler(num_blocks=20, policy="priority", max_num_seqs=1)
+    sched.add_request(make_request(4, max_tokens=4, req_id="small", priority=1))
+    sched.add_request(make_request(30, max_tokens=2, req_id="big", priority=0))
+    step(sched)
+    sched.reset_for_recompute()
+    assert [r.request_id for r in sched.replace_kv_pool(4)] == ["big"]
+    assert [r.request_id for r in sched.waiting] == ["small"]

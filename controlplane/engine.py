@@ -4,9 +4,13 @@ Drains the input queue (new requests, aborts, worker-group events), blocking
 only when there is nothing to run, then steps: schedule -> executor broadcast
 -> update_from_output -> hand outputs to the client streams, together with a
 StepRecord (timestamps and counts only; metrics are observed on the loop).
-The scheduler is created when the worker group reports its KV capacity and
-dropped when the group fails; requests in flight at that moment end with an
-error output.
+The scheduler is created when the worker group reports its KV capacity.
+When the group fails, its requests are held (recovery.py): reset to
+preempted-for-recompute with every streamed token kept, their streams open,
+the engine not stepping, until the group is ready again (they resume, over a
+new KV pool if its size changed) or --engine-recovery-timeout passes (they
+end UNAVAILABLE, the scheduler is dropped and new requests fail fast until a
+group is ready). With a timeout of 0 (fail-fast) they end at once.
 
 The loop never dies silently. An exception while adding a request fails that
 request; any other exception in a step or a scheduler call fails every
@@ -40,7 +44,8 @@ from controlplane.core.outputs import (
 from controlplane.core.request import FinishReason, Request, RequestStatus, finish_reason_of
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.worker_calls import WorkerGroupFailed
-from controlplane.metrics.records import StepRecord
+from controlplane.metrics.records import RecoveryRecord, StepRecord
+from controlplane.recovery import Recovery
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,9 @@ class EngineCore:
         cache_config: CacheConfig,
         execute_model: Callable[[SchedulerOutput], ModelRunnerOutput],
         emit: Callable[[list[EngineCoreOutput], StepRecord | None], None],
+        *,
+        recovery_timeout_s: float = 0.0,
+        on_recovery: Callable[[RecoveryRecord], None] | None = None,
     ):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -94,6 +102,7 @@ class EngineCore:
         # The requests of the step being updated and emitted (see step()).
         self._step_requests: dict[str, Request] = {}
         self._failure_times: deque[float] = deque(maxlen=MAX_FAILURES)
+        self.recovery = Recovery(recovery_timeout_s, on_recovery)
         # Replaced in tests, which must survive a fatal error.
         self.exit_process: Callable[[int], object] = os._exit
 
@@ -112,8 +121,9 @@ class EngineCore:
     def group_ready(self, num_gpu_blocks: int) -> None:
         self.input_queue.put((_Kind.GROUP_READY, num_gpu_blocks))
 
-    def group_failed(self, reason: str) -> None:
-        self.input_queue.put((_Kind.GROUP_FAILED, reason))
+    def group_failed(self, reason: str, kind: str = "worker_error") -> None:
+        """kind: the executor's FailureKind value, the recoveries' metric label."""
+        self.input_queue.put((_Kind.GROUP_FAILED, (reason, kind)))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_busy_loop, name="engine-core", daemon=True)
@@ -131,7 +141,12 @@ class EngineCore:
             self._process_input_queue()
             if self._stopped:
                 break
-            if self._has_work():
+            if self.recovery.expired():
+                try:
+                    self._give_up()
+                except Exception as exc:  # noqa: BLE001 - held requests must not hang
+                    self._die("failing the held requests", exc)
+            elif self._has_work():
                 try:
                     self.step()
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
@@ -142,7 +157,8 @@ class EngineCore:
         sched = self.scheduler
         # Finished ids (aborts, and requests that ended in the last step) must
         # reach the workers even when nothing else runs, or they keep the state.
-        return sched is not None and (
+        # A holding engine has no group to step.
+        return sched is not None and not self.recovery.holding and (
             sched.has_unfinished_requests()
             or sched.has_finished_requests()
             or bool(self._flush_req_ids)
@@ -152,7 +168,7 @@ class EngineCore:
         if not self._has_work():
             # Idle: block for the next input, waking now and then to tick.
             try:
-                item = self.input_queue.get(timeout=IDLE_TICK_S)
+                item = self.input_queue.get(timeout=self.recovery.wait_s(IDLE_TICK_S))
             except queue.Empty:
                 return
             self._handle_safely(*item)
@@ -184,6 +200,8 @@ class EngineCore:
             self._add(payload)
         elif kind is _Kind.FINISH:
             self._finish(*payload)
+        elif kind is _Kind.GROUP_READY and self.recovery.holding:
+            self._resume(payload)
         elif kind is _Kind.GROUP_READY:
             self._new_scheduler(payload)
             self._worker_req_ids = set()  # a new group holds no request state
@@ -194,7 +212,7 @@ class EngineCore:
             gc.collect()
             gc.freeze()
         elif kind is _Kind.GROUP_FAILED:
-            self._fail_all(payload)
+            self._group_down(*payload)
         elif kind is _Kind.STOP:
             self._fail_all("controlplane is shutting down")
             self._stopped = True
@@ -256,7 +274,8 @@ class EngineCore:
         try:
             model_output = self._execute_model(scheduler_output)
         except WorkerGroupFailed as exc:
-            self._fail_all(str(exc))
+            # The executor reports the group failed too, with the kind.
+            self._group_down(str(exc), None)
             return
         t_executed = time.monotonic()
         # Workers drop finished ids before they add new ones, so an id both
@@ -287,8 +306,56 @@ class EngineCore:
         self._emit(outputs, record)
         self._step_requests = {}
 
+    # ---- the worker group failing and coming back --------------------------
+
+    def _group_down(self, reason: str, kind: str | None) -> None:
+        """The worker group failed: hold its requests (or, fail-fast, end them)."""
+        # The next group starts with no request state.
+        self._worker_req_ids = set()
+        self._flush_req_ids = set()
+        sched = self.scheduler
+        if self.recovery.holding:
+            self.recovery.failed_again(kind)  # the deadline stands
+            return
+        if not self.recovery.enabled or sched is None:
+            self._fail_all(reason)
+            return
+        sched.reset_for_recompute()
+        poisoned = self.recovery.begin(reason, kind, list(sched.requests.values()))
+        if poisoned:
+            sched.finish_requests([r.request_id for r in poisoned], RequestStatus.FINISHED_ERROR)
+            self._emit([self._error_output(r, self.recovery.poisoned_error(r))
+                        for r in poisoned], None)
+        self.last_stats = sched.make_stats()
+
+    def _resume(self, num_gpu_blocks: int) -> None:
+        """The group is ready again: the held requests are recomputed on it."""
+        sched = self.scheduler
+        assert sched is not None
+        old_blocks = sched.num_gpu_blocks
+        too_big = sched.replace_kv_pool(num_gpu_blocks) if num_gpu_blocks != old_blocks else []
+        # Ids finished while holding belong to the old group; this one holds none.
+        sched.finished_req_ids = set()
+        self._worker_req_ids = set()
+        self._flush_req_ids = set()
+        self.recovery.resumed(sched.requests.values())
+        self.last_stats = sched.make_stats()
+        if too_big:
+            error = self.recovery.pool_error(old_blocks, num_gpu_blocks)
+            self._emit([self._error_output(r, error) for r in too_big], None)
+
+    def _give_up(self) -> None:
+        """The deadline passed with the group still down: fail-fast from now on."""
+        live = list(self.scheduler.requests.values()) if self.scheduler is not None else []
+        self._unavailable_reason = self.recovery.reason
+        error = self.recovery.give_up(len(live))
+        self.scheduler = None
+        if live:
+            self._emit([self._error_output(r, error) for r in live], None)
+
     def _fail_all(self, reason: str) -> None:
         """The worker group is gone: every live request ends with an error."""
+        self.recovery.abandon()
         self._unavailable_reason = reason
         live = self.scheduler.requests.values() if self.scheduler is not None else ()
         outputs = [self._error_output(r, reason) for r in live]

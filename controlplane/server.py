@@ -33,11 +33,13 @@ from controlplane.api.output_router import OutputRouter
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine import EngineCore
 from controlplane.executor.grpc_executor import Executor
+from controlplane.executor.status import FailureKind
 from controlplane.executor.worker_plane import WorkerPlane
 from controlplane.executor.worker_service import SERVICE_NAME as WORKER_SERVICE
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.grpc_interceptor import GrpcMetricsInterceptor
 from controlplane.metrics.loop_lag import LoopLagProbe
+from controlplane.metrics.records import RecoveryRecord
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness
 from kvloom.server.ports import EXCLUSIVE_PORT, add_insecure_port
@@ -80,7 +82,9 @@ class ControlPlane:
         self.router = OutputRouter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.engine = EngineCore(
-            config.scheduler, config.cache, execute_model=self._execute_model, emit=self._emit
+            config.scheduler, config.cache, execute_model=self._execute_model, emit=self._emit,
+            recovery_timeout_s=config.workers.engine_recovery_timeout_s,
+            on_recovery=self._on_recovery,
         )
         self.executor = Executor(
             config.parallel,
@@ -124,7 +128,18 @@ class ControlPlane:
             record.step_bytes = self.executor.last_step_bytes
         self._loop.call_soon_threadsafe(self._dispatch, outputs, record)
 
+    def _on_recovery(self, record: RecoveryRecord) -> None:
+        if self.metrics is not None:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._observe_recovery, record)
+
     # Called on the loop.
+    def _observe_recovery(self, record: RecoveryRecord) -> None:
+        try:
+            self.metrics.observe_recovery(record)
+        except Exception:  # noqa: BLE001 - a metrics bug must never stop serving
+            logger.exception("metrics observation failed")
+
     def _dispatch(self, outputs, record) -> None:
         if outputs:
             self.router.dispatch(outputs)
@@ -138,8 +153,8 @@ class ControlPlane:
         self.engine.group_ready(num_blocks)
         self._refresh_readiness()
 
-    def _on_group_failed(self, reason: str) -> None:
-        self.engine.group_failed(reason)
+    def _on_group_failed(self, reason: str, kind: FailureKind | None = None) -> None:
+        self.engine.group_failed(reason, (kind or FailureKind.WORKER_ERROR).value)
         self._refresh_readiness()
 
     def _refresh_readiness(self) -> None:

@@ -11,6 +11,8 @@ metric object:
   * observe() runs on the asyncio loop with each step's StepRecord and
     outputs (handed over in the call_soon_threadsafe that already carries the
     outputs to the client streams) and feeds counters and histograms;
+    observe_recovery() does the same with the engine's RecoveryRecords
+    (worker group recoveries: episodes, requests resumed, duration);
   * _ScrapeCollector reads live state (scheduler stats snapshot, the
     executor's status snapshot) when Prometheus scrapes, on the HTTP
     thread, so gauges and the heartbeat age are exact at scrape time;
@@ -27,7 +29,7 @@ import time
 from collections.abc import Iterable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from controlplane.config import ControlPlaneConfig
@@ -38,6 +40,7 @@ from controlplane.metrics.records import (
     FINISH_REASONS,
     PRIORITY_CLASSES,
     CounterDeltas,
+    RecoveryRecord,
     RequestTimeline,
     StepRecord,
     TimingBatch,
@@ -65,6 +68,10 @@ STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216)
 # A healthy loop wakes within a millisecond or two; the step deadline and the
 # heartbeat timeout are seconds to tens of seconds.
+# From the executor noticing the failure to the new group's start-up done:
+# a survivor re-joining takes seconds, a rank reloading its weights minutes.
+RECOVERY_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                    1800.0)
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0)
 
@@ -132,6 +139,19 @@ class ControlPlaneMetrics:
             "kvloom_grpc_requests", "Client API calls by method and status code.",
             ["model_name", "method", "code"], registry=reg)
 
+        recoveries = Counter("kvloom_recoveries", "Worker group failures that held in-flight "
+                             "requests for recompute (one per episode, by the kind of its "
+                             "first failure).", ["model_name", "reason"], registry=reg)
+        self.recoveries = {r: recoveries.labels(m, r) for r in FAILURE_REASONS}
+        self.requests_recovered = counter(
+            "kvloom_requests_recovered", "Held requests resumed on a re-formed worker group.")
+        self.recovery_duration = hist(
+            "kvloom_recovery_duration_seconds", "First worker group failure of a recovery to "
+            "the re-formed group ready.", RECOVERY_BUCKETS).labels(m)
+        self.recovering = Gauge("kvloom_recovering", "1 while in-flight requests are held for a "
+                                "re-forming worker group (--engine-recovery-timeout).",
+                                ["model_name"], registry=reg).labels(m)
+
         self.ttft = hist("kvloom_time_to_first_token_seconds",
                          "Arrival to first token.", TTFT_BUCKETS).labels(m)
         self.itl = hist("kvloom_inter_token_latency_seconds",
@@ -192,6 +212,15 @@ class ControlPlaneMetrics:
             self.prefix_queries.inc(d.prefix_cache_queries)
             self.prefix_hits.inc(d.prefix_cache_hits)
             self.preemptions.inc(d.num_preemptions)
+
+    def observe_recovery(self, record: RecoveryRecord) -> None:
+        self.recovering.set(1.0 if record.recovering else 0.0)
+        if record.episode_reason is not None:
+            self.recoveries[record.episode_reason].inc()
+        if record.num_recovered:
+            self.requests_recovered.inc(record.num_recovered)
+        if record.duration_s is not None:
+            self.recovery_duration.observe(record.duration_s)
 
     def _observe_timing(self, batch: TimingBatch) -> None:
         if batch.prompt_tokens:

@@ -2,7 +2,8 @@
 turns it into observations.
 
 The engine thread only takes timestamps and counts: one StepRecord per step,
-travelling with that step's outputs in the same call_soon_threadsafe. On the
+travelling with that step's outputs in the same call_soon_threadsafe, and one
+RecoveryRecord per transition of a worker group recovery. On the
 asyncio loop, RequestTimeline folds records and outputs into per-request
 timelines (vLLM's RequestStateStats) and returns plain lists of durations;
 CounterDeltas turns the scheduler's cumulative counters, which restart with
@@ -55,6 +56,22 @@ class StepRecord:
     def scheduler_time_s(self) -> float:
         """schedule() plus update_from_output() (and the stats snapshot)."""
         return (self.t_scheduled - self.t_start) + (self.t_end - self.t_executed)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryRecord:
+    """One transition of a recovery episode (controlplane/recovery.py), as
+    increments: the engine thread builds it, the metrics apply it on the loop."""
+
+    # Whether requests are held for a re-forming group after this transition.
+    recovering: bool
+    # Count one episode under this failure kind (FailureKind value); set once
+    # per episode, as soon as the kind of its first failure is known.
+    episode_reason: str | None = None
+    # Held requests resumed on the re-formed group.
+    num_recovered: int = 0
+    # First failure -> group ready, when the group came back.
+    duration_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ DEPLOYED_FLAGS = [
     "--max-waiting-requests=0", "--drain-timeout=0", "--shutdown-timeout=20",
     "--max-message-bytes=1024",
     "--step-timeout=5", "--heartbeat-timeout=3", "--startup-timeout=9", "--log-level=DEBUG",
+    "--engine-recovery-timeout=0", "--engine-recovery-timeout=120",
 ]
 
 
@@ -97,6 +98,10 @@ def test_flags_land_in_their_fields():
         (["--shutdown-timeout", "nan"], "--shutdown-timeout"),
         (["--drain-timeout", "inf"], "--shutdown-timeout"),
         (["--step-timeout", "nan"], "--step-timeout"),
+        (["--engine-recovery-timeout", "-1"], "--engine-recovery-timeout"),
+        (["--engine-recovery-timeout", "nan"], "--engine-recovery-timeout"),
+        (["--engine-recovery-timeout", "inf"], "--engine-recovery-timeout"),
+        (["--engine-recovery-timeout", "1e9"], "--engine-recovery-timeout"),
     ],
 )
 def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):

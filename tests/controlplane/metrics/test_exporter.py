@@ -26,6 +26,7 @@ from controlplane.metrics.exporter import (
 from controlplane.metrics.records import (
     PRIORITY_CLASSES,
     CounterDeltas,
+    RecoveryRecord,
     RequestTimeline,
     StepRecord,
     priority_class,
@@ -182,6 +183,28 @@ def test_failure_reason_labels_are_the_failure_kinds():
         "disconnected", "heartbeat_timeout", "step_timeout", "worker_error", "startup",
         "protocol_violation")
     assert {k.value for k in FailureKind} == set(FAILURE_REASONS)
+
+
+def test_recovery_records_feed_episodes_resumed_requests_and_duration(metrics):
+    m, _, _ = metrics
+    s = _samples(m.registry)
+    # Every reason exists at 0 before the first episode.
+    assert {_get(s, "kvloom_recoveries_total", reason=r) for r in FAILURE_REASONS} == {0}
+    assert _get(s, "kvloom_recovering") == 0
+    m.observe_recovery(RecoveryRecord(recovering=True))  # a step raised: kind not known
+    assert _get(_samples(m.registry), "kvloom_recovering") == 1
+    m.observe_recovery(RecoveryRecord(True, episode_reason="step_timeout"))
+    m.observe_recovery(RecoveryRecord(False, num_recovered=3, duration_s=4.5))
+    m.observe_recovery(RecoveryRecord(True, episode_reason="disconnected"))
+    m.observe_recovery(RecoveryRecord(False))  # gave up: no duration, nothing resumed
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_recoveries_total", reason="step_timeout") == 1
+    assert _get(s, "kvloom_recoveries_total", reason="disconnected") == 1
+    assert _get(s, "kvloom_recoveries_total", reason="worker_error") == 0
+    assert _get(s, "kvloom_requests_recovered_total") == 3
+    assert _get(s, "kvloom_recovery_duration_seconds_count") == 1
+    assert _get(s, "kvloom_recovery_duration_seconds_sum") == 4.5
+    assert _get(s, "kvloom_recovering") == 0
 
 
 def test_gauges_drop_to_zero_without_a_scheduler(metrics):

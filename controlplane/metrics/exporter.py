@@ -139,9 +139,10 @@ class ControlPlaneMetrics:
             "kvloom_grpc_requests", "Client API calls by method and status code.",
             ["model_name", "method", "code"], registry=reg)
 
-        recoveries = Counter("kvloom_recoveries", "Worker group failures that held in-flight "
-                             "requests for recompute (one per episode, by the kind of its "
-                             "first failure).", ["model_name", "reason"], registry=reg)
+        recoveries = Counter("kvloom_recoveries", "Recovery episodes: the worker group failed "
+                             "while serving and the engine held its requests (if any) for "
+                             "recompute; by the kind of the episode's first failure.",
+                             ["model_name", "reason"], registry=reg)
         self.recoveries = {r: recoveries.labels(m, r) for r in FAILURE_REASONS}
         self.requests_recovered = counter(
             "kvloom_requests_recovered", "Held requests resumed on a re-formed worker group.")

@@ -36,6 +36,7 @@ from controlplane.executor.status import ExecutorStatus, GroupState
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.records import RecoveryRecord
+from kvloom.worker.v1 import worker_pb2
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.test_engine import NUM_BLOCKS, WAIT_S, Client, IdleProbe, _greedy, _prompt
 from tests.controlplane.test_engine_failures import _add_together
@@ -263,8 +264,13 @@ def test_while_held_requests_arrive_and_are_aborted_or_stopped(make, tiny_model_
     assert final_a.finish_reason is FinishReason.ABORT and final_a.num_output_tokens == 2
     assert final_b.finish_reason is FinishReason.STOP and final_b.num_output_tokens == 2
     assert client.of("c") == [] and client.final("k") is None
+    num_sent = len(executor.sent)
     engine.group_ready(executor.start_group())
     client.wait_finished("k", "c")
+    # The new worker never held a or b: the first step tells it nothing of them.
+    first = worker_pb2.ControlMessage.FromString(executor.sent[num_sent]).execute_model
+    assert list(first.finished_req_ids) == []
+    assert sorted(n.req_id for n in first.scheduled_new_reqs) == ["c", "k"]
     for req_id in ("k", "c"):
         assert client.tokens(req_id) == hf_greedy(tiny_model_dir, prompts[req_id], 8), req_id
     _no_error(client, "a", "b", "k", "c")

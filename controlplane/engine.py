@@ -341,6 +341,9 @@ class EngineCore:
         self.recovery.resumed(sched.requests.values())
         self.last_stats = sched.make_stats()
         if too_big:
+            logger.warning("the worker group re-formed with %d KV blocks (was %d): failing %d "
+                           "request(s) that can no longer fit", num_gpu_blocks, old_blocks,
+                           len(too_big))
             error = self.recovery.pool_error(old_blocks, num_gpu_blocks)
             self._emit([self._error_output(r, error) for r in too_big], None)
 

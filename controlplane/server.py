@@ -165,7 +165,14 @@ class ControlPlane:
         await self.health.set(GENERATION_SERVICE, SERVING if serving else NOT_SERVING)
 
     def not_ready_reason(self) -> str | None:
-        return self.readiness.reason()
+        """Why a new request is refused now, or None. While the worker group
+        re-forms, new requests wait with the held ones instead: readiness says
+        NOT_SERVING, so balancers send new work elsewhere, but a client that
+        reaches this server sees a pause, not an error."""
+        reason = self.readiness.reason()
+        if reason is not None and not self.readiness.draining and self.engine.recovery.holding:
+            return None
+        return reason
 
     async def _drain(self, deadline: float) -> None:
         """Refuse new requests, let in-flight ones finish until the deadline."""

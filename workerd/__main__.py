@@ -130,6 +130,16 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _abort_collectives(args) -> None:
+    from workerd.collective_abort import abort_collectives
+
+    controlplane_port = int(args.controlplane.rsplit(":", 1)[1])
+    local = {args.metrics_port} if args.metrics_port else set()
+    count = abort_collectives(keep_remote_ports={controlplane_port}, keep_local_ports=local)
+    logger.warning("Reset while a command runs: shut %d socket(s) of the failed group so the "
+                   "command returns", count)
+
+
 def _advertise_host(args) -> str:
     if args.advertise_host:
         return args.advertise_host
@@ -214,6 +224,7 @@ def _serve(args, metrics) -> int:
     if metrics is not None:
         metrics.registered(reply.rank)
     worker = Worker(args.device)
+    conn.on_abort = lambda: _abort_collectives(args)
     busy = threading.Event()
     conn.start_reader(busy)
     conn.start_heartbeat(args.heartbeat_interval, worker)

@@ -99,6 +99,9 @@ class ControlplaneConnection:
         self._responses = None
         self._reader: threading.Thread | None = None
         self.dial_attempts = 0  # read by tests and logs
+        # Called on the reader thread when Reset arrives while a command runs
+        # (workerd/collective_abort.py); None = wait for the command.
+        self.on_abort = None
         self._deadline = 0.0
         self._timeout_s = 0.0
 
@@ -216,10 +219,15 @@ class ControlplaneConnection:
         code = 1
         try:
             for msg in self._responses:
-                if msg.WhichOneof("command") == "shutdown":
+                kind = msg.WhichOneof("command")
+                if kind == "shutdown":
                     logger.info("controlplane asked to shut down: %s", msg.shutdown.reason)
                     code = 0
                     break
+                if kind == "reset" and busy.is_set() and self.on_abort is not None:
+                    # The running command belongs to the failed group and may
+                    # wait forever on a peer that will not answer.
+                    self.on_abort()
                 self.commands.put(msg)
             else:
                 logger.error("controlplane closed the stream")

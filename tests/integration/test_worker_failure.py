@@ -65,7 +65,9 @@ def test_killing_a_tp_rank_fails_requests_fast(tiny_model_dir):
     # Step and heartbeat timeouts far beyond the clients' 120 s deadline: an
     # UNAVAILABLE naming the rank can then only come from noticing the kill,
     # so no wall-clock bound is needed to show the failure was fast.
-    slow_timeouts = ("--step-timeout", "600", "--heartbeat-timeout", "600")
+    # --engine-recovery-timeout 0: fail-fast (test_recovery.py holds them).
+    slow_timeouts = ("--step-timeout", "600", "--heartbeat-timeout", "600",
+                     "--engine-recovery-timeout", "0")
     with running_cluster(tiny_model_dir, tp=2, args=slow_timeouts) as cluster:
         procs = {p.name: p.popen for p in cluster.processes}
         victim, survivor = procs["rank 1"], procs["rank 0"]

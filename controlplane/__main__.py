@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 import sys
 from typing import NoReturn
 
@@ -105,11 +106,63 @@ def build_config(
         cache=config_from_args(CacheConfig, args),
         scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len),
         parallel=config_from_args(ParallelConfig, args),
-        workers=config_from_args(WorkerGroupConfig, args),
+        workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),
         api_limits=config_from_args(ApiLimitsConfig, args),
     )
     return config, info
+
+
+# A token is a line of text; a bigger "token file" is the wrong file.
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+
+
+def worker_auth_token(args: argparse.Namespace) -> str:
+    """The workers' shared secret: --auth-token (KVLOOM_AUTH_TOKEN), or the
+    stripped content of --auth-token-file, never both."""
+    path = args.auth_token_file
+    if not path:
+        return args.auth_token
+    if args.auth_token:
+        fail("--auth-token-file and --auth-token (or KVLOOM_AUTH_TOKEN) both give the "
+             "worker auth token: pass one")
+    try:
+        token = read_token_file(path)
+    except ValueError as exc:
+        fail(f"--auth-token-file {path}: {exc}")
+    return token
+
+
+def read_token_file(path: str) -> str:
+    """The file's text, stripped; ValueError says what is wrong with it."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"{info.st_size} bytes; a token file holds one line")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    if not token:
+        raise ValueError("the file is empty; put the token in it (or drop the flag)")
+    return token
+
+
+def worker_tls_problem(config: ControlPlaneConfig) -> str | None:
+    """A --worker-ssl-* file the worker port cannot serve with."""
+    from controlplane.executor.worker_plane import WorkerTlsError, worker_server_credentials
+
+    try:
+        worker_server_credentials(config.workers)
+    except WorkerTlsError as exc:
+        return str(exc)
+    return None
 
 
 def check_layout(config: ControlPlaneConfig, info: ModelInfo) -> str | None:
@@ -159,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, "controlplane")
     config, info = build_config(args)
     problem = (missing_tokenizer(config.model.model) or check_layout(config, info)
-               or busy_port(config))
+               or worker_tls_problem(config) or busy_port(config))
     if problem:
         fail(str(problem))
     if args.check:

@@ -75,7 +75,22 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class WorkerGroupConfig:
-    auth_token: str = option("", "shared secret workers must present; empty = not checked")
+    auth_token: str = option(
+        "", "shared secret workers must present; empty = not checked (prefer "
+        "--auth-token-file: a flag's value shows in ps)")
+    # __main__ reads the file into auth_token (worker_auth_token): the
+    # executor only ever sees the token.
+    auth_token_file: str = option(
+        "", "file holding the workers' shared secret (surrounding whitespace stripped); "
+        "excludes --auth-token")
+    # The worker port's TLS (worker_plane.py). With the CA as well, a worker
+    # must present a certificate that CA signed, or its handshake fails.
+    worker_ssl_certfile: str = option(
+        "", "PEM certificate of the worker port; empty = plaintext (with --worker-ssl-keyfile)")
+    worker_ssl_keyfile: str = option("", "PEM private key of --worker-ssl-certfile")
+    worker_ssl_ca_certs: str = option(
+        "", "PEM CA bundle: workers must present a certificate it signed (mTLS); "
+        "empty = no client certificate asked")
     step_timeout_s: float = option(
         60.0, "seconds before a step with no reply fails the worker group",
         flag="--step-timeout", gt=0)

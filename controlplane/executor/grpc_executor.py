@@ -47,6 +47,8 @@ from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.registration import (
     WorkerHandle,
     check_registration,
+    claim_differs,
+    observed_host,
     pick_rank,
 )
 from controlplane.executor.reply_check import (
@@ -154,12 +156,18 @@ class Executor:
 
     # ---- registration (called by worker_service on the loop) -------------
 
-    def register(self, req: worker_pb2.RegisterRequest) -> WorkerHandle:
+    def register(self, req: worker_pb2.RegisterRequest, peer: str) -> WorkerHandle:
+        """peer: the stream's grpc context.peer(), where the worker was seen."""
         world = self.parallel.world_size
         check_registration(req, self.cfg, self._state, world)
         rank = pick_rank(req, self.parallel, self._handles)
+        seen = observed_host(peer)
+        if claim_differs(req.host, seen):
+            logger.info("rank %d claims host %r but connected from %s: the rendezvous uses "
+                        "%s", rank, req.host, seen, seen)
         handle = WorkerHandle(
-            rank=rank, host=req.host, device=req.device, dist_port=req.dist_port, pid=req.pid
+            rank=rank, host=req.host, device=req.device, dist_port=req.dist_port, pid=req.pid,
+            peer_host=seen,
         )
         with self._lock:
             self._handles[rank] = handle
@@ -259,7 +267,8 @@ class Executor:
                             delay, self._failed_starts)
                 await asyncio.sleep(delay)
             master = self._handles[0]
-            num_blocks = await self._group_startup.run(master.host, master.dist_port)
+            # Where rank 0 was seen, not what it claims (registration.py).
+            num_blocks = await self._group_startup.run(master.peer_host, master.dist_port)
         except WorkerGroupFailed as exc:
             self.fail_group(str(exc))
             return

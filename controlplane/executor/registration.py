@@ -6,11 +6,19 @@ Pure functions of the request, the config and the ranks already attached,
 so the executor (grpc_executor.py) only decides what joining does to the
 group. Ranks stay attached across a group failure when recovery is on, so
 "already taken" means a live rank, never a stale slot.
+
+Rendezvous trust: the address the other ranks dial for rank 0's
+torch.distributed store is the one rank 0's stream came FROM (observed_host),
+never the host its RegisterRequest claims: a worker that lies about its host
+could otherwise point every rank (and the tensors they send) at a machine of
+its choosing. The claim is kept for display only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +46,9 @@ class WorkerHandle:
     device: str
     dist_port: int
     pid: int
+    # Where its stream came from (observed_host): rank 0's is the rendezvous
+    # address. `host` is what the worker claims, for display.
+    peer_host: str = ""
     # Serialized ControlMessages for this worker's stream; None ends the stream.
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
@@ -69,11 +80,14 @@ def check_registration(
             f"worker speaks protocol version {req.protocol_version}, controlplane "
             f"speaks {PROTOCOL_VERSION}: run the same kvloom release on both",
         )
-    if cfg.auth_token and req.auth_token != cfg.auth_token:
+    # Constant time: how long a refusal takes must not tell how much matched.
+    if cfg.auth_token and not hmac.compare_digest(
+        req.auth_token.encode(), cfg.auth_token.encode()
+    ):
         raise RegistrationRefused(
             grpc.StatusCode.UNAUTHENTICATED,
-            "wrong or missing worker auth token (set --auth-token / KVLOOM_AUTH_TOKEN "
-            "to the controlplane's)",
+            "wrong or missing worker auth token (give the worker the controlplane's: "
+            "--auth-token-file, or KVLOOM_AUTH_TOKEN)",
         )
     if state is not GroupState.FORMING:
         raise RegistrationRefused(
@@ -105,3 +119,40 @@ def pick_rank(
     # Auto ranks must not steal a rank an explicitly-ranked worker may claim,
     # but with mixed modes the lowest free rank is the only sane choice.
     return min(r for r in range(world) if r not in handles)
+
+
+def observed_host(peer: str) -> str:
+    """The address a worker's stream came from, from grpc's context.peer():
+    "ipv4:10.0.0.5:41234" -> "10.0.0.5", "ipv6:[::1]:5555" -> "::1" (an
+    IPv4-mapped IPv6 address as IPv4), a Unix socket -> loopback. Refuses a
+    peer it cannot read: the rendezvous must not fall back to a claim."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return "127.0.0.1"  # same host
+    address = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        raise RegistrationRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"cannot tell the worker's address from its connection ({peer!r}); "
+            f"dial the controlplane's worker port over TCP",
+        ) from None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def claim_differs(claimed: str, observed: str) -> bool:
+    """Whether a worker's claimed host is not the address it was seen at. A
+    name (e.g. a pod's DNS name) is not resolved here, on the worker
+    plane's loop: it counts as differing."""
+    if claimed == "localhost":
+        return not ipaddress.ip_address(observed).is_loopback
+    try:
+        ip = ipaddress.ip_address(claimed)
+    except ValueError:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip) != observed

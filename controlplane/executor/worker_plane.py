@@ -18,6 +18,12 @@ Who runs where:
 Other threads reach the plane through run() (a coroutine on the workers loop,
 awaited from the caller's loop) or the executor's thread-safe status().
 
+With --worker-ssl-certfile/--worker-ssl-keyfile the worker port speaks TLS;
+with --worker-ssl-ca-certs as well, a worker must present a certificate that
+CA signed (mTLS): one without, from another CA or expired fails the TLS
+handshake and never reaches WorkerControl, so it cannot disturb the group.
+worker_server_credentials() is also __main__'s start-up check of those flags.
+
 grpc.aio serves one server per loop from several threads of one process:
 checked with grpcio 1.85 before this design was chosen (two aio servers, each
 on its own loop and thread, each keeps answering bidi streams while the
@@ -29,18 +35,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import datetime
 import logging
+import os
+import ssl
+import stat
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import grpc
 
+from controlplane.config import WorkerGroupConfig
 from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import ExecutorStatus
 from controlplane.executor.worker_service import WorkerControlService
 from controlplane.metrics.loop_lag import LoopLagProbe
-from kvloom.server.ports import EXCLUSIVE_PORT, add_insecure_port
+from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_insecure_port, port_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +59,12 @@ T = TypeVar("T")
 
 # stop() waits this much longer than the server's grace for the thread to end.
 JOIN_MARGIN_S = 2.0
+# A PEM certificate, key or CA bundle is kilobytes; a bigger "PEM" is a mistake.
+MAX_PEM_BYTES = 1 << 20
+
+
+class WorkerTlsError(ValueError):
+    """A --worker-ssl-* flag the worker port cannot serve with; the message names it."""
 
 
 class WorkerPlaneStopped(RuntimeError):
@@ -145,7 +162,16 @@ class WorkerPlane:
         # Exclusive whatever the caller passed (kvloom/server/ports.py).
         server = grpc.aio.server(options=[*self._options, EXCLUSIVE_PORT])
         server.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
-        port = add_insecure_port(server, self._host, self._port, "--worker-port")
+        credentials = worker_server_credentials(self.executor.cfg)
+        if credentials is None:
+            port = add_insecure_port(server, self._host, self._port, "--worker-port")
+        else:
+            port = _add_secure_port(server, self._host, self._port, credentials)
+            cfg = self.executor.cfg
+            logger.info("worker port %s:%d: TLS%s", self._host, port,
+                        f", workers must present a certificate signed by "
+                        f"{cfg.worker_ssl_ca_certs} (mTLS)" if cfg.worker_ssl_ca_certs else
+                        " without client certificates (no --worker-ssl-ca-certs)")
         await server.start()
         self.executor.start(self._loop)
         if self._lag_probe is not None:
@@ -161,3 +187,101 @@ class WorkerPlane:
 def _set_once(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
+
+
+# ---- TLS of the worker port -------------------------------------------------
+
+
+def worker_server_credentials(cfg: WorkerGroupConfig) -> grpc.ServerCredentials | None:
+    """The worker port's TLS credentials; None = plaintext. Raises
+    WorkerTlsError naming the flag for a missing, unreadable, non-PEM,
+    mismatched or expired file, so start-up fails in one line, not at the
+    first worker's handshake."""
+    cert, key, ca = cfg.worker_ssl_certfile, cfg.worker_ssl_keyfile, cfg.worker_ssl_ca_certs
+    if not (cert or key or ca):
+        return None
+    if cert and not key:
+        raise WorkerTlsError("--worker-ssl-certfile needs --worker-ssl-keyfile (its private key)")
+    if key and not cert:
+        raise WorkerTlsError("--worker-ssl-keyfile needs --worker-ssl-certfile (its certificate)")
+    if not cert:
+        raise WorkerTlsError("--worker-ssl-ca-certs needs --worker-ssl-certfile and "
+                             "--worker-ssl-keyfile (the worker port's own certificate and key)")
+    cert_pem = _read_pem("--worker-ssl-certfile", cert)
+    key_pem = _read_pem("--worker-ssl-keyfile", key)
+    ca_pem = _read_pem("--worker-ssl-ca-certs", ca) if ca else None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=_no_password)
+    except (ssl.SSLError, ValueError, TypeError) as exc:
+        raise WorkerTlsError(
+            f"--worker-ssl-certfile {cert} / --worker-ssl-keyfile {key}: {_reason(exc)}; "
+            f"pass a PEM certificate and its own unencrypted key") from None
+    if ca_pem is not None:
+        try:
+            context.load_verify_locations(cadata=ca_pem.decode("ascii"))
+        except (ssl.SSLError, ValueError) as exc:
+            raise WorkerTlsError(f"--worker-ssl-ca-certs {ca}: {_reason(exc)}; pass the PEM "
+                                 f"certificate of the CA that signs the workers' "
+                                 f"certificates") from None
+    _check_validity("--worker-ssl-certfile", cert, cert_pem)
+    return grpc.ssl_server_credentials(
+        [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=ca_pem is not None)
+
+
+def _read_pem(flag: str, path: str) -> bytes:
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise WorkerTlsError(f"{flag} {path}: not a regular file")
+        if info.st_size > MAX_PEM_BYTES:
+            raise WorkerTlsError(f"{flag} {path}: {info.st_size} bytes, more than a PEM "
+                                 f"file holds (limit {MAX_PEM_BYTES})")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise WorkerTlsError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise WorkerTlsError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def _check_validity(flag: str, path: str, pem: bytes) -> None:
+    """An expired (or not yet valid) certificate fails every handshake: say so now."""
+    try:
+        from cryptography import x509
+    except ImportError:  # the server extra brings it; without it the handshake tells
+        return
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as exc:
+        raise WorkerTlsError(f"{flag} {path}: not a PEM certificate ({exc})") from None
+    now = datetime.datetime.now(datetime.UTC)
+    if cert.not_valid_after_utc < now:
+        raise WorkerTlsError(f"{flag} {path}: the certificate expired on "
+                             f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; issue a new one")
+    if cert.not_valid_before_utc > now:
+        raise WorkerTlsError(f"{flag} {path}: the certificate is not valid before "
+                             f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC")
+
+
+def _no_password() -> bytes:
+    raise ValueError("the key is encrypted")
+
+
+def _reason(exc: Exception) -> str:
+    return getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+
+
+def _add_secure_port(server, host: str, port: int, credentials) -> int:
+    """server.add_secure_port, with a busy port reported as PortInUse (as
+    kvloom.server.ports.add_insecure_port does for plaintext)."""
+    try:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        if port and port_in_use(host, port):
+            raise PortInUse(port, "--worker-port")
+        raise RuntimeError(f"cannot listen on {host}:{port} (--worker-port)")
+    return bound

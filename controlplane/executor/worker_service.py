@@ -72,9 +72,10 @@ class WorkerControlService:
                 "the first message of a worker stream must be a RegisterRequest",
             )
         try:
-            return self.executor.register(first.register)
+            return self.executor.register(first.register, context.peer())
         except RegistrationRefused as refused:
-            logger.warning("worker from %s refused: %s", first.register.host, refused.message)
+            logger.warning("worker from %s (claims host %r) refused: %s", context.peer(),
+                           first.register.host, refused.message)
             await context.abort(refused.code, refused.message)
             raise  # unreachable: abort raises
 

@@ -63,7 +63,7 @@ def _executor() -> Executor:
 def _register(ex: Executor, rank: int):
     req = worker_pb2.RegisterRequest(protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
                                      host=f"host{rank}", device="cpu", pid=rank, rank=rank)
-    return ex.register(req)
+    return ex.register(req, peer=f"ipv4:10.0.0.{rank + 1}:4000")
 
 
 def test_executor_status_is_a_copy_of_one_moment():

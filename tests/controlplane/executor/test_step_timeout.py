@@ -91,7 +91,8 @@ async def _ready_group(step_timeout_s: float):
             worker_pb2.RegisterRequest(
                 protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
                 rank=rank, host="127.0.0.1", device="cpu", dist_port=1234, pid=100 + rank,
-            )
+            ),
+            peer=f"ipv4:127.0.0.1:{40000 + rank}",
         )
         ranks.append(ScriptedRank(executor, handle))
     tasks = [loop.create_task(r.run()) for r in ranks]

@@ -108,6 +108,10 @@ class Request:
     # Worker group failures this request was held across (the engine caps it:
     # a request that crashes its workers every time must not cycle forever).
     num_recoveries: int = 0
+    # The first prompt position whose logprob the client has not been sent:
+    # a prefill recomputed after a preemption or a group failure computes
+    # positions again, and they must not reach the client twice.
+    prompt_logprobs_next: int = 1
     # The token that matched a stop rule, when status is FINISHED_STOPPED.
     stop_token_id: int | None = None
     # Chained hashes of the full blocks of all_token_ids, extended incrementally

@@ -29,10 +29,10 @@ from controlplane.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
-    PromptLogprobs,
     PromptLogprobsWindow,
     SchedulerOutput,
 )
+from controlplane.core.prompt_logprobs import attach_prompt_logprobs, unsent_prompt_logprobs
 from controlplane.core.request import (
     Request,
     RequestStatus,
@@ -388,6 +388,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         scheduled = scheduler_output.num_scheduled_tokens
+        # Trimmed while every request is still here (finishing frees them).
+        prompt_chunks = unsent_prompt_logprobs(model_runner_output.prompt_logprobs, requests)
         any_finished = False
         logprobs = model_runner_output.logprobs
         for i, (req_id, token_id) in enumerate(
@@ -433,29 +435,9 @@ class Scheduler:
             outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
-        if model_runner_output.prompt_logprobs:
-            self._attach_prompt_logprobs(model_runner_output.prompt_logprobs, outputs)
+        if prompt_chunks:
+            attach_prompt_logprobs(prompt_chunks, outputs, requests)
         return outputs
-
-    def _attach_prompt_logprobs(
-        self, chunks: list[PromptLogprobs], outputs: list[EngineCoreOutput]
-    ) -> None:
-        """Prompt logprobs arrive per prefill chunk, also for chunks that sampled
-        nothing; those get an output of their own with no new tokens."""
-        by_id = {out.request_id: out for out in outputs}
-        for chunk in chunks:
-            out = by_id.get(chunk.req_id)
-            if out is None:
-                request = self.requests.get(chunk.req_id)
-                if request is None:
-                    continue
-                out = EngineCoreOutput(
-                    chunk.req_id, [], num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                )
-                outputs.append(out)
-                by_id[chunk.req_id] = out
-            out.prompt_logprobs = chunk
 
     # -- failover and metrics ---------------------------------------------
 

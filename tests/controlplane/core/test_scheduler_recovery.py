@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from controlplane.core.outputs import PromptLogprobs, TokenLogprobs
 from controlplane.core.request import RequestStatus
-from tests.controlplane.core.helpers import make_request, make_scheduler, step
+from tests.controlplane.core.helpers import make_request, make_scheduler, model_output, step
 
 
 def _mid_run_then_reset(num_blocks: int = 20):
@@ -74,3 +75,42 @@ def test_a_priority_queue_loses_only_the_requests_that_no_longer_fit():
     sched.reset_for_recompute()
     assert [r.request_id for r in sched.replace_kv_pool(4)] == ["big"]
     assert [r.request_id for r in sched.waiting] == ["small"]
+
+
+def _with_prompt_logprobs(sched, so):
+    """model_output plus the prompt logprobs each window asks for; position
+    p's logprob is -p, so a test can tell positions apart."""
+    out = model_output(sched, so)
+    for req_id, window in so.prompt_logprobs_windows.items():
+        positions = [TokenLogprobs(-float(p), 1, [], []) for p in range(window.start, window.stop)]
+        out.prompt_logprobs.append(PromptLogprobs(req_id, window.start, positions))
+    return out
+
+
+@pytest.mark.parametrize("finish_in_the_recomputed_step", [False, True])
+def test_a_recomputed_prefill_never_sends_a_prompt_logprob_twice(finish_in_the_recomputed_step):
+    # 12 prompt tokens under a 4-token budget: three chunks. The group fails
+    # after the second, and the recomputed prefill covers positions 1..8 again.
+    sched = make_scheduler(max_num_batched_tokens=4, enable_prefix_caching=False)
+    max_tokens = 1 if finish_in_the_recomputed_step else 3
+    sched.add_request(make_request(12, max_tokens=max_tokens, req_id="a", prompt_logprobs=0,
+                                   ignore_eos=True))
+    sent: list[int] = []
+
+    def run_step():
+        so = sched.schedule()
+        for out in sched.update_from_output(so, _with_prompt_logprobs(sched, so)):
+            if out.prompt_logprobs is not None:
+                chunk = out.prompt_logprobs
+                sent.extend(range(chunk.start_position,
+                                  chunk.start_position + len(chunk.positions)))
+                assert [p.logprob for p in chunk.positions] == [-float(p) for p in sent[
+                    len(sent) - len(chunk.positions):]]
+
+    run_step()
+    run_step()
+    assert sent == list(range(1, 9))
+    sched.reset_for_recompute()
+    while sched.has_unfinished_requests():
+        run_step()
+    assert sent == list(range(1, 12))  # each prompt position once, in order

@@ -1,0 +1,164 @@
+"""Recovery benchmark: SIGKILL a worker of a running cluster mid-generation and
+measure what the clients pay: the time from the kill to the next token on
+each stream (kill -> first token after), and the controlplane's own
+kvloom_recovery_duration_seconds (first failure -> group ready).
+
+Each layout (TPxPP) is launched locally under the launcher's supervisor (as
+`kvloom up` runs it), N greedy streams start, and after every stream has
+made progress the victim rank is killed; this repeats --kills times. The
+supervisor restarts the victim with the same --rank; the survivors keep
+their weights. Afterwards the same prompts run again undisturbed and every
+stream must match token for token (the benchmark fails otherwise).
+
+    python benchmarks/recovery.py --layouts 1x2,2x1 --json recovery.json
+    python benchmarks/recovery.py --model /path/to/tiny --layouts 1x2,2x1
+
+The default model is the embedded default (SmolLM2-135M-Instruct). Victims:
+the output rank for PP (rank P-1 of TP=1), rank 0 (the rendezvous host) for TP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvloom.cli import launcher
+from kvloom.client import AsyncKvloomClient
+
+PROGRESS = 8
+
+
+def victim_of(tp: int, pp: int) -> int:
+    return (pp - 1) * tp if pp > 1 else 0
+
+
+async def _streams(address: str, prompts: list[list[int]], max_tokens: int,
+                   on_progress) -> list[list[tuple[float, int]]]:
+    """(arrival time, token) per stream; on_progress(arrivals) runs as tokens arrive."""
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
+    async with AsyncKvloomClient(address) as client:
+
+        async def one(i: int) -> None:
+            async for chunk in client.stream(prompts[i], max_tokens=max_tokens,
+                                             temperature=0.0, ignore_eos=True):
+                now = time.monotonic()
+                arrivals[i].extend((now, t) for t in chunk.token_ids)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        watcher = asyncio.create_task(on_progress(arrivals))
+        await asyncio.gather(*tasks)
+        watcher.cancel()
+    return arrivals
+
+
+def _first_after_pause(times: list[float], kill: float, pause_s: float = 0.5) -> float:
+    """Seconds from the kill to the first token after the recovery pause.
+    Tokens of the step in flight at the kill may still arrive just after it;
+    the pause is the first inter-token gap longer than pause_s after the kill."""
+    for prev, t in zip(times, times[1:], strict=False):
+        if t > kill and t - max(prev, kill) > pause_s:
+            return t - kill
+    return next(t for t in times if t > kill) - kill
+
+
+def _metric_sum(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    pattern = rf"^{name}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def run_layout(model: str, tp: int, pp: int, args) -> dict:
+    spec = launcher.ClusterSpec(
+        model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        worker_threads=args.worker_threads,
+        controlplane_args=("--kv-cache-memory-bytes", str(args.kv_cache_mib << 20)),
+    )
+    cluster = launcher.Cluster(spec, log_sink=open("/dev/null", "w"))  # noqa: SIM115
+    cluster.start()
+    supervisor = launcher.SupervisorThread(cluster, poll_interval=0.1)
+    try:
+        cluster.wait_ready(600)
+        supervisor.start()
+        victim = victim_of(tp, pp)
+        prompts = [[100 + 7 * i + j for j in range(args.prompt_len)]
+                   for i in range(args.num_requests)]
+        kills: list[float] = []
+
+        async def killer(arrivals) -> None:
+            for _ in range(args.kills):
+                marks = [len(a) for a in arrivals]
+                while any(len(a) < m + PROGRESS for a, m in zip(arrivals, marks, strict=True)):
+                    await asyncio.sleep(0.005)
+                proc = next(p for p in cluster.processes if p.name == f"rank {victim}")
+                kills.append(time.monotonic())
+                proc.popen.send_signal(signal.SIGKILL)
+                await asyncio.sleep(0.5)
+
+        t0 = time.monotonic()
+        disturbed = asyncio.run(_streams(cluster.api_address, prompts, args.max_tokens, killer))
+        wall = time.monotonic() - t0
+        # Per kill: each stream's kill -> first token of the re-formed group.
+        gaps = [[_first_after_pause([t for t, _ in a], k) for a in disturbed] for k in kills]
+        recovery_s = _metric_sum(cluster.metrics_address, "kvloom_recovery_duration_seconds_sum")
+        recoveries = _metric_sum(cluster.metrics_address, "kvloom_recoveries_total")
+
+        async def idle(_arrivals) -> None:
+            await asyncio.sleep(3600)
+
+        undisturbed = asyncio.run(_streams(cluster.api_address, prompts, args.max_tokens, idle))
+        same = [[t for _, t in a] for a in disturbed] == [[t for _, t in a] for a in undisturbed]
+        if not same:
+            raise SystemExit(f"{tp}x{pp}: tokens after recovery differ from an undisturbed run")
+        return {
+            "layout": f"{tp}x{pp}", "model": Path(model).name, "victim_rank": victim,
+            "kills": len(kills), "recoveries": recoveries, "wall_s": wall,
+            "kill_to_next_token_s": [
+                {"median": statistics.median(g), "max": max(g)} for g in gaps],
+            "recovery_duration_mean_s": recovery_s / max(recoveries, 1),
+            "restarts": [r.rank for r in cluster.restarts],
+            "tokens_match_undisturbed": same,
+        }
+    finally:
+        cluster.stop(grace=5.0)
+        supervisor.join(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint dir; default: the embedded model")
+    p.add_argument("--layouts", default="1x2,2x1", help="comma-separated TPxPP")
+    p.add_argument("--num-requests", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--kills", type=int, default=2)
+    p.add_argument("--worker-threads", type=int, default=1)
+    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    model = args.model or launcher._default_model()
+    rows = []
+    for layout in args.layouts.split(","):
+        tp, pp = (int(x) for x in layout.lower().split("x"))
+        rows.append(run_layout(model, tp, pp, args))
+    print(f"{'layout':>7} {'model':>24} {'victim':>6} {'kill':>4} "
+          f"{'kill->next token median s':>26} {'max s':>7} {'re-form mean s':>15}")
+    for row in rows:
+        for n, g in enumerate(row["kill_to_next_token_s"], 1):
+            print(f"{row['layout']:>7} {row['model'][:24]:>24} {row['victim_rank']:>6} {n:>4} "
+                  f"{g['median']:>26.2f} {g['max']:>7.2f} "
+                  f"{row['recovery_duration_mean_s']:>15.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,12 @@ DEPLOYED_FLAGS = [
     "--max-message-bytes=1024",
     "--step-timeout=5", "--heartbeat-timeout=3", "--startup-timeout=9", "--log-level=DEBUG",
     "--engine-recovery-timeout=0", "--engine-recovery-timeout=120",
+    # Issue 11, the worker plane (start-up checks: tests/controlplane/executor/
+    # test_worker_trust.py).
+    "--auth-token-file=/run/secrets/kvloom-auth-token", "--auth-token-file=",
+    "--worker-ssl-certfile=/etc/kvloom/tls/worker-port.crt",
+    "--worker-ssl-keyfile=/etc/kvloom/tls/worker-port.key",
+    "--worker-ssl-ca-certs=/etc/kvloom/tls/ca.crt",
 ]
 
 

@@ -66,6 +66,7 @@ class _Kind(enum.Enum):
     GROUP_READY = 2
     GROUP_FAILED = 3
     STOP = 4
+    DRAIN = 5
 
 
 class EngineCore:
@@ -103,6 +104,8 @@ class EngineCore:
         self._step_requests: dict[str, Request] = {}
         self._failure_times: deque[float] = deque(maxlen=MAX_FAILURES)
         self.recovery = Recovery(recovery_timeout_s, on_recovery)
+        # Shutting down (drain()): no group will re-form, nothing is held.
+        self._draining = False
         # Replaced in tests, which must survive a fatal error.
         self.exit_process: Callable[[int], object] = os._exit
 
@@ -124,6 +127,11 @@ class EngineCore:
     def group_failed(self, reason: str, kind: str = "worker_error") -> None:
         """kind: the executor's FailureKind value, the recoveries' metric label."""
         self.input_queue.put((_Kind.GROUP_FAILED, (reason, kind)))
+
+    def drain(self) -> None:
+        """The controlplane is shutting down: nothing will re-form the group,
+        so requests held now end, and a failure from now on is fail-fast."""
+        self.input_queue.put((_Kind.DRAIN, None))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_busy_loop, name="engine-core", daemon=True)
@@ -213,6 +221,10 @@ class EngineCore:
             gc.freeze()
         elif kind is _Kind.GROUP_FAILED:
             self._group_down(*payload)
+        elif kind is _Kind.DRAIN:
+            self._draining = True
+            if self.recovery.holding:
+                self._fail_all("controlplane is shutting down while the worker group re-forms")
         elif kind is _Kind.STOP:
             self._fail_all("controlplane is shutting down")
             self._stopped = True
@@ -317,7 +329,7 @@ class EngineCore:
         if self.recovery.holding:
             self.recovery.failed_again(kind)  # the deadline stands
             return
-        if not self.recovery.enabled or sched is None:
+        if not self.recovery.enabled or sched is None or self._draining:
             self._fail_all(reason)
             return
         sched.reset_for_recompute()

@@ -10,7 +10,10 @@ on its own thread; long tokenizing and detokenizing go to a small thread pool
 Health has two names: "" is live as soon as the
 process answers; "kvloom.v1.Generation" is SERVING only while the worker
 group is ready. With --metrics-port, Prometheus metrics are served on a
-thread of their own (controlplane/metrics/exporter.py).
+thread of their own (controlplane/metrics/exporter.py). The API port speaks TLS
+with --ssl-certfile (mTLS with --ssl-ca-certs, api/tls.py); with API keys,
+kvloom.v1.Generation calls need a key and SIGHUP re-reads --api-key-file
+(api/auth.py).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from controlplane.api.auth import ApiKeyInterceptor, ApiKeys, install_reload
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.malformed_requests import MalformedRequestInterceptor
 from controlplane.api.offload import Offload, new_pool
 from controlplane.api.output_router import OutputRouter
+from controlplane.api.tls import add_api_port, api_credentials
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine import EngineCore
 from controlplane.executor.grpc_executor import Executor
@@ -42,7 +47,7 @@ from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import RecoveryRecord
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness
-from kvloom.server.ports import EXCLUSIVE_PORT, add_insecure_port
+from kvloom.server.ports import EXCLUSIVE_PORT
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -75,9 +80,12 @@ def grpc_options(config: ControlPlaneConfig) -> list[tuple[str, int]]:
 
 
 class ControlPlane:
-    def __init__(self, config: ControlPlaneConfig, model_info: ModelInfo):
+    def __init__(self, config: ControlPlaneConfig, model_info: ModelInfo,
+                 api_keys: ApiKeys | None = None):
         self.config = config
         self.model_info = model_info
+        # None: the client API takes anonymous calls (no --api-key-file, no KVLOOM_API_KEY).
+        self.api_keys = api_keys
         self.health = health.aio.HealthServicer()
         self.router = OutputRouter()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,6 +185,7 @@ class ControlPlane:
     async def _drain(self, deadline: float) -> None:
         """Refuse new requests, let in-flight ones finish until the deadline."""
         self.readiness.draining = True
+        self.engine.drain()
         await self.readiness.refresh()
         if len(self.router):
             logger.info("draining %d in-flight request(s)", len(self.router))
@@ -196,7 +205,11 @@ class ControlPlane:
         if self.metrics is not None:
             interceptors.append(GrpcMetricsInterceptor(self.metrics.grpc_request))
             self.metrics.serve(cfg.host, cfg.metrics_port)
-        # Inside the metrics one, so malformed bytes count as INVALID_ARGUMENT.
+        # Inside the metrics one, so refusals are counted as what they are;
+        # the key check comes first, so no unauthenticated request is parsed.
+        if self.api_keys is not None:
+            interceptors.append(ApiKeyInterceptor(self.api_keys))
+            install_reload(self._loop, self.api_keys)
         interceptors.append(MalformedRequestInterceptor())
         api = grpc.aio.server(options=options, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
@@ -217,7 +230,8 @@ class ControlPlane:
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), api
         )
-        client_port = add_insecure_port(api, cfg.host, cfg.port, "--port, the API")
+        security = self.config.api_security
+        client_port = add_api_port(api, cfg.host, cfg.port, api_credentials(security))
 
         await self.health.set("", SERVING)
         await self.health.set(GENERATION_SERVICE, NOT_SERVING)
@@ -227,13 +241,22 @@ class ControlPlane:
         await api.start()
         self.loop_probes["api"].start()
         logger.info(
-            "controlplane serving %s on %s:%d (API), workers on %s:%d (%s), world size %d",
-            self.config.model.served_model_name, cfg.host, client_port, cfg.host, worker_port,
-            WORKER_SERVICE, self.config.parallel.world_size,
+            "controlplane serving %s on %s:%d (API, %s), workers on %s:%d (%s), world size %d",
+            self.config.model.served_model_name, cfg.host, client_port, self._api_security(),
+            cfg.host, worker_port, WORKER_SERVICE, self.config.parallel.world_size,
         )
         self.readiness.start()
         await stop.wait()
         await self._shutdown(api, workers)
+
+    def _api_security(self) -> str:
+        """How the API port is guarded, for the start-up log line."""
+        sec = self.config.api_security
+        tls = "mTLS" if sec.ssl_ca_certs else "TLS" if sec.ssl_certfile else "plaintext"
+        if self.api_keys is None:
+            return f"{tls}, no API keys"
+        return (f"{tls}, {len(self.api_keys)} API key(s), prefix cache per "
+                f"{'key' if sec.prefix_cache_scope == 'key' else 'server'}")
 
     async def _shutdown(self, api: grpc.aio.Server, workers: WorkerPlane) -> None:
         """Drain, then stop everything, all within --shutdown-timeout of SIGTERM.
@@ -264,7 +287,8 @@ class ControlPlane:
             self.metrics.close()
 
 
-def run(config: ControlPlaneConfig, model_info: ModelInfo) -> None:
+def run(config: ControlPlaneConfig, model_info: ModelInfo,
+        api_keys: ApiKeys | None = None) -> None:
     timeout = config.server.shutdown_timeout_s
 
     def on_signal(stop: asyncio.Event) -> None:
@@ -283,7 +307,7 @@ def run(config: ControlPlaneConfig, model_info: ModelInfo) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, stop)
-        await ControlPlane(config, model_info).run(stop)
+        await ControlPlane(config, model_info, api_keys).run(stop)
 
     asyncio.run(main())
 

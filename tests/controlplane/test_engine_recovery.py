@@ -406,3 +406,44 @@ def test_requests_held_too_often_are_handed_back_to_be_failed():
     assert rec.begin("boom", "worker_error", [fresh, worn]) == [worn]
     assert (fresh.num_recoveries, worn.num_recoveries) == (1, cap + 1)
     assert f"in flight for {cap + 1} worker group failures" in rec.poisoned_error(worn)
+
+
+def test_a_survivor_that_kept_its_weights_resumes_the_held_requests(make, tiny_model_dir):
+    # The re-formed group is the same Worker after Reset (workerd's survivor
+    # path: process groups left, request state and KV dropped, weights kept).
+    engine, executor, client, log = make()
+    prompt = _prompt(7, 30)
+    client.pause_after_next(2)
+    engine.add_request(_greedy("a", prompt, max_tokens=9))
+    client.wait_paused()
+    runner = executor.runner
+    _fail_mid_run(engine, client, log)
+    engine.group_ready(executor.rejoin_group())
+    client.wait_finished("a")
+    _no_error(client, "a")
+    assert executor.runner is runner  # nothing was loaded again
+    assert client.tokens("a") == hf_greedy(tiny_model_dir, prompt, 9)
+    _assert_all_free(engine, executor)
+
+
+def test_draining_ends_held_requests_and_makes_later_failures_fail_fast(make):
+    engine, executor, client, log = make()
+    client.pause_after_next(1)
+    engine.add_request(_greedy("a", _prompt(5, 31), max_tokens=10))
+    client.wait_paused()
+    _fail_mid_run(engine, client, log)
+    engine.drain()  # the controlplane is shutting down: nothing will re-form
+    (final,) = client.wait_finished("a")
+    assert final.error_code is EngineErrorCode.UNAVAILABLE
+    assert final.error == "controlplane is shutting down while the worker group re-forms"
+    assert not engine.recovery.holding
+    # A group that comes back and fails again during the drain: fail-fast.
+    engine.group_ready(executor.start_group())
+    client.pause_after_next(1)
+    engine.add_request(_greedy("b", _prompt(5, 32), max_tokens=10))
+    client.wait_paused()
+    engine.group_failed("rank 0 disconnected", "disconnected")
+    client.resume()
+    (final,) = client.wait_finished("b")
+    assert (final.error_code, final.error) == (EngineErrorCode.UNAVAILABLE,
+                                               "rank 0 disconnected")

@@ -22,16 +22,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from benchmarks.null_worker import RequestMirror
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.controlplane.executor.replies import command_reply
 
 GOOD_TOKEN = 7
 HEARTBEAT_S = 0.5
-
-
-@dataclass
-class _ReqState:
-    num_tokens: int
 
 
 @dataclass
@@ -71,8 +67,9 @@ class ScriptedWorker:
     # The rank that answers steps (the group's output rank).
     output_rank: int = 0
     num_blocks: int = 64
-    # Filled in as it runs.
-    requests: dict[str, _ReqState] = field(default_factory=dict)
+    # Filled in as it runs: the requests as the diffs describe them
+    # (benchmarks/null_worker.py, shared with the null workers).
+    requests: RequestMirror = field(default_factory=RequestMirror)
     num_sampling_steps: int = 0
     tokens_sent: int = 0
     shutdown_reason: str | None = None
@@ -161,21 +158,7 @@ class ScriptedWorker:
 
     def _sampling(self, so: worker_pb2.SchedulerOutput) -> list[str]:
         """Mirror the diff as a worker does; the ids whose context is complete."""
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-        sampling = []
-        for new in so.scheduled_new_reqs:
-            state = _ReqState(len(new.prompt_token_ids) + len(new.output_token_ids))
-            self.requests[new.req_id] = state
-            if new.num_computed_tokens + new.num_scheduled_tokens == state.num_tokens:
-                sampling.append(new.req_id)
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_tokens += cached.num_new_token_ids[i]
-            if cached.num_computed_tokens[i] + cached.num_scheduled_tokens[i] == state.num_tokens:
-                sampling.append(req_id)
-        return sampling
+        return self.requests.sampling(so)
 
     def _step(
         self, msg: worker_pb2.ControlMessage, so: worker_pb2.SchedulerOutput

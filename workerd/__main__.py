@@ -4,8 +4,11 @@ Exit codes: 0 when the controlplane asked the worker to stop, or on SIGTERM
 once the current command (a step, a model load) has finished and its reply is
 sent; 1 when the stream broke, a start-up step failed, or the current command
 outlived --shutdown-timeout after SIGTERM; 2 when registration was refused,
---metrics-port is held by another process, or --controlplane or --device is
-malformed (one line, no usage text).
+the TLS handshake with the controlplane failed, --metrics-port is held by
+another process, or --controlplane, --device, --auth-token-file or an --ssl-*
+file is unusable (one line, no usage text).
+The auth token is best given as a file (--auth-token-file) or KVLOOM_AUTH_TOKEN:
+a flag's value is visible to every local user in ps.
 With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
 """
 
@@ -17,6 +20,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -26,7 +30,13 @@ from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.server.logs import setup_logging
 from kvloom.server.ports import PortInUse
 from kvloom.worker.v1 import worker_pb2
-from workerd.connection import ControlplaneConnection, RegistrationError, free_port
+from workerd.connection import (
+    ControlplaneConnection,
+    RegistrationError,
+    TlsRefused,
+    channel_credentials,
+    free_port,
+)
 from workerd.worker import Worker
 
 logger = logging.getLogger("workerd")
@@ -38,7 +48,20 @@ def build_parser() -> EnvArgumentParser:
     p.add_argument("--controlplane", required=True, help="HOST:WORKER_PORT of the controlplane")
     p.add_argument("--rank", type=int, default=-1, help="explicit rank; -1 = assigned")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--auth-token", default="", help="shared secret of the controlplane")
+    p.add_argument("--auth-token", default="",
+                   help="shared secret of the controlplane (visible in ps: prefer "
+                        "--auth-token-file or the environment)")
+    p.add_argument("--auth-token-file", default="",
+                   help="file holding the shared secret (surrounding whitespace stripped); "
+                        "excludes --auth-token")
+    p.add_argument("--ssl-ca-certs", default="",
+                   help="PEM CA bundle the controlplane's worker-port certificate must be "
+                        "signed by; setting any --ssl-* flag dials with TLS (empty here: the "
+                        "system's roots)")
+    p.add_argument("--ssl-certfile", default="",
+                   help="PEM client certificate this worker presents (the controlplane's "
+                        "--worker-ssl-ca-certs must have signed it)")
+    p.add_argument("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile")
     p.add_argument("--advertise-host", default="",
                    help="address other ranks reach this worker at (rank 0 hosts the "
                         "torch.distributed store); default: this host's name")
@@ -153,14 +176,59 @@ DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def startup_problem(args) -> str | None:
-    """A value argparse accepted but the worker cannot start with."""
+    """A value argparse accepted but the worker cannot start with. Resolves
+    args.auth_token (from --auth-token-file) and args.credentials (the --ssl-*
+    files, None = plaintext) on the way."""
     host, _, port = args.controlplane.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return (f"--controlplane {args.controlplane}: expected HOST:PORT of the controlplane's "
                 f"worker port (its --worker-port), e.g. 127.0.0.1:50052")
     if not DEVICE_RE.fullmatch(args.device):
         return f"--device {args.device}: expected auto, cpu, mps, cuda or cuda:N"
+    try:
+        args.auth_token = auth_token(args)
+        args.credentials = credentials(args)
+    except ValueError as exc:
+        return str(exc)
     return None
+
+
+# A token is a line of text; a bigger "token file" is the wrong file.
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+
+
+def auth_token(args) -> str:
+    """--auth-token (KVLOOM_AUTH_TOKEN) or the stripped --auth-token-file, never both."""
+    path = args.auth_token_file
+    if not path:
+        return args.auth_token
+    if args.auth_token:
+        raise ValueError("--auth-token-file and --auth-token (or KVLOOM_AUTH_TOKEN) both give "
+                         "the auth token: pass one")
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"{info.st_size} bytes; a token file holds one line")
+        with open(path, "rb") as f:
+            token = f.read(MAX_TOKEN_FILE_BYTES + 1).decode("utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--auth-token-file {path}: not UTF-8 text") from None
+    except ValueError as exc:
+        raise ValueError(f"--auth-token-file {path}: {exc}") from None
+    if not token:
+        raise ValueError(f"--auth-token-file {path}: the file is empty; put the token in it")
+    return token
+
+
+def credentials(args):
+    """TLS credentials for the worker port when any --ssl-* flag is set; None = plaintext."""
+    if not (args.ssl_ca_certs or args.ssl_certfile or args.ssl_keyfile):
+        return None
+    return channel_credentials(args.ssl_ca_certs, args.ssl_certfile, args.ssl_keyfile)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +264,7 @@ def run(args) -> int:
 
 
 def _serve(args, metrics) -> int:
-    conn = ControlplaneConnection(args.controlplane)
+    conn = ControlplaneConnection(args.controlplane, getattr(args, "credentials", None))
     stop = SigtermStop(conn.commands, args.shutdown_timeout)
     if threading.current_thread() is threading.main_thread():
         stop.install()
@@ -215,6 +283,9 @@ def _serve(args, metrics) -> int:
         reply = conn.register(request)
     except RegistrationError as exc:
         logger.error("registration refused: %s", exc)
+        return 2
+    except TlsRefused as exc:
+        logger.error("%s", exc)
         return 2
     except ConnectionError as exc:
         logger.error("%s", exc)

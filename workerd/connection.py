@@ -5,6 +5,14 @@ thread, which runs them one at a time. The reader also watches for the end:
 when the controlplane says Shutdown or the stream breaks while the main
 thread is stuck (e.g. in a collective with a dead peer), it gives the main
 thread a grace period and then ends the process, so no rank is left hanging.
+
+With TLS (channel_credentials: workerd's --ssl-ca-certs, --ssl-certfile,
+--ssl-keyfile) a failed handshake is not an unreachable controlplane: gRPC
+reports both as UNAVAILABLE, so after a dial attempt that did not connect the
+channel's last error is read (a fail-fast probe call) and a handshake that
+failed, or a peer that keeps closing the connection during it (a controlplane
+that refused our certificate), ends the dial with TlsRefused naming the flags
+to fix, instead of retrying until --connect-timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import logging
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 
@@ -67,10 +76,72 @@ class _DeadlineExceeded(grpc.RpcError):
         return self._details
 
 
+class TlsRefused(ConnectionError):
+    """The TLS handshake with the controlplane failed: retrying cannot help."""
+
+
+# A PEM certificate, key or CA bundle is kilobytes; a bigger "PEM" is a mistake.
+MAX_PEM_BYTES = 1 << 20
+# Consecutive dial attempts whose connection the peer closed during the
+# handshake before the worker concludes its certificate is refused.
+CLOSED_HANDSHAKES = 3
+# A method no server implements: the fail-fast probe that reads the
+# channel's last connection error (an answer, UNIMPLEMENTED, means connected).
+_PROBE_METHOD = "/kvloom.worker.v1.WorkerControl/TransportProbe"
+
+
+def read_pem(flag: str, path: str) -> bytes:
+    """A PEM file's bytes; ValueError naming the flag for anything else."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{flag} {path}: not a regular file")
+        if info.st_size > MAX_PEM_BYTES:
+            raise ValueError(f"{flag} {path}: {info.st_size} bytes, more than a PEM file "
+                             f"holds (limit {MAX_PEM_BYTES})")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def channel_credentials(ca_certs: str, certfile: str, keyfile: str) -> grpc.ChannelCredentials:
+    """TLS to the controlplane's worker port: its certificate checked against
+    ca_certs (empty: the system's roots), ours (mTLS) from certfile/keyfile.
+    ValueError naming the flag for a file that cannot serve."""
+    if bool(certfile) != bool(keyfile):
+        given, missing = (("--ssl-certfile", "--ssl-keyfile") if certfile
+                          else ("--ssl-keyfile", "--ssl-certfile"))
+        raise ValueError(f"{given} needs {missing} (this worker's client certificate and key)")
+    ca = read_pem("--ssl-ca-certs", ca_certs) if ca_certs else None
+    cert = read_pem("--ssl-certfile", certfile) if certfile else None
+    key = read_pem("--ssl-keyfile", keyfile) if keyfile else None
+    if key is not None and b"PRIVATE KEY-----" not in key:
+        raise ValueError(f"--ssl-keyfile {keyfile}: no PEM private key in it")
+    if cert is not None and b"-----BEGIN CERTIFICATE-----" not in cert:
+        raise ValueError(f"--ssl-certfile {certfile}: no PEM certificate in it")
+    if ca is not None and b"-----BEGIN CERTIFICATE-----" not in ca:
+        raise ValueError(f"--ssl-ca-certs {ca_certs}: no PEM certificate in it")
+    return grpc.ssl_channel_credentials(ca, key, cert)
+
+
+def _handshake_failure(details: str) -> bool:
+    lowered = details.lower()
+    return "handshake" in lowered or "ssl_error" in lowered or "certificate" in lowered
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _last_error(details: str) -> str:
+    """gRPC's 'failed to connect to all addresses; last error: ...' without the preamble."""
+    return details.split("last error: ", 1)[-1]
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -91,8 +162,11 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 class ControlplaneConnection:
-    def __init__(self, target: str):
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
         self.target = target
+        # None = plaintext (the controlplane without --worker-ssl-certfile).
+        self._credentials = credentials
+        self._closed_handshakes = 0
         self._channel: grpc.Channel | None = None
         self._outbox: queue.Queue = queue.Queue()
         self.commands: queue.Queue = queue.Queue()
@@ -111,7 +185,11 @@ class ControlplaneConnection:
         Sets the deadline register() retries within as well."""
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.target, options=channel_options())
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(self.target, options=channel_options())
+        else:
+            self._channel = grpc.secure_channel(
+                self.target, self._credentials, options=channel_options())
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -124,15 +202,62 @@ class ControlplaneConnection:
                 return
             except grpc.FutureTimeoutError:
                 pass
+            self._check_handshake(ready)
             if time.monotonic() >= self._deadline:
                 ready.cancel()
+                hint = ("" if self._credentials is not None else
+                        "; if its worker port uses TLS (--worker-ssl-certfile), pass "
+                        "--ssl-ca-certs (and --ssl-certfile/--ssl-keyfile for mTLS)")
                 raise ConnectionError(
                     f"could not reach the controlplane at {self.target} within "
-                    f"{self._timeout_s:.0f} s (--connect-timeout)"
+                    f"{self._timeout_s:.0f} s (--connect-timeout){hint}"
                 ) from None
             n = self.dial_attempts
             if n <= 2 or n % DIAL_LOG_EVERY == 0:
                 logger.info("waiting for controlplane at %s (attempt %d)", self.target, n)
+
+    def _check_handshake(self, ready) -> None:
+        """After a dial attempt that did not connect: raise TlsRefused if the
+        channel's last error is a failed TLS handshake (or, with TLS, the
+        peer closed CLOSED_HANDSHAKES connections in a row during it)."""
+        try:
+            left = self._deadline - time.monotonic()
+            self._channel.unary_unary(_PROBE_METHOD)(b"", timeout=max(0.1, min(DIAL_ATTEMPT_S,
+                                                                               left)))
+            self._closed_handshakes = 0
+            return
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return  # still connecting: no verdict
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                self._closed_handshakes = 0
+                return  # the transport is up (UNIMPLEMENTED): not a TLS problem
+            details = exc.details() or ""
+        if _handshake_failure(details):
+            ready.cancel()
+            raise TlsRefused(
+                f"TLS handshake with the controlplane at {self.target} failed: "
+                f"{_last_error(details)}; check --ssl-ca-certs (the CA that signed the "
+                f"controlplane's --worker-ssl-certfile, whose names must include the "
+                f"host in --controlplane) and that its worker port speaks TLS")
+        if "socket closed" not in details.lower():
+            self._closed_handshakes = 0  # e.g. connection refused: not up yet
+            return
+        self._closed_handshakes += 1
+        if self._closed_handshakes < CLOSED_HANDSHAKES:
+            return
+        ready.cancel()
+        if self._credentials is None:
+            raise TlsRefused(
+                f"the controlplane at {self.target} closed the connection "
+                f"{self._closed_handshakes} times in a row before any gRPC answer: its "
+                f"worker port probably requires TLS (--worker-ssl-certfile); pass "
+                f"--ssl-ca-certs (and --ssl-certfile/--ssl-keyfile for mTLS)")
+        raise TlsRefused(
+                f"the controlplane at {self.target} closed the connection during the TLS "
+                f"handshake {self._closed_handshakes} times in a row: it refused this "
+                f"worker's certificate (none given, signed by a CA other than its "
+                f"--worker-ssl-ca-certs, or expired); check --ssl-certfile and --ssl-keyfile")
 
     def register(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterReply:
         """Open the stream and register; retried while the controlplane is

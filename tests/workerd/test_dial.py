@@ -7,6 +7,8 @@ condition (the timeouts below only bound a poll that must succeed).
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import os
 import subprocess
 import sys
@@ -174,3 +176,252 @@ def test_workerd_exits_nonzero_with_one_line_against_a_non_kvloom_server(servers
     errors = [line for line in done.stderr.splitlines() if "not a kvloom controlplane" in line]
     assert len(errors) == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+# ---- TLS on the worker port (issue 11) ----------------------------------------
+#
+# A real WorkerPlane (the controlplane's worker port, with --worker-ssl-* set)
+# on a free loopback port, and real ControlplaneConnections dialing it.
+
+
+class _Pki:
+    """A CA with the controlplane's and a worker's certificates, and the
+    certificates a worker must be refused with: from a second CA, expired."""
+
+    def __init__(self, root: Path) -> None:
+        from kvloom.server.certs import CertAuthority
+
+        self.ca = CertAuthority.create(root / "ca")
+        self.other_ca = CertAuthority.create(root / "other", name="other-ca")
+        self.server = self.ca.issue(root, "controlplane")
+        self.worker = self.ca.issue(root, "worker")
+        self.stranger = self.other_ca.issue(root, "stranger")
+        self.expired = self.ca.issue(root, "expired", days=1, not_before=datetime.datetime.now(
+            datetime.UTC) - datetime.timedelta(days=3))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> _Pki:
+    return _Pki(tmp_path_factory.mktemp("pki"))
+
+
+class _TlsPlane:
+    """The controlplane's WorkerPlane and Executor (world size 1) with worker mTLS."""
+
+    def __init__(self, pki: _Pki, auth_token: str = "", mtls: bool = True) -> None:
+        from controlplane.config import (
+            CacheConfig,
+            ModelConfig,
+            ParallelConfig,
+            WorkerGroupConfig,
+        )
+        from controlplane.executor.grpc_executor import Executor
+        from controlplane.executor.worker_plane import WorkerPlane
+
+        self.ready = threading.Event()
+        cfg = WorkerGroupConfig(
+            auth_token=auth_token, heartbeat_timeout_s=3600,
+            worker_ssl_certfile=str(pki.server.certfile),
+            worker_ssl_keyfile=str(pki.server.keyfile),
+            worker_ssl_ca_certs=str(pki.ca.ca_path) if mtls else "")
+        self.executor = Executor(
+            ParallelConfig(), cfg, ModelConfig(model="/m", served_model_name="m",
+                                               worker_model_path="/m"),
+            CacheConfig(), on_ready=lambda n: self.ready.set(),
+            on_failed=lambda reason, kind: None, vocab_size=32000)
+        self.plane = WorkerPlane(self.executor, "127.0.0.1", 0, [])
+        self.target = f"127.0.0.1:{asyncio.run(self.plane.start())}"
+
+    def stop(self) -> None:
+        asyncio.run(self.plane.stop(grace=0.5))
+
+
+@pytest.fixture
+def tls_plane(pki):
+    planes: list[_TlsPlane] = []
+
+    def start(**kwargs) -> _TlsPlane:
+        planes.append(_TlsPlane(pki, **kwargs))
+        return planes[-1]
+
+    yield start
+    for plane in planes:
+        plane.stop()
+
+
+def _credentials(pki: _Pki, leaf=None, ca=None):
+    from workerd.connection import channel_credentials
+
+    ca_path = str(ca or pki.ca.ca_path)
+    if leaf is None:
+        return channel_credentials(ca_path, "", "")
+    return channel_credentials(ca_path, str(leaf.certfile), str(leaf.keyfile))
+
+
+def _answer_commands(conn: ControlplaneConnection) -> threading.Thread:
+    """Acks start-up commands and pings, as a worker's main loop would."""
+    from tests.controlplane.executor.replies import command_reply
+
+    def loop() -> None:
+        while (msg := conn.commands.get()) is not None:
+            conn.send(command_reply(msg))
+
+    conn.start_reader(threading.Event())
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def fast_dial(monkeypatch):
+    """Dial attempts of 0.2 s: the refusals below take a few attempts each."""
+    monkeypatch.setattr(connection, "DIAL_ATTEMPT_S", 0.2)
+
+
+def test_an_mtls_worker_registers_and_its_refused_peers_leave_the_group_serving(
+        pki, tls_plane, fast_dial, caplog):
+    from workerd.connection import TlsRefused
+
+    plane = tls_plane()
+    good = ControlplaneConnection(plane.target, _credentials(pki, pki.worker))
+    try:
+        good.connect(POLL_S)
+        reply = good.register(_register_request(auth_token=""))
+        assert (reply.rank, reply.world_size) == (0, 1)
+        _answer_commands(good)
+        assert plane.ready.wait(POLL_S), "the mTLS worker's group never became ready"
+
+        refused = {
+            "no certificate": _credentials(pki),
+            "another CA's certificate": _credentials(pki, pki.stranger),
+            "an expired certificate": _credentials(pki, pki.expired),
+        }
+        for what, creds in refused.items():
+            bad = ControlplaneConnection(plane.target, creds)
+            started = time.monotonic()
+            with pytest.raises(TlsRefused, match="refused this worker's certificate") as info:
+                bad.connect(POLL_S)
+            bad.close(grace_s=0)
+            assert "--ssl-certfile" in str(info.value), what
+            assert time.monotonic() - started < POLL_S / 2, what  # not the whole timeout
+
+        # The attached rank never noticed: still one rank, ready, and answering.
+        status = plane.executor.status()
+        assert status.num_attached == 1 and plane.ready.is_set()
+        before = status.last_success
+        asyncio.run(plane.plane.canary(timeout_s=POLL_S))
+        assert plane.executor.status().last_success > before
+    finally:
+        good.close(grace_s=1.0)
+
+
+def test_a_controlplane_certificate_from_another_ca_is_a_handshake_error(pki, tls_plane,
+                                                                         fast_dial):
+    from workerd.connection import TlsRefused
+
+    plane = tls_plane()
+    conn = ControlplaneConnection(plane.target, _credentials(pki, pki.worker,
+                                                             ca=pki.other_ca.ca_path))
+    with pytest.raises(TlsRefused) as info:
+        conn.connect(POLL_S)
+    conn.close(grace_s=0)
+    message = str(info.value)
+    assert "TLS handshake with the controlplane" in message and "--ssl-ca-certs" in message
+    assert "CERTIFICATE_VERIFY_FAILED" in message
+
+
+def test_a_plaintext_worker_at_a_tls_port_is_told_to_pass_ssl_ca_certs(pki, tls_plane,
+                                                                      fast_dial):
+    from workerd.connection import TlsRefused
+
+    plane = tls_plane(mtls=False)
+    conn = ControlplaneConnection(plane.target)
+    with pytest.raises(TlsRefused, match="probably requires TLS.*--ssl-ca-certs"):
+        conn.connect(POLL_S)
+    conn.close(grace_s=0)
+
+
+def test_a_tls_worker_at_a_plaintext_port_is_a_handshake_error(pki, servers, fast_dial):
+    from workerd.connection import TlsRefused
+
+    port = servers(controlplane=ScriptedControlplane())
+    conn = ControlplaneConnection(f"127.0.0.1:{port}", _credentials(pki, pki.worker))
+    with pytest.raises(TlsRefused, match="TLS handshake with the controlplane"):
+        conn.connect(POLL_S)
+    conn.close(grace_s=0)
+
+
+def test_tls_without_client_auth_accepts_a_worker_without_a_certificate(pki, tls_plane):
+    plane = tls_plane(mtls=False)
+    conn = ControlplaneConnection(plane.target, _credentials(pki))
+    try:
+        conn.connect(POLL_S)
+        assert conn.register(_register_request(auth_token="")).world_size == 1
+    finally:
+        conn.close(grace_s=1.0)
+
+
+def _workerd_args(target: str, *flags: str):
+    from workerd.__main__ import build_parser, startup_problem
+
+    args = build_parser().parse_args(["--controlplane", target, "--device", "cpu",
+                                      "--connect-timeout", str(POLL_S), *flags])
+    assert startup_problem(args) is None
+    return args
+
+
+def _run_workerd(args) -> int:
+    """workerd's run() on a thread of its own (so it installs no signal handler)."""
+    from workerd.__main__ import run
+
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", run(args)), daemon=True)
+    thread.start()
+    thread.join(POLL_S * 2)
+    assert not thread.is_alive(), "workerd did not give up"
+    return result["code"]
+
+
+def test_workerd_with_a_refused_certificate_logs_one_line_and_exits_2(pki, tls_plane,
+                                                                      fast_dial, caplog):
+    plane = tls_plane()
+    caplog.set_level("INFO", logger="workerd")
+    args = _workerd_args(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
+                         "--ssl-certfile", str(pki.stranger.certfile),
+                         "--ssl-keyfile", str(pki.stranger.keyfile))
+    assert _run_workerd(args) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "refused this worker's certificate" in errors[0], errors
+    assert plane.executor.status().num_attached == 0
+
+
+def test_workerd_with_a_wrong_token_file_is_refused_unauthenticated(pki, tls_plane, tmp_path,
+                                                                   caplog):
+    plane = tls_plane(auth_token="s3cret")
+    token = tmp_path / "token"
+    token.write_text("not-the-token\n")
+    caplog.set_level("INFO", logger="workerd")
+    args = _workerd_args(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
+                         "--ssl-certfile", str(pki.worker.certfile),
+                         "--ssl-keyfile", str(pki.worker.keyfile),
+                         "--auth-token-file", str(token))
+    assert args.auth_token == "not-the-token"
+    assert _run_workerd(args) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "UNAUTHENTICATED" in errors[0], errors
+
+
+def test_workerd_with_the_right_token_file_registers(pki, tls_plane, tmp_path):
+    plane = tls_plane(auth_token="s3cret")
+    token = tmp_path / "token"
+    token.write_text("  s3cret\n")
+    args = _workerd_args(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
+                         "--ssl-certfile", str(pki.worker.certfile),
+                         "--ssl-keyfile", str(pki.worker.keyfile),
+                         "--auth-token-file", str(token))
+    conn = ControlplaneConnection(plane.target, args.credentials)
+    try:
+        conn.connect(POLL_S)
+        conn.register(_register_request(auth_token=args.auth_token))
+    finally:
+        conn.close(grace_s=1.0)

@@ -172,3 +172,82 @@ def test_hostile_shutdown_timeout_is_refused_naming_the_flag(value, capsys):
 def test_shutdown_timeout_default_fits_kubernetes_grace_period():
     args = build_parser().parse_args(["--controlplane", "x:1"])
     assert 0 < args.shutdown_timeout < 30
+
+
+# ---- TLS and token flags (issue 11): refused at start-up, one line, exit 2 ----
+
+
+@pytest.fixture(scope="module")
+def worker_pki(tmp_path_factory):
+    from kvloom.server.certs import CertAuthority
+
+    root = tmp_path_factory.mktemp("worker-pki")
+    ca = CertAuthority.create(root / "ca")
+    leaf = ca.issue(root, "worker")
+    garbage = root / "garbage.pem"
+    garbage.write_text("not pem\n")
+    files = {"ca": ca.ca_path, "cert": leaf.certfile, "key": leaf.keyfile, "garbage": garbage,
+             "dir": root, "empty": root / "empty", "binary": root / "binary",
+             "huge": root / "huge", "token": root / "token"}
+    files["empty"].write_text(" \n")
+    files["binary"].write_bytes(b"\xff\xfe")
+    files["huge"].write_bytes(b"x" * (65 * 1024))
+    files["token"].write_text("s3cret\n")
+    return {name: str(path) for name, path in files.items()}
+
+
+HOSTILE_WORKER_FLAGS = [
+    (["--ssl-certfile", "cert"], "--ssl-certfile", "needs --ssl-keyfile"),
+    (["--ssl-keyfile", "key"], "--ssl-keyfile", "needs --ssl-certfile"),
+    (["--ssl-ca-certs", "/nonexistent.pem"], "--ssl-ca-certs", "No such file"),
+    (["--ssl-ca-certs", "dir"], "--ssl-ca-certs", "not a regular file"),
+    (["--ssl-ca-certs", "/dev/zero"], "--ssl-ca-certs", "not a regular file"),
+    (["--ssl-ca-certs", "garbage"], "--ssl-ca-certs", "not a PEM file"),
+    (["--ssl-ca-certs", "key"], "--ssl-ca-certs", "no PEM certificate"),
+    (["--ssl-certfile", "key", "--ssl-keyfile", "key"], "--ssl-certfile", "no PEM certificate"),
+    (["--ssl-certfile", "cert", "--ssl-keyfile", "cert"], "--ssl-keyfile", "no PEM private key"),
+    (["--auth-token-file", "/nonexistent"], "--auth-token-file", "No such file"),
+    (["--auth-token-file", "dir"], "--auth-token-file", "not a regular file"),
+    (["--auth-token-file", "/dev/zero"], "--auth-token-file", "not a regular file"),
+    (["--auth-token-file", "empty"], "--auth-token-file", "the file is empty"),
+    (["--auth-token-file", "binary"], "--auth-token-file", "not UTF-8"),
+    (["--auth-token-file", "huge"], "--auth-token-file", "holds one line"),
+    (["--auth-token-file", "token", "--auth-token", "x"], "--auth-token-file", "pass one"),
+]
+
+
+@pytest.mark.parametrize(("flags", "named", "fragment"), HOSTILE_WORKER_FLAGS)
+def test_hostile_tls_and_token_flags_exit_2_in_one_line(worker_pki, flags, named, fragment,
+                                                         capsys, monkeypatch):
+    from workerd.__main__ import main
+
+    monkeypatch.delenv("KVLOOM_AUTH_TOKEN", raising=False)
+    argv = [worker_pki.get(f, f) for f in flags]
+    with pytest.raises(SystemExit) as info:
+        main(["--controlplane", "127.0.0.1:1", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvloom-workerd: error: {named}"), err
+    assert fragment in err and len(err.splitlines()) == 1
+
+
+def test_auth_token_file_excludes_the_env_token(worker_pki, capsys, monkeypatch):
+    from workerd.__main__ import main
+
+    monkeypatch.setenv("KVLOOM_AUTH_TOKEN", "from-env")
+    with pytest.raises(SystemExit):
+        main(["--controlplane", "127.0.0.1:1", "--auth-token-file", worker_pki["token"]])
+    assert "pass one" in capsys.readouterr().err
+
+
+def test_tls_flags_resolve_to_credentials_and_the_token_file_to_its_text(worker_pki):
+    from workerd.__main__ import startup_problem
+
+    args = build_parser().parse_args([
+        "--controlplane", "cp:50052", "--ssl-ca-certs", worker_pki["ca"],
+        "--ssl-certfile", worker_pki["cert"], "--ssl-keyfile", worker_pki["key"],
+        "--auth-token-file", worker_pki["token"]])
+    assert startup_problem(args) is None
+    assert args.credentials is not None and args.auth_token == "s3cret"
+    plain = build_parser().parse_args(["--controlplane", "cp:50052"])
+    assert startup_problem(plain) is None and plain.credentials is None

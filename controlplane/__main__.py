@@ -22,6 +22,7 @@ from typing import NoReturn
 
 from controlplane.config import (
     ApiLimitsConfig,
+    ApiSecurityConfig,
     CacheConfig,
     ControlPlaneConfig,
     ModelConfig,
@@ -49,6 +50,7 @@ CONFIG_GROUPS = (
     ("worker group", WorkerGroupConfig),
     ("server", ServerConfig),
     ("api limits", ApiLimitsConfig),
+    ("client api security", ApiSecurityConfig),
 )
 
 
@@ -109,6 +111,7 @@ def build_config(
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),
         api_limits=config_from_args(ApiLimitsConfig, args),
+        api_security=config_from_args(ApiSecurityConfig, args),
     )
     return config, info
 
@@ -206,15 +209,33 @@ def busy_port(config: ControlPlaneConfig) -> PortInUse | None:
     return None
 
 
+def api_keys(config: ControlPlaneConfig):
+    """The client API's keys (--api-key-file, KVLOOM_API_KEY); None = no keys."""
+    from controlplane.api.auth import ENV_VAR, ApiKeys, KeyFileError
+
+    try:
+        keys = ApiKeys(config.api_security.api_key_file, os.environ.get(ENV_VAR, ""))
+    except KeyFileError as exc:
+        fail(str(exc))
+    return keys if len(keys) else None
+
+
+def api_tls_problem(config: ControlPlaneConfig) -> str | None:
+    from controlplane.api.tls import check_api_tls
+
+    return check_api_tls(config.api_security)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level, "controlplane")
     config, info = build_config(args)
     problem = (missing_tokenizer(config.model.model) or check_layout(config, info)
-               or worker_tls_problem(config) or busy_port(config))
+               or worker_tls_problem(config) or api_tls_problem(config) or busy_port(config))
     if problem:
         fail(str(problem))
+    keys = api_keys(config)
     if args.check:
         par = config.parallel
         print(f"kvloom-controlplane: {config.model.model}: TP={par.tensor_parallel_size} "
@@ -223,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     from controlplane.server import run
 
     try:
-        run(config, info)
+        run(config, info, api_keys=keys)
     except PortInUse as exc:  # taken between the check and the bind
         fail(str(exc))
 

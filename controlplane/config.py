@@ -144,6 +144,31 @@ class ApiLimitsConfig:
 
 
 @dataclass(frozen=True)
+class ApiSecurityConfig:
+    """The client API's TLS, API keys and tenants (docs/security.md, "Client
+    API"). The keys themselves are no field: api/auth.py's ApiKeys holds them
+    (from --api-key-file and the KVLOOM_API_KEY variable) as digests."""
+
+    ssl_certfile: str = option(
+        "", "PEM certificate of the client API port; empty = plaintext (with --ssl-keyfile)")
+    ssl_keyfile: str = option("", "PEM private key of --ssl-certfile")
+    ssl_ca_certs: str = option(
+        "", "PEM CA bundle: clients must present a certificate it signed (mTLS); "
+        "empty = no client certificate asked")
+    api_key_file: str = option(
+        "", "file of accepted API keys, one a line ('#' comments); re-read on SIGHUP. "
+        "KVLOOM_API_KEY adds one key. With keys, every kvloom.v1.Generation call needs "
+        "'authorization: Bearer <key>'; empty and no KVLOOM_API_KEY = no keys")
+    prefix_cache_scope: str = option(
+        "key", "with API keys, whose requests share cached prompt prefixes: key = only "
+        "requests with the same key (cached_tokens reveals nothing across keys), "
+        "global = everyone's", choices=("key", "global"))
+    max_requests_per_key: int = option(
+        0, "with API keys, most samples one key may have in flight (RESOURCE_EXHAUSTED "
+        "beyond); 0 = unlimited", ge=0)
+
+
+@dataclass(frozen=True)
 class ControlPlaneConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -152,3 +177,4 @@ class ControlPlaneConfig:
     workers: WorkerGroupConfig = field(default_factory=WorkerGroupConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     api_limits: ApiLimitsConfig = field(default_factory=ApiLimitsConfig)
+    api_security: ApiSecurityConfig = field(default_factory=ApiSecurityConfig)

@@ -7,6 +7,12 @@ its samples so their KV blocks are freed at the next step; with metrics on,
 every abort is counted by its source. Errors are gRPC statuses, never text in
 a response. Tokenizing a long prompt and turning a large batch of outputs into
 messages run on the offload pool, not on the event loop (api/offload.py).
+
+With API keys (api/auth.py) every call runs as a tenant: client request ids
+are scoped by tenant (two tenants may both use "a"), Abort reaches only the
+caller's own requests (another tenant's id counts as unknown: 0 aborted),
+--max-requests-per-key bounds a tenant's samples in flight, and with
+--prefix-cache-scope key the tenant id salts the prefix cache.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 
 import grpc
 
+from controlplane.api.auth import current_tenant, tenant_cache_salt
 from controlplane.api.offload import Offload, heavy_generate, heavy_outputs
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.sample_stream import SampleStream
@@ -69,8 +76,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Without a pool (unit tests) everything runs inline.
         self.offload = offload if offload is not None else Offload()
         self.limits = Limits.from_config(config, model_info)
-        # Client request id -> the engine request ids of its samples.
-        self._in_flight: dict[str, list[str]] = {}
+        # (tenant id, client request id) -> the engine request ids of its
+        # samples; the tenant id is "" without API keys.
+        self._in_flight: dict[tuple[str, str], list[str]] = {}
+        # Samples in flight per tenant id (with --max-requests-per-key).
+        self._per_tenant: dict[str, int] = {}
+        self._per_key_limit = config.api_security.max_requests_per_key
         self._calls = itertools.count()  # numbers each Generate call's sample ids
         self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
@@ -93,19 +104,33 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"sampling.n is {v.n} but this server holds at most {self._capacity} requests "
                 f"at once (max_num_seqs + max_waiting_requests): lower n"
             )
+        if current_tenant() and self._per_key_limit and v.n > self._per_key_limit:
+            raise InvalidRequest(
+                f"sampling.n is {v.n} but one API key may have at most {self._per_key_limit} "
+                f"samples in flight (--max-requests-per-key): lower n"
+            )
         reason = self._not_ready_reason()
         if reason is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"not serving: {reason}")
         return v.request_id or uuid.uuid4().hex, v
 
-    def _claim(self, request_id: str, n: int, queue: asyncio.Queue) -> list[str] | _Refusal:
-        """Reserve request_id and its sample ids, all or nothing. Nothing here
-        awaits, so no other call can claim between the checks and the inserts;
-        the caller's clean-up scope starts right after a successful claim."""
-        if request_id in self._in_flight:
+    def _claim(self, key: tuple[str, str], n: int, queue: asyncio.Queue) -> list[str] | _Refusal:
+        """Reserve the tenant's request id and its sample ids, all or nothing.
+        Nothing here awaits, so no other call can claim between the checks and
+        the inserts; the caller's clean-up scope starts right after a
+        successful claim."""
+        tenant, request_id = key
+        if key in self._in_flight:
             return _Refusal(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request_id!r} is already in flight; use a unique id",
+            )
+        held = self._per_tenant.get(tenant, 0)
+        if tenant and self._per_key_limit and held + n > self._per_key_limit:
+            return _Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this API key has {held} samples in flight and at most "
+                f"{self._per_key_limit} may be (--max-requests-per-key); retry later",
             )
         if len(self.router) + n > self._capacity:
             return _Refusal(
@@ -122,12 +147,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         for child in children:
             self.router.register(child, queue)
-        self._in_flight[request_id] = children
+        self._in_flight[key] = children
+        self._per_tenant[tenant] = held + n
         return children
 
-    def _release(self, request_id: str) -> None:
-        for child in self._in_flight.pop(request_id, ()):
+    def _release(self, key: tuple[str, str]) -> None:
+        children = self._in_flight.pop(key, ())
+        for child in children:
             self.router.unregister(child)
+        if children:
+            left = self._per_tenant.pop(key[0], 0) - len(children)
+            if left > 0:
+                self._per_tenant[key[0]] = left
 
     def _check_pool_fits(self, v: ValidatedRequest) -> None:
         stats = self.engine.last_stats
@@ -147,8 +178,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id, v = await self._admit(request, context)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        tenant = current_tenant()
+        key = (tenant or "", request_id)
+        cache_salt = tenant_cache_salt(
+            tenant, v.cache_salt, self.config.api_security.prefix_cache_scope)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        children = self._claim(request_id, v.n, queue)
+        children = self._claim(key, v.n, queue)
         if isinstance(children, _Refusal):
             await context.abort(children.code, children.details)
         streams: dict[str, SampleStream] = {}
@@ -165,7 +200,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         prompt_token_ids=v.prompt_token_ids,
                         sampling_params=params,
                         eos_token_ids=self.model_info.eos_token_ids,
-                        cache_salt=v.cache_salt,
+                        cache_salt=cache_salt,
                         priority=v.priority,
                     )
                 )
@@ -174,7 +209,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
-            self._release(request_id)
+            self._release(key)
             # Every sample handed to the engine and not finished; aborting one
             # the engine never got (or already ended) is a no-op there.
             unfinished = [c for c, s in streams.items() if not s.finished]
@@ -227,14 +262,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request, context):
         # Client ids only: a sample's engine id ("x/3.0") is never a key here, so a caller
-        # can end the samples of the ids it names and nothing else.
+        # can end the samples of the ids it names and nothing else. With API keys, only
+        # its own: another tenant's id is as unknown as one never sent (0 aborted).
         if len(request.request_ids) > self._capacity:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_ids has {len(request.request_ids)} ids; at most {self._capacity} "
                 f"requests can be in flight, so send at most that many",
             )
-        parents = [r for r in dict.fromkeys(request.request_ids) if r in self._in_flight]
+        tenant = current_tenant() or ""
+        parents = [k for r in dict.fromkeys(request.request_ids)
+                   if (k := (tenant, r)) in self._in_flight]
         children = [c for p in parents for c in self._in_flight[p]]
         if children:
             self.engine.abort_requests(children)

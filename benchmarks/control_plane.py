@@ -1,0 +1,572 @@
+"""Control-plane cost per step with null workers: 1, 4 and 16 ranks, 64 and 256 running.
+
+    python benchmarks/control_plane.py --out results.json
+    python benchmarks/control_plane.py --quick
+
+For each layout (default 1x1, 2x2, 8x2 as TPxPP) it starts a real controlplane
+process (`python -m controlplane --tensor-parallel-size T
+--pipeline-parallel-size P --max-num-seqs R --num-gpu-blocks-override ...`)
+and one null-worker process with T*P ranks (benchmarks/null_worker.py: they
+speak worker.proto, have no model, and the output rank answers each step at
+once with a fixed token). Then, for each running count R (default 64, 256),
+this process sends R concurrent Generate requests (8 prompt token ids,
+ignore_eos, --warmup + --steps + a margin tokens each) over one gRPC channel.
+The steady window opens when every request has streamed --warmup tokens and
+closes when every one has streamed --warmup + --steps; only steps inside it
+that schedule all R requests (pure decode) count.
+
+The controlplane loads only config.json and the tokenizer, so the model is a
+config-only directory: --model's config with the attention heads set so TP up
+to 8 divides them (32 heads, 8 KV heads), and --model's tokenizer files
+(default: the embedded SmolLM2-135M's, so detokenizing costs what it does in
+serving); --synthetic-tokenizer uses a 1,024-word word-level tokenizer instead.
+
+Reported per layout and R, over the steady window:
+  * ms/step: the output rank's step arrivals (median, mean);
+  * bytes/step: the serialized ControlMessage each rank receives (every rank
+    gets the same bytes), and that times the world size;
+  * the breakdown: from the controlplane's /metrics (deltas of its histogram
+    sums over the window) schedule()+update_from_output() per step, and the
+    executor's round trip (broadcast -> output rank's reply arrives); the rest
+    of a step is what the engine thread does outside both (SchedulerOutput ->
+    proto, checking the reply, handing outputs to the API loop) plus waiting
+    for the GIL its own API and worker loops hold. From the null output rank:
+    its reply latency (step arrival -> reply written) and the gap from its
+    reply to the next step's arrival (everything the controlplane does between
+    two steps, transport included); the spread of one step's arrival over the
+    ranks (fan-out; all null ranks share one process and one loop);
+  * CPU per step of the controlplane process, the null workers and this
+    client process (/proc), to show how much of the 2 cores each one takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from kvloom.cli.launcher import (  # noqa: E402
+    ClusterSpec,
+    Ports,
+    controlplane_command,
+    pick_free_ports,
+)
+from kvloom.cli.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
+from kvloom.client import READY_SERVICE  # noqa: E402
+from kvloom.v1 import generation_pb2 as pb  # noqa: E402
+from kvloom.v1 import generation_pb2_grpc  # noqa: E402
+
+PROMPT_LEN = 8
+READY_TIMEOUT_S = 120.0
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "generation_config.json")
+SYNTHETIC_VOCAB = 1024
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# ---- the config-only checkpoint ---------------------------------------------
+
+
+def _synthetic_tokenizer(path: Path) -> int:
+    """A word-level tokenizer ("<unk>", "</s>", "w2" ...); its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, SYNTHETIC_VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 4096,
+    }))
+    return len(vocab)
+
+
+def write_null_checkpoint(path: Path, tokenizer_from: str | None = None) -> str:
+    """A checkpoint directory the controlplane accepts at any TP up to 8 and PP
+    up to its layers: config.json (32 attention heads, 8 KV heads) and a
+    tokenizer, copied from `tokenizer_from` or, with None, a synthetic one.
+    No weights: null workers load nothing."""
+    path.mkdir(parents=True, exist_ok=True)
+    config: dict = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                    "max_position_embeddings": 8192, "num_hidden_layers": 30, "eos_token_id": 1}
+    if tokenizer_from:
+        src = Path(tokenizer_from)
+        config.update(json.loads((src / "config.json").read_text()))
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy(src / name, path / name)
+    else:
+        config["vocab_size"] = _synthetic_tokenizer(path)
+    config["num_attention_heads"] = 32
+    config["num_key_value_heads"] = 8
+    config["num_hidden_layers"] = max(2, int(config.get("num_hidden_layers", 2)))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return str(path)
+
+
+# ---- processes ----------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        lines = self.log.read_text(errors="replace").splitlines()[-n:]
+        return "\n".join(f"  [{self.name}] {line}" for line in lines)
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds so far (its threads included)."""
+        try:
+            fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self.alive():
+            stop_pids([(self.name, self.popen.pid)], grace=grace)
+        reap(self.popen)
+
+
+def spawn(name: str, argv: list[str], log: Path, cwd: Path = REPO) -> Proc:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as out:
+        popen = subprocess.Popen(
+            with_parent_death_signal(argv), env=env, cwd=cwd,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+        )
+    return Proc(name, popen, log)
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        return f"TP{self.tp}xPP{self.pp}"
+
+
+def start_controlplane(
+    model: str, layout: Layout, ports: Ports, max_num_seqs: int, num_blocks: int, log: Path,
+    extra: tuple[str, ...] = (),
+) -> Proc:
+    spec = ClusterSpec(
+        model=model, tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp,
+        controlplane_args=("--max-num-seqs", str(max_num_seqs),
+                           "--num-gpu-blocks-override", str(num_blocks),
+                           "--log-level", "WARNING", *extra),
+    )
+    return spawn("controlplane", controlplane_command(spec, model, ports), log)
+
+
+def start_null_workers(worker_address: str, world_size: int, log: Path, steps_log: Path) -> Proc:
+    argv = [sys.executable, "-m", "benchmarks.null_worker", "--controlplane", worker_address,
+            "--world-size", str(world_size), "--log", str(steps_log)]
+    return spawn("null workers", argv, log)
+
+
+async def health(api: str, service: str = READY_SERVICE) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(api) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def wait_serving(api: str, procs: list[Proc], timeout: float = READY_TIMEOUT_S) -> None:
+    """Until the controlplane says the worker group is ready; fails fast when a
+    process exits first."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+        try:
+            last = await health(api)
+            if last == "SERVING":
+                return
+        except grpc.aio.AioRpcError as exc:
+            last = exc.code().name
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"not ready after {timeout:g} s (health: {last}):\n"
+                       + "\n".join(p.tail() for p in procs))
+
+
+# ---- /metrics -------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, float]:
+    """{metric name (no labels): value} of the step series we read."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^(kvloom_\w+?)(\{[^}]*\})? (\S+)$", text, re.M):
+        name = m.group(1)
+        if name.startswith("kvloom_event_loop_wakeup_lag_seconds"):
+            loop = re.search(r'loop="([^"]+)"', m.group(2) or "")
+            name = f"{name}:{loop.group(1) if loop else ''}"
+        if name.endswith(("_sum", "_count")) or name == "kvloom_generation_tokens_total" or (
+                ":" in name and not name.startswith("kvloom_event_loop_wakeup_lag_seconds_b")):
+            out[name] = out.get(name, 0.0) + float(m.group(3))
+    return out
+
+
+def metrics_window(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("kvloom_step_round_trip_seconds_count", 0.0)
+
+    def mean(name: str, scale: float = 1e3) -> float:
+        return d.get(f"{name}_sum", 0.0) / steps * scale if steps else float("nan")
+
+    def lag_ms(loop: str) -> float:
+        n = d.get(f"kvloom_event_loop_wakeup_lag_seconds_count:{loop}", 0.0)
+        return d.get(f"kvloom_event_loop_wakeup_lag_seconds_sum:{loop}", 0.0) / n * 1e3 \
+            if n else float("nan")
+
+    return {
+        "api_loop_lag_ms": lag_ms("api"),
+        "workers_loop_lag_ms": lag_ms("workers"),
+        "steps": steps,
+        "scheduler_ms": mean("kvloom_step_scheduler_time_seconds"),
+        "round_trip_ms": mean("kvloom_step_round_trip_seconds"),
+        "output_rank_reported_ms": mean("kvloom_output_rank_forward_time_seconds"),
+        "broadcast_bytes": mean("kvloom_step_broadcast_bytes", 1.0),
+        "generation_tokens": d.get("kvloom_generation_tokens_total", 0.0),
+    }
+
+
+# ---- the client -----------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    t_open: float = 0.0
+    t_close: float = 0.0
+    metrics_open: dict | None = None
+    metrics_close: dict | None = None
+    cpu_open: dict | None = None
+    cpu_close: dict | None = None
+
+
+def max_tokens_for(running: int, warmup: int, steps: int) -> int:
+    """Long enough that no request ends before the window closes: the window
+    opens only when the last request admitted has streamed `warmup` tokens, and
+    the first ones admitted are ahead by up to one token per step of the ramp."""
+    return warmup + steps + 4 * running + 200
+
+
+async def drive(api: str, metrics_url: str, running: int, warmup: int, steps: int,
+                procs: list[Proc]) -> tuple[Window, list[int], float]:
+    """`running` concurrent requests until the steady window closes, then they
+    are cancelled; the window, tokens streamed per request, seconds."""
+    max_tokens = max_tokens_for(running, warmup, steps)
+    counts = [0] * running
+    reached = {warmup: 0, warmup + steps: 0}
+    opened, closed = asyncio.Event(), asyncio.Event()
+    marks = {warmup: opened, warmup + steps: closed}
+
+    def cpu() -> dict[str, float]:
+        return {"client": time.process_time(), **{p.name: p.cpu_s() for p in procs}}
+
+    async def one(stub, i: int) -> None:
+        ids = [3 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)]
+        req = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        async for msg in stub.Generate(req, timeout=600):
+            before = counts[i]
+            counts[i] = after = before + len(msg.token_ids)
+            for mark, event in marks.items():
+                if before < mark <= after:
+                    reached[mark] += 1
+                    if reached[mark] == running:
+                        event.set()
+        raise RuntimeError(f"request {i} ended after {counts[i]} tokens, in the window")
+
+    window = Window()
+    loop = asyncio.get_running_loop()
+
+    async def observe() -> None:
+        await opened.wait()
+        window.t_open, window.cpu_open = time.monotonic(), cpu()
+        window.metrics_open = await loop.run_in_executor(None, scrape, metrics_url)
+        await closed.wait()
+        window.t_close, window.cpu_close = time.monotonic(), cpu()
+        window.metrics_close = await loop.run_in_executor(None, scrape, metrics_url)
+
+    async with grpc.aio.insecure_channel(api) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # One request alone first, so every code path is warm.
+        async for _ in stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[3] * PROMPT_LEN),
+                sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True)), timeout=600):
+            pass
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(one(stub, i)) for i in range(running)]
+        observer = asyncio.create_task(observe())
+        try:
+            # A request that fails (or ends early) ends the run at once.
+            done, _ = await asyncio.wait([*tasks, observer], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in [*tasks, observer]:
+                task.cancel()
+            await asyncio.gather(*tasks, observer, return_exceptions=True)
+        seconds = time.monotonic() - t0
+    return window, counts, seconds
+
+
+# ---- analysis ---------------------------------------------------------------------
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def analyze(ranks: list[dict], window: Window, running: int, world_size: int) -> dict:
+    output = next(r for r in ranks if r["output"])
+    steady = [s for s in output["steps"]
+              if window.t_open <= s[1] <= window.t_close and s[3] == running]
+    in_window = [s for s in output["steps"] if window.t_open <= s[1] <= window.t_close]
+    arrivals = [s[1] for s in steady]
+    periods = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    # Only consecutive steps (no step of another kind in between).
+    ids = [s[0] for s in steady]
+    periods = [p for p, a, b in zip(periods, ids, ids[1:], strict=False) if b == a + 1]
+    gaps = [b[1] - a[5] for a, b in zip(steady, steady[1:], strict=False) if b[0] == a[0] + 1]
+    reply = [s[5] - s[1] for s in steady]
+    nbytes = [s[2] for s in steady]
+    steady_ids = set(ids)
+    by_step: dict[int, list[float]] = {}
+    sizes: set[int] = set()
+    for r in ranks:
+        for s in r["steps"]:
+            if s[0] in steady_ids:
+                by_step.setdefault(s[0], []).append(s[1])
+                sizes.add(s[2])
+    spread = [max(v) - min(v) for v in by_step.values() if len(v) == world_size]
+    m = metrics_window(window.metrics_open, window.metrics_close)
+    span = window.t_close - window.t_open
+    cpu = {k: (window.cpu_close[k] - window.cpu_open[k]) for k in window.cpu_open}
+    n_steps = len(in_window) or 1
+    ms_mean = _mean(periods) * 1e3
+    other = ms_mean - m["scheduler_ms"] - m["round_trip_ms"]
+    return {
+        "running": running,
+        "steady_steps": len(steady),
+        "window_steps": len(in_window),
+        "ms_per_step_median": _median(periods) * 1e3,
+        "ms_per_step_mean": ms_mean,
+        "ms_per_step_p90": (sorted(periods)[int(0.9 * (len(periods) - 1))] * 1e3
+                            if periods else float("nan")),
+        "bytes_per_step_per_rank": _mean(nbytes),
+        "bytes_per_step_all_ranks": _mean(nbytes) * world_size,
+        "ranks_saw_same_bytes": len(sizes) <= len(steady_ids),
+        "tokens_per_s": m["generation_tokens"] / span if span else float("nan"),
+        "breakdown_ms": {
+            "schedule_and_update": m["scheduler_ms"],
+            "round_trip": m["round_trip_ms"],
+            "rest_of_engine_step": other,
+            "null_reply_latency": _mean(reply) * 1e3,
+            "reply_to_next_step": _mean(gaps) * 1e3,
+            "fanout_spread": _mean(spread) * 1e3,
+            # Mean wake-up lag of the controlplane's loops (a 100 ms probe):
+            # how long a callback that is ready waits for its loop (and the GIL).
+            "api_loop_lag": m["api_loop_lag_ms"],
+            "workers_loop_lag": m["workers_loop_lag_ms"],
+        },
+        "metrics_window": m,
+        "cpu_ms_per_step": {k: v / n_steps * 1e3 for k, v in cpu.items()},
+        "window_s": span,
+    }
+
+
+# ---- one layout -----------------------------------------------------------------
+
+
+def run_layout(layout: Layout, args, model: str, tmp: Path) -> list[dict]:
+    ports = Ports(*pick_free_ports(3))
+    api = f"127.0.0.1:{ports.api}"
+    metrics_url = f"http://127.0.0.1:{ports.metrics}/metrics"
+    steps_log = tmp / f"steps-{layout.name}.json"
+    blocks = max(r * ((PROMPT_LEN + max_tokens_for(r, args.warmup, args.steps)) // 16 + 2)
+                 for r in args.running) + 1024
+    results: list[dict] = []
+    with ExitStack() as stack:
+        cp = start_controlplane(model, layout, ports, max(args.running), blocks,
+                                tmp / f"controlplane-{layout.name}.log")
+        stack.callback(cp.stop)
+        nulls = start_null_workers(f"127.0.0.1:{ports.worker}", layout.world_size,
+                                   tmp / f"null-{layout.name}.log", steps_log)
+        stack.callback(nulls.stop)
+        asyncio.run(wait_serving(api, [cp, nulls]))
+        runs = []
+        for running in args.running:
+            print(f"== {layout.name}: {running} running", file=sys.stderr)
+            window, counts, seconds = asyncio.run(drive(
+                api, metrics_url, running, args.warmup, args.steps, [cp, nulls]))
+            runs.append((running, window, seconds))
+        # The controlplane tells the workers to shut down; they write their log.
+        cp.stop()
+        deadline = time.monotonic() + 15
+        while nulls.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        nulls.stop()
+    ranks = json.loads(steps_log.read_text())["ranks"]
+    for running, window, seconds in runs:
+        result = analyze(ranks, window, running, layout.world_size)
+        results.append({"layout": layout.name, "tp": layout.tp, "pp": layout.pp,
+                        "ranks": layout.world_size, "run_s": seconds, **result})
+    return results
+
+
+# ---- output ---------------------------------------------------------------------------
+
+
+COLUMNS = [
+    ("layout", lambda r: r["layout"]),
+    ("ranks", lambda r: str(r["ranks"])),
+    ("running", lambda r: str(r["running"])),
+    ("steps", lambda r: str(r["steady_steps"])),
+    ("ms/step", lambda r: f"{r['ms_per_step_median']:.2f}"),
+    ("mean", lambda r: f"{r['ms_per_step_mean']:.2f}"),
+    ("p90", lambda r: f"{r['ms_per_step_p90']:.2f}"),
+    ("B/step/rank", lambda r: f"{r['bytes_per_step_per_rank']:.0f}"),
+    ("B/step all", lambda r: f"{r['bytes_per_step_all_ranks']:.0f}"),
+    ("tok/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+]
+BREAKDOWN = [
+    ("sched+update", "schedule_and_update"),
+    ("round trip", "round_trip"),
+    ("rest", "rest_of_engine_step"),
+    ("null reply", "null_reply_latency"),
+    ("reply->next", "reply_to_next_step"),
+    ("fan-out", "fanout_spread"),
+    ("api lag", "api_loop_lag"),
+    ("wrk lag", "workers_loop_lag"),
+]
+CPU = [("cpu cp", "controlplane"), ("cpu nulls", "null workers"), ("cpu client", "client")]
+
+
+def format_table(results: list[dict]) -> str:
+    cols = [*COLUMNS,
+            *((label, lambda r, k=key: f"{r['breakdown_ms'][k]:.2f}") for label, key in BREAKDOWN),
+            *((label, lambda r, k=key: f"{r['cpu_ms_per_step'].get(k, float('nan')):.2f}")
+              for label, key in CPU)]
+    rows = [[label for label, _ in cols]] + [[fmt(r) for _, fmt in cols] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + (
+        "\n(ms per step; breakdown columns in ms per step: sched+update and round trip from "
+        "/metrics, rest = mean step - both; null reply, reply->next and fan-out from the "
+        "null ranks; api/wrk lag: mean wake-up lag of the controlplane's loops; "
+        "cpu = CPU ms per step of each process)")
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    out = []
+    for item in text.split(","):
+        tp, _, pp = item.strip().lower().partition("x")
+        if not (tp.isdigit() and pp.isdigit()) or int(tp) < 1 or int(pp) < 1:
+            raise argparse.ArgumentTypeError(f"bad layout {item!r}: expected TPxPP like 2x2")
+        out.append(Layout(int(tp), int(pp)))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", type=parse_layouts, default=parse_layouts("1x1,2x2,8x2"),
+                   help="TPxPP, comma-separated")
+    p.add_argument("--running", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[64, 256], help="running requests, comma-separated")
+    p.add_argument("--warmup", type=int, default=30, help="tokens each request streams before "
+                   "the window opens")
+    p.add_argument("--steps", type=int, default=300, help="decode steps in the window")
+    p.add_argument("--quick", action="store_true", help="--warmup 10 --steps 60")
+    p.add_argument("--model", help="checkpoint whose config and tokenizer to use; default: "
+                   "the embedded SmolLM2-135M")
+    p.add_argument("--synthetic-tokenizer", action="store_true",
+                   help="a word-level tokenizer instead of --model's")
+    p.add_argument("--keep", action="store_true", help="keep the temporary dir (logs)")
+    p.add_argument("--out", type=Path, help="write the results here (JSON)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.warmup, args.steps = 10, 60
+    tmp = Path(tempfile.mkdtemp(prefix="kvloom-cp-bench-"))
+    try:
+        source = None
+        if not args.synthetic_tokenizer:
+            if args.model:
+                source = args.model
+            else:
+                from kvloom.server.default_model import default_model_dir
+
+                source = default_model_dir()
+        model = write_null_checkpoint(tmp / "model", source)
+        results = []
+        for layout in args.layouts:
+            results += run_layout(layout, args, model, tmp)
+    finally:
+        if args.keep:
+            print(f"logs: {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(format_table(results))
+    if args.out:
+        config = {k: (v if not isinstance(v, list) or not v or not isinstance(v[0], Layout)
+                      else [x.name for x in v]) for k, v in vars(args).items() if k != "out"}
+        payload = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+                   "config": json.loads(json.dumps(config, default=str)),
+                   "cpus": os.cpu_count(), "results": results}
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,3 +42,11 @@ def api(tiny_model_dir, tok, words):
         return Api(tiny_model_dir, tok, ScriptedModel(words), **kw)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """Certificates for the TLS tests (pki.py), made once per session."""
+    from tests.controlplane.api.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

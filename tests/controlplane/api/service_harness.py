@@ -9,6 +9,11 @@ mid-step (and can let it run one step at a time), so a request is reliably in
 flight while a test sends a duplicate, fills capacity, aborts or cancels, and
 the engine cannot run ahead of what the test checks. No assertion depends on
 timing. The fixtures `tok`, `words` and `api` are in this directory's conftest.py.
+
+With `api_security` and `api_keys` the server runs as controlplane/server.py
+runs it secured: the API-key interceptor in front of the service (health
+stays open), TLS on the port. `channel_credentials` and `metadata` then set
+up the harness's own stub; tests build other channels on `address`.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 
+from controlplane.api.auth import ApiKeyInterceptor, ApiKeys
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.output_router import OutputRouter
+from controlplane.api.tls import add_api_port, api_credentials
 from controlplane.config import (
     ApiLimitsConfig,
+    ApiSecurityConfig,
     CacheConfig,
     ControlPlaneConfig,
     ModelConfig,
@@ -129,6 +138,9 @@ class Api:
         enable_chunked_prefill: bool = True,
         max_num_batched_tokens: int = 64,
         api_limits: ApiLimitsConfig | None = None,
+        api_security: ApiSecurityConfig | None = None,
+        api_keys: ApiKeys | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
     ):
         self.config = ControlPlaneConfig(
             model=ModelConfig(model=model_dir, served_model_name="tiny",
@@ -142,7 +154,10 @@ class Api:
             ),
             server=ServerConfig(max_waiting_requests=max_waiting_requests),
             api_limits=api_limits or ApiLimitsConfig(),
+            api_security=api_security or ApiSecurityConfig(),
         )
+        self.api_keys = api_keys
+        self.channel_credentials = channel_credentials
         self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.execute_model = execute_model
@@ -192,11 +207,19 @@ class Api:
             readiness=lambda: None,
             num_ranks_attached=lambda: 1,
         )
-        self.server = grpc.aio.server()
+        interceptors = [] if self.api_keys is None else [ApiKeyInterceptor(self.api_keys)]
+        self.server = grpc.aio.server(interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.service, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        port = add_api_port(self.server, "127.0.0.1", 0,
+                            api_credentials(self.config.api_security))
         await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.address = f"127.0.0.1:{port}"
+        if self.channel_credentials is None:
+            self.channel = grpc.aio.insecure_channel(self.address)
+        else:
+            self.channel = grpc.aio.secure_channel(self.address, self.channel_credentials)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.engine.start()
         self.engine.group_ready(self.num_blocks)
@@ -228,7 +251,8 @@ class Api:
         return [r.request_id for r in self.added if client_of(r.request_id) in client_ids]
 
     def in_flight(self, client_id: str) -> bool:
-        return client_id in self.service._in_flight
+        """Whether some tenant has client_id in flight."""
+        return any(rid == client_id for _, rid in self.service._in_flight)
 
     def finishes(self, client_id: str) -> list[EngineCoreOutput]:
         return [o for o in self.emitted if client_of(o.request_id) == client_id and o.finished]

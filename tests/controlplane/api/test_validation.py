@@ -21,7 +21,7 @@ from controlplane.api.validation import (
     Limits,
     validate,
 )
-from controlplane.config import ApiLimitsConfig
+from controlplane.config import ApiLimitsConfig, ApiSecurityConfig
 from kvloom.v1 import generation_pb2 as pb
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)
@@ -168,6 +168,7 @@ def _service(policy: str):
         server=SimpleNamespace(max_waiting_requests=8, max_message_bytes=1 << 20),
         cache=SimpleNamespace(block_size=16),
         api_limits=ApiLimitsConfig(),
+        api_security=ApiSecurityConfig(),
     )
     info = SimpleNamespace(vocab_size=100, sampling_defaults=(), eos_token_ids=frozenset())
     added, accepted = [], []

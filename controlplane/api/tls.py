@@ -31,9 +31,9 @@ def check_api_tls(cfg: ApiSecurityConfig) -> str | None:
     """Why the API's TLS flags cannot work, or None."""
     cert, key, ca = cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs
     if bool(cert) != bool(key):
-        given, missing = ("--ssl-certfile", "--ssl-keyfile") if cert else (
-            "--ssl-keyfile", "--ssl-certfile")
-        return f"{given} needs {missing} as well (the certificate and its private key)"
+        given, path, missing = ("--ssl-certfile", cert, "--ssl-keyfile") if cert else (
+            "--ssl-keyfile", key, "--ssl-certfile")
+        return f"{given} {path} needs {missing} as well (the certificate and its private key)"
     if ca and not cert:
         return ("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile: clients are only "
                 "asked for certificates over TLS")

@@ -35,6 +35,13 @@ DEPLOYED_FLAGS = [
     "--worker-ssl-certfile=/etc/kvloom/tls/worker-port.crt",
     "--worker-ssl-keyfile=/etc/kvloom/tls/worker-port.key",
     "--worker-ssl-ca-certs=/etc/kvloom/tls/ca.crt",
+    # Issue 11, the client API (start-up checks below and in
+    # tests/controlplane/api/test_api_security.py).
+    "--ssl-certfile=/etc/kvloom/tls/api.crt", "--ssl-keyfile=/etc/kvloom/tls/api.key",
+    "--ssl-ca-certs=/etc/kvloom/tls/clients-ca.crt", "--ssl-certfile=",
+    "--api-key-file=/run/secrets/kvloom-api-keys", "--api-key-file=",
+    "--prefix-cache-scope=key", "--prefix-cache-scope=global",
+    "--max-requests-per-key=0", "--max-requests-per-key=64",
 ]
 
 
@@ -108,6 +115,11 @@ def test_flags_land_in_their_fields():
         (["--engine-recovery-timeout", "nan"], "--engine-recovery-timeout"),
         (["--engine-recovery-timeout", "inf"], "--engine-recovery-timeout"),
         (["--engine-recovery-timeout", "1e9"], "--engine-recovery-timeout"),
+        (["--prefix-cache-scope", "tenant"], "--prefix-cache-scope"),
+        (["--prefix-cache-scope", ""], "--prefix-cache-scope"),
+        (["--max-requests-per-key", "-1"], "--max-requests-per-key"),
+        (["--max-requests-per-key", "1.5"], "--max-requests-per-key"),
+        (["--max-requests-per-key", "nan"], "--max-requests-per-key"),
     ],
 )
 def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):
@@ -154,3 +166,79 @@ def test_drain_timeout_is_a_deprecated_alias_of_shutdown_timeout():
     assert args.shutdown_timeout_s == 7.0
     # The default fits Kubernetes' default 30 s termination grace period.
     assert build_parser().parse_args([]).shutdown_timeout_s < 30
+
+
+# ---- client API security: start-up checks (one line naming the flag, exit 2) ----
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    from tests.controlplane.api.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _main_check(model_dir, argv, capsys) -> tuple[int, str, str]:
+    from controlplane.__main__ import main
+
+    try:
+        main(["--model", model_dir, "--port=0", "--worker-port=0", "--check", *argv])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def served_model_dir(tmp_path):
+    return config_only_checkpoint(tmp_path)
+
+
+def test_secured_api_flags_pass_the_check(served_model_dir, pki, tmp_path, capsys,
+                                          monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nkey-one\n")
+    monkeypatch.setenv("KVLOOM_API_KEY", "key-two")
+    code, out, err = _main_check(served_model_dir, [
+        "--ssl-certfile", str(pki.server.certfile), "--ssl-keyfile", str(pki.server.keyfile),
+        "--ssl-ca-certs", str(pki.ca), "--api-key-file", str(keys)], capsys)
+    assert code == 0, err
+    assert "the ports are usable" in out
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (["--ssl-certfile", "{cert}"], "--ssl-certfile {cert} needs --ssl-keyfile"),
+    (["--ssl-keyfile", "{key}"], "--ssl-keyfile {key} needs --ssl-certfile"),
+    (["--ssl-ca-certs", "{ca}"], "--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile"),
+    (["--ssl-certfile", "{absent}", "--ssl-keyfile", "{key}"],
+     "--ssl-certfile {absent}: cannot read it: No such file or directory"),
+    (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{other_key}"],
+     "not a PEM certificate and its matching private key"),
+    (["--ssl-certfile", "{cert}", "--ssl-keyfile", "{key}", "--ssl-ca-certs", "{absent}"],
+     "--ssl-ca-certs {absent}: cannot read it"),
+    (["--api-key-file", "{absent}"], "--api-key-file {absent}: cannot read it"),
+    (["--api-key-file", "{empty}"], "--api-key-file {empty}: holds no key"),
+    (["--api-key-file", "{spaced}"], "--api-key-file {spaced} line 2: an API key must be"),
+])
+def test_unusable_api_security_flags_end_start_up(served_model_dir, pki, tmp_path, capsys,
+                                                  argv, problem):
+    (tmp_path / "empty").write_text("\n# nothing\n")
+    (tmp_path / "spaced").write_text("fine\nnot fine\n")
+    paths = {"cert": pki.server.certfile, "key": pki.server.keyfile, "ca": pki.ca,
+             "other_key": pki.client.keyfile, "absent": tmp_path / "absent.pem",
+             "empty": tmp_path / "empty", "spaced": tmp_path / "spaced"}
+    argv = [a.format(**paths) for a in argv]
+    code, _, err = _main_check(served_model_dir, argv, capsys)
+    assert code == 2
+    assert err.startswith("kvloom-controlplane: error: ") and err.count("\n") == 1, err
+    assert problem.format(**paths) in err
+    assert "not fine" not in err
+
+
+def test_a_malformed_kvloom_api_key_ends_start_up_unechoed(served_model_dir, capsys,
+                                                          monkeypatch):
+    monkeypatch.setenv("KVLOOM_API_KEY", "two words")
+    code, _, err = _main_check(served_model_dir, [], capsys)
+    assert code == 2 and "KVLOOM_API_KEY: an API key must be" in err
+    assert "two words" not in err

@@ -299,8 +299,8 @@ def test_check_api_tls(pki, tmp_path):
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
     cases = {
-        dataclasses.replace(ok, ssl_keyfile=""): "--ssl-certfile needs --ssl-keyfile",
-        dataclasses.replace(ok, ssl_certfile=""): "--ssl-keyfile needs --ssl-certfile",
+        dataclasses.replace(ok, ssl_keyfile=""): "--ssl-certfile .*server.crt needs --ssl-keyfile",
+        dataclasses.replace(ok, ssl_certfile=""): "--ssl-keyfile .*server.key needs --ssl-certfile",
         ApiSecurityConfig(ssl_ca_certs=str(pki.ca)): "--ssl-ca-certs needs --ssl-certfile",
         dataclasses.replace(ok, ssl_certfile=str(tmp_path / "absent.crt")):
             "--ssl-certfile .*absent.crt: cannot read it",

@@ -6,19 +6,30 @@ message through it and stops it again. In the foreground (`up` and `run`) a
 worker that dies after the cluster was ready is restarted with the same rank
 (launcher.Cluster.monitor / SupervisorThread); a detached cluster has no
 supervisor process, so there a dead worker stays dead.
+
+`--tls` makes the cluster secure with one flag: a throw-away CA and
+certificates under the state file's directory (`<state>-tls/`; a temporary
+directory for `run`), TLS + mTLS on the API and the worker port, and the
+paths a client needs printed. Every cluster gets a random worker auth token
+unless one is given (--auth-token-file, KVLOOM_AUTH_TOKEN, --auth-token); the
+daemons receive it in their environment, never on a command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import secrets
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from kvloom.cli import launcher
 from kvloom.cli.generate import EXIT_FAILURE, chat_turns, complete
-from kvloom.client import KvloomClient, KvloomError
+from kvloom.client import KvloomError
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +49,14 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-metrics-port", type=int, default=0,
                         help="rank R serves /metrics on this + R; 0 = free ports")
     parser.add_argument("--auth-token", default=None,
-                        help="shared secret for the controlplane and every worker")
+                        help="shared secret for the controlplane and every worker (visible "
+                             "in ps: prefer --auth-token-file or KVLOOM_AUTH_TOKEN); unset: "
+                             "a random one")
+    parser.add_argument("--auth-token-file", default=None,
+                        help="file holding that secret (surrounding whitespace stripped)")
+    parser.add_argument("--tls", action="store_true",
+                        help="TLS + mTLS on the API and the worker port, with a throw-away "
+                             "CA and certificates generated for this cluster")
     parser.add_argument("--worker-threads", type=int, default=None,
                         help="torch threads per rank; unset: the CPUs shared among ranks")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
@@ -55,17 +73,52 @@ def cluster_spec(args: argparse.Namespace) -> launcher.ClusterSpec:
         worker_port=args.worker_port,
         metrics_port=args.metrics_port,
         worker_metrics_port=args.worker_metrics_port,
-        auth_token=args.auth_token,
+        auth_token=cluster_auth_token(args),
         worker_threads=args.worker_threads,
         controlplane_args=args.controlplane_args,
     )
+
+
+def cluster_auth_token(args: argparse.Namespace) -> str | None:
+    """The workers' shared secret: --auth-token-file, --auth-token, or (None)
+    KVLOOM_AUTH_TOKEN inherited by the daemons; failing all, a random one."""
+    path = getattr(args, "auth_token_file", None)
+    if path:
+        if args.auth_token is not None:
+            raise launcher.ClusterError("--auth-token-file and --auth-token (or "
+                                        "KVLOOM_AUTH_TOKEN) both give the worker auth "
+                                        "token: pass one")
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise launcher.ClusterError(f"--auth-token-file {path}: {exc}") from None
+        if not token:
+            raise launcher.ClusterError(f"--auth-token-file {path}: the file is empty")
+        return token
+    if args.auth_token is not None or os.environ.get("KVLOOM_AUTH_TOKEN"):
+        return args.auth_token
+    return secrets.token_urlsafe(32)
+
+
+def with_tls(spec: launcher.ClusterSpec, directory: Path) -> launcher.ClusterSpec:
+    """spec with a new throw-away CA and certificates in directory (replaced)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    tls = launcher.issue_cluster_tls(directory, spec.host)
+    return dataclasses.replace(spec, tls=tls)
+
+
+def tls_dir(state_file: Path) -> Path:
+    return state_file.parent / f"{state_file.stem}-tls"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     state_file = args.state_file or launcher.default_state_file()
     refuse_if_running(state_file)
     log_dir = state_file.parent / "logs" if args.detach else None
-    cluster = launcher.Cluster(cluster_spec_for_launch(args), log_dir=log_dir)
+    spec = cluster_spec_for_launch(args)
+    if args.tls:
+        spec = with_tls(spec, tls_dir(state_file))
+    cluster = launcher.Cluster(spec, log_dir=log_dir)
     start_and_wait(cluster, args.ready_timeout)
     if not args.detach:
         return serve_foreground(cluster, state_file)
@@ -121,6 +174,14 @@ def print_endpoints(cluster: launcher.Cluster) -> None:
     print(f"kvloom: metrics at {cluster.metrics_address}", file=sys.stderr)
     for rank, address in enumerate(cluster.worker_metrics_addresses):
         print(f"kvloom: rank {rank} metrics at {address}", file=sys.stderr)
+    tls = cluster.spec.tls
+    if tls is not None:
+        client = tls.client
+        print(f"kvloom: TLS + mTLS: CA {tls.ca_certs}, client certificate {client.certfile}, "
+              f"key {client.keyfile}", file=sys.stderr)
+        print(f"kvloom: e.g. kvloom chat \"Hello\" --server {cluster.api_address} "
+              f"--ssl-ca-certs {tls.ca_certs} --ssl-certfile {client.certfile} "
+              f"--ssl-keyfile {client.keyfile}", file=sys.stderr)
 
 
 def refuse_if_running(state_file: Path) -> None:
@@ -150,13 +211,17 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    spec = cluster_spec_for_launch(args)
+    scratch = Path(tempfile.mkdtemp(prefix="kvloom-tls-")) if args.tls else None
+    if scratch is not None:
+        spec = with_tls(spec, scratch)
     sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
-    cluster = launcher.Cluster(cluster_spec_for_launch(args), log_sink=sink)
+    cluster = launcher.Cluster(spec, log_sink=sink)
     supervisor = launcher.SupervisorThread(cluster)  # restarts a dead worker meanwhile
     try:
         start_and_wait(cluster, args.ready_timeout)
         supervisor.start()
-        with KvloomClient(cluster.api_address) as client:
+        with cluster.client() as client:
             try:
                 return complete(client, chat_turns(args.message, args.system), args)
             except KvloomError:
@@ -171,6 +236,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             supervisor.join(timeout=5)
         if sink is not sys.stderr:
             sink.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:

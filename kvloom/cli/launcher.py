@@ -24,6 +24,12 @@ thread): PR_SET_PDEATHSIG fires when the *thread* that forked a child exits.
 `stop()` and supervision share a lock, so a worker that stop() SIGTERMs is
 never restarted. Detached clusters have no supervisor.
 
+With a ClusterTls (`kvloom up --tls`: issue_cluster_tls writes a throw-away
+CA and certificates) the controlplane serves its API and its worker port over
+TLS and requires a client certificate from that CA on both (mTLS); every rank
+dials with the worker certificate; wait_ready() and `kvloom run` use the
+client certificate, whose paths `up` prints for other clients.
+
 Foreground children share a process group of their own (so a terminal
 Ctrl-C reaches only the launcher, which then stops them in order) and, on
 Linux, get PR_SET_PDEATHSIG so a SIGKILLed launcher leaves no orphans.
@@ -51,6 +57,7 @@ from typing import IO, NamedTuple
 from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
 from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+from kvloom.server.certs import DEFAULT_HOSTS, CertAuthority, CertFiles
 from kvloom.server.ports import PortInUse, port_in_use
 
 TAIL_LINES = 40
@@ -58,6 +65,35 @@ TAIL_LINES = 40
 
 class ClusterError(RuntimeError):
     """The local cluster failed to start or stop."""
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """PEM files of a local secure cluster, all signed by one throw-away CA."""
+
+    ca_certs: str
+    # The controlplane's certificate, for its API port and its worker port.
+    controlplane: CertFiles
+    # Every rank's client certificate (mTLS on the worker port).
+    worker: CertFiles
+    # For clients of the API (mTLS): wait_ready(), `kvloom run`, `kvloom chat`.
+    client: CertFiles
+
+
+def issue_cluster_tls(directory: Path, host: str = "127.0.0.1") -> ClusterTls:
+    """A new CA and its certificates under directory (replacing any there):
+    the controlplane's is valid for loopback, `host` and, for a wildcard
+    bind, this machine's name."""
+    names = [*DEFAULT_HOSTS, connect_host(host)]
+    if host in ("0.0.0.0", "", "::"):
+        names.append(socket.gethostname())
+    ca = CertAuthority.create(directory)
+    return ClusterTls(
+        ca_certs=str(ca.ca_path),
+        controlplane=ca.issue(directory, "controlplane", tuple(dict.fromkeys(names))),
+        worker=ca.issue(directory, "worker"),
+        client=ca.issue(directory, "client"),
+    )
 
 
 @dataclass(frozen=True)
@@ -80,6 +116,8 @@ class ClusterSpec:
     worker_threads: int | None = None
     controlplane_args: tuple[str, ...] = ()
     python: str = sys.executable
+    # TLS + mTLS on the API and the worker port; None = plaintext.
+    tls: ClusterTls | None = None
 
     @property
     def world_size(self) -> int:
@@ -160,8 +198,20 @@ def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[st
         "--port", str(port),
         "--worker-port", str(worker_port),
         "--metrics-port", str(metrics_port),
+        *tls_controlplane_args(spec.tls),
         *spec.controlplane_args,
     ]
+
+
+def tls_controlplane_args(tls: ClusterTls | None) -> list[str]:
+    """The controlplane's TLS flags: its certificate on both ports, and the
+    CA that must have signed every client's and worker's (mTLS)."""
+    if tls is None:
+        return []
+    cert, key = str(tls.controlplane.certfile), str(tls.controlplane.keyfile)
+    return ["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", tls.ca_certs,
+            "--worker-ssl-certfile", cert, "--worker-ssl-keyfile", key,
+            "--worker-ssl-ca-certs", tls.ca_certs]
 
 
 def workerd_command(
@@ -177,6 +227,10 @@ def workerd_command(
     if metrics_port:
         # Bound like the API: loopback stays loopback, a wildcard stays reachable.
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", spec.host]
+    if spec.tls is not None:
+        argv += ["--ssl-ca-certs", spec.tls.ca_certs,
+                 "--ssl-certfile", str(spec.tls.worker.certfile),
+                 "--ssl-keyfile", str(spec.tls.worker.keyfile)]
     return argv
 
 
@@ -426,7 +480,7 @@ class Cluster:
     def wait_ready(self, timeout: float = 600.0, poll_interval: float = 0.5) -> None:
         """Block until the controlplane reports kvloom.v1.Generation SERVING."""
         deadline = time.monotonic() + timeout
-        with KvloomClient(self.api_address) as client:
+        with self.client() as client:
             while True:
                 self.check_alive()
                 try:
@@ -437,6 +491,14 @@ class Cluster:
                 if time.monotonic() > deadline:
                     raise ClusterError(f"cluster not ready after {timeout:.0f}s")
                 time.sleep(poll_interval)
+
+    def client(self) -> KvloomClient:
+        """A client of this cluster's API (with the client certificate under TLS)."""
+        tls = self.spec.tls
+        if tls is None:
+            return KvloomClient(self.api_address)
+        return KvloomClient(self.api_address, ssl_ca_certs=tls.ca_certs,
+                            ssl_certfile=tls.client.certfile, ssl_keyfile=tls.client.keyfile)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every child, then SIGKILL those still running after `grace` seconds.

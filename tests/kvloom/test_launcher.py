@@ -275,3 +275,81 @@ def test_benchmark_launch_mode_runs_each_layout(fake_daemons, tmp_path, capsys):
     assert [r["server_info"]["pipeline_parallel_size"] for r in runs] == [1, 2]
     table = capsys.readouterr().out
     assert "tp1 pp1" in table and "tp1 pp2" in table
+
+
+# ---- kvloom up --tls and the cluster's auth token (issue 11) -------------------
+
+
+def test_tls_cluster_commands_carry_certificates_never_the_token(tmp_path):
+    from cryptography import x509
+
+    tls = launcher.issue_cluster_tls(tmp_path / "tls", host="0.0.0.0")
+    spec = launcher.ClusterSpec(pipeline_parallel_size=2, host="0.0.0.0", auth_token="s3cret",
+                                tls=tls)
+    argv = launcher.controlplane_command(spec, "/m", launcher.Ports(1, 2, 3))
+    flags = dict(zip(argv[::1], argv[1::1], strict=False))
+    cert, key = str(tls.controlplane.certfile), str(tls.controlplane.keyfile)
+    assert flags["--worker-ssl-certfile"] == flags["--ssl-certfile"] == cert
+    assert flags["--worker-ssl-keyfile"] == flags["--ssl-keyfile"] == key
+    assert flags["--worker-ssl-ca-certs"] == flags["--ssl-ca-certs"] == tls.ca_certs
+    worker = launcher.workerd_command(spec, 2, rank=1, metrics_port=4)
+    wflags = dict(zip(worker, worker[1:], strict=False))
+    assert wflags["--ssl-ca-certs"] == tls.ca_certs
+    assert wflags["--ssl-certfile"] == str(tls.worker.certfile)
+    assert wflags["--ssl-keyfile"] == str(tls.worker.keyfile)
+    for command in (argv, worker):
+        assert not any("s3cret" in part for part in command)
+    assert launcher.child_env(spec)["KVLOOM_AUTH_TOKEN"] == "s3cret"
+    # Keys are private; the controlplane's certificate names what clients dial.
+    for leaf in (tls.controlplane, tls.worker, tls.client):
+        assert leaf.keyfile.stat().st_mode & 0o077 == 0
+        assert leaf.ca_certs == Path(tls.ca_certs)
+    served = x509.load_pem_x509_certificate(tls.controlplane.certfile.read_bytes())
+    names = served.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    dns = names.get_values_for_type(x509.DNSName)
+    assert "localhost" in dns and socket.gethostname() in dns
+    assert "127.0.0.1" in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+
+
+def test_plaintext_commands_have_no_tls_flags():
+    spec = launcher.ClusterSpec()
+    argv = launcher.controlplane_command(spec, "/m", launcher.Ports(1, 2, 3))
+    assert not any(part.startswith(("--ssl", "--worker-ssl")) for part in argv)
+    assert not any(part.startswith("--ssl") for part in launcher.workerd_command(spec, 2, 0))
+
+
+def _up_args(*argv: str):
+    return cli.build_parser().parse_args(["up", "--model", "/m", *argv])
+
+
+def test_a_cluster_gets_a_random_token_unless_one_is_given(monkeypatch, tmp_path):
+    from kvloom.cli.cluster import cluster_auth_token
+
+    monkeypatch.delenv("KVLOOM_AUTH_TOKEN", raising=False)
+    first, second = cluster_auth_token(_up_args()), cluster_auth_token(_up_args())
+    assert first != second and len(first) >= 32
+    assert cluster_auth_token(_up_args("--auth-token", "given")) == "given"
+    token = tmp_path / "token"
+    token.write_text(" from-file\n")
+    assert cluster_auth_token(_up_args("--auth-token-file", str(token))) == "from-file"
+    with pytest.raises(launcher.ClusterError, match="pass one"):
+        cluster_auth_token(_up_args("--auth-token-file", str(token), "--auth-token", "x"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(launcher.ClusterError, match="is empty"):
+        cluster_auth_token(_up_args("--auth-token-file", str(tmp_path / "empty")))
+    with pytest.raises(launcher.ClusterError, match="--auth-token-file"):
+        cluster_auth_token(_up_args("--auth-token-file", str(tmp_path / "missing")))
+    monkeypatch.setenv("KVLOOM_AUTH_TOKEN", "inherited")
+    assert cluster_auth_token(_up_args()) == "inherited"
+
+
+def test_up_tls_writes_its_pki_next_to_the_state_file(tmp_path):
+    from kvloom.cli.cluster import tls_dir, with_tls
+
+    state_file = tmp_path / "state" / "cluster.json"
+    spec = with_tls(launcher.ClusterSpec(), tls_dir(state_file))
+    assert spec.tls is not None
+    assert Path(spec.tls.ca_certs).parent == tmp_path / "state" / "cluster-tls"
+    first_ca = Path(spec.tls.ca_certs).read_bytes()
+    again = with_tls(launcher.ClusterSpec(), tls_dir(state_file))  # a new CA each time
+    assert Path(again.tls.ca_certs).read_bytes() != first_ca

@@ -46,6 +46,7 @@ from controlplane.core.scheduler import Scheduler
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.records import RecoveryRecord, StepRecord
 from controlplane.recovery import Recovery
+from kvloom.server.logs import flush_log_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -459,8 +460,7 @@ class EngineCore:
         streams hang on a process that stays up without an engine."""
         logger.critical("engine cannot go on (%s); exiting with code %d", what,
                         FATAL_EXIT_CODE, exc_info=exc)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        flush_log_handlers()
         self.exit_process(FATAL_EXIT_CODE)
         self._stopped = True  # only reached when exit_process is a test's stand-in
 

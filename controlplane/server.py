@@ -47,6 +47,7 @@ from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import RecoveryRecord
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness
+from kvloom.server.logs import flush_log_handlers
 from kvloom.server.ports import EXCLUSIVE_PORT
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
@@ -315,6 +316,5 @@ def run(config: ControlPlaneConfig, model_info: ModelInfo,
 def _exit_after_shutdown_overran(timeout: float) -> None:
     logger.error("shutdown still running %g s after the signal (--shutdown-timeout %g s); "
                  "exiting", timeout + BACKSTOP_S, timeout)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    flush_log_handlers()
     os._exit(1)

@@ -27,7 +27,7 @@ import time
 
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
-from kvloom.server.logs import setup_logging
+from kvloom.server.logs import flush_log_handlers, setup_logging
 from kvloom.server.ports import PortInUse
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import (
@@ -148,8 +148,7 @@ def _ignore(signum, frame) -> None:
 
 
 def _exit(code: int) -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    flush_log_handlers()
     os._exit(code)
 
 

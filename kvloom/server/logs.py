@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -19,3 +20,11 @@ def setup_logging(level: str, component: str) -> None:
     root.setLevel(level.upper())
     # grpc's own logger is chatty at INFO about channel state.
     logging.getLogger("grpc").setLevel(logging.WARNING)
+
+
+def flush_log_handlers() -> None:
+    """Flush every root handler before os._exit (which skips it). A handler
+    whose stream is already closed must not stop the exit."""
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(OSError, ValueError):
+            handler.flush()

@@ -23,28 +23,53 @@ from kvloom.v1 import generation_pb2 as pb
 class KvloomError(Exception):
     """A failed call to the kvloom server, with its gRPC status code."""
 
-    def __init__(self, details: str, code: grpc.StatusCode | None = None, server: str = ""):
+    def __init__(self, details: str, code: grpc.StatusCode | None = None, server: str = "",
+                 hint: str | None = None):
         self.details = details
         self.code = code
         self.server = server
+        # What to try; None = the usual hint for the code.
+        self.hint = _HINTS.get(code, "") if hint is None else hint
         super().__init__(str(self))
 
     @classmethod
-    def from_rpc(cls, error: grpc.RpcError, server: str = "") -> KvloomError:
+    def from_rpc(cls, error: grpc.RpcError, server: str = "", *,
+                 tls: bool | None = None) -> KvloomError:
+        """tls: whether the client spoke TLS, for the hint of a failed
+        connection (None: unknown, the generic hint)."""
         code = error.code() if hasattr(error, "code") else None
         details = error.details() if hasattr(error, "details") else None
-        return cls(details or str(error), code, server)
+        details = details or str(error)
+        return cls(details, code, server, _hint(code, details, tls))
 
     def __str__(self) -> str:
         where = f"kvloom server {self.server}: " if self.server else ""
         code = f"{self.code.name}: " if self.code is not None else ""
-        return f"{where}{code}{self.details}{_HINTS.get(self.code, '')}"
+        return f"{where}{code}{self.details}{self.hint}"
 
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: " (is the server running? start one with `kvloom up`)",
     grpc.StatusCode.DEADLINE_EXCEEDED: " (the call outlived its timeout)",
+    grpc.StatusCode.UNAUTHENTICATED: " (pass the API key: --api-key, KVLOOM_API_KEY or "
+                                     "api_key=)",
 }
+# Words grpc's connection errors use when the TLS handshake is what failed.
+_TLS_FAILURE_WORDS = ("ssl", "tls", "handshake", "certificate")
+
+
+def _hint(code, details: str, tls: bool | None) -> str | None:
+    if code != grpc.StatusCode.UNAVAILABLE or tls is None:
+        return None
+    if tls and any(word in details.lower() for word in _TLS_FAILURE_WORDS):
+        return (" (the TLS handshake failed: does the server serve TLS (--ssl-certfile)? does "
+                "--ssl-ca-certs hold the CA that signed its certificate? under mTLS the "
+                "server wants --ssl-certfile/--ssl-keyfile signed by its --ssl-ca-certs and "
+                "not expired)")
+    if tls:
+        return None
+    return (" (is the server running? if it serves TLS, pass --ssl-ca-certs; start one with "
+            "`kvloom up`)")
 
 
 class InvalidArgument(KvloomError, ValueError):

@@ -24,6 +24,14 @@ early (break, exception, task cancellation) cancels the call, which makes the
 server abort the request and free its KV blocks. Health checks use the
 standard grpc.health.v1 service ("" = live, "kvloom.v1.Generation" = ready to
 generate).
+
+Security (docs/security.md): `ssl_ca_certs=` (the CA that signed the server's
+certificate; `tls=True` alone trusts the system's CAs) switches the channel
+to TLS, `ssl_certfile=`/`ssl_keyfile=` add a client certificate for servers
+that require one (mTLS), and `api_key=` (default: the KVLOOM_API_KEY
+variable) is sent as `authorization: Bearer <key>` with every call. A TLS
+client meeting a plaintext server, or the reverse, fails at once with a
+KvloomError saying so.
 """
 from __future__ import annotations
 
@@ -65,6 +73,7 @@ __all__ = [
 ]
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+API_KEY_ENV = "KVLOOM_API_KEY"
 READY_SERVICE = "kvloom.v1.Generation"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -83,6 +92,59 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 
 def default_server() -> str:
     return os.environ.get("KVLOOM_SERVER") or DEFAULT_SERVER
+
+
+def _read(what: str, path: str | os.PathLike) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidArgument(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+
+
+def channel_credentials(
+    ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, tls: bool = False
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials from PEM files; None = plaintext. Any file (or tls=True)
+    means TLS; without ssl_ca_certs the system's CAs verify the server."""
+    if bool(ssl_certfile) != bool(ssl_keyfile):
+        raise InvalidArgument("ssl_certfile and ssl_keyfile (--ssl-certfile, --ssl-keyfile) "
+                              "go together: the client certificate and its private key")
+    if not (tls or ssl_ca_certs or ssl_certfile):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read("ssl_ca_certs", ssl_ca_certs) if ssl_ca_certs else None,
+        private_key=_read("ssl_keyfile", ssl_keyfile) if ssl_keyfile else None,
+        certificate_chain=_read("ssl_certfile", ssl_certfile) if ssl_certfile else None,
+    )
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying api_key; None reads KVLOOM_API_KEY, "" sends none."""
+    key = (os.environ.get(API_KEY_ENV, "") if api_key is None else api_key).strip()
+    if not key:
+        return None
+    if len(key) > 256 or any(not "!" <= c <= "~" for c in key):
+        # The key itself is never part of a message.
+        raise InvalidArgument("api_key must be visible ASCII characters ('!' to '~'), at most "
+                              "256 of them")
+    return (("authorization", f"Bearer {key}"),)
+
+
+class _Connection:
+    """What both clients share: the address, the channel's security, the key."""
+
+    def __init__(self, server, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls, api_key):
+        self.server = server or default_server()
+        self._credentials = channel_credentials(ssl_ca_certs, ssl_certfile, ssl_keyfile, tls)
+        self._metadata = auth_metadata(api_key)
+
+    @property
+    def tls(self) -> bool:
+        return self._credentials is not None
+
+    def error(self, exc: grpc.RpcError) -> KvloomError:
+        return KvloomError.from_rpc(exc, self.server, tls=self.tls)
 
 
 def _status_name(response: health_pb2.HealthCheckResponse) -> str:
@@ -144,12 +206,21 @@ class Collector:
         return results if self.n is not None and self.n > 1 else results[0]
 
 
-class KvloomClient:
+class KvloomClient(_Connection):
     """Blocking client; use as a context manager to close the channel."""
 
-    def __init__(self, server: str | None = None, *, options: Sequence[tuple] = ()):
-        self.server = server or default_server()
-        self._channel = grpc.insecure_channel(self.server, options=[*CHANNEL_OPTIONS, *options])
+    def __init__(
+        self, server: str | None = None, *, options: Sequence[tuple] = (),
+        ssl_ca_certs: str | os.PathLike | None = None,
+        ssl_certfile: str | os.PathLike | None = None,
+        ssl_keyfile: str | os.PathLike | None = None,
+        tls: bool = False, api_key: str | None = None,
+    ):
+        super().__init__(server, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls, api_key)
+        opts = [*CHANNEL_OPTIONS, *options]
+        self._channel = (
+            grpc.insecure_channel(self.server, options=opts) if self._credentials is None
+            else grpc.secure_channel(self.server, self._credentials, options=opts))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -180,12 +251,12 @@ class KvloomClient:
         return self.generate_text(messages=chat_turns(messages), **options)
 
     def _stream(self, request: pb.GenerateRequest, timeout) -> Iterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield chunk_from_pb(response)
         except grpc.RpcError as exc:
-            raise KvloomError.from_rpc(exc, self.server) from None
+            raise self.error(exc) from None
         finally:
             # No-op after a normal end; after an early break it tells the
             # server to abort, so abandoned requests do not burn KV blocks.
@@ -243,9 +314,9 @@ class KvloomClient:
 
     def _call(self, method, request, timeout):
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise KvloomError.from_rpc(exc, self.server) from None
+            raise self.error(exc) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -257,14 +328,22 @@ class KvloomClient:
         self.close()
 
 
-class AsyncKvloomClient:
-    """grpc.aio client; create and use it inside one running event loop."""
+class AsyncKvloomClient(_Connection):
+    """grpc.aio client; create and use it inside one running event loop.
+    Takes KvloomClient's keywords."""
 
-    def __init__(self, server: str | None = None, *, options: Sequence[tuple] = ()):
-        self.server = server or default_server()
-        self._channel = grpc.aio.insecure_channel(
-            self.server, options=[*CHANNEL_OPTIONS, *options]
-        )
+    def __init__(
+        self, server: str | None = None, *, options: Sequence[tuple] = (),
+        ssl_ca_certs: str | os.PathLike | None = None,
+        ssl_certfile: str | os.PathLike | None = None,
+        ssl_keyfile: str | os.PathLike | None = None,
+        tls: bool = False, api_key: str | None = None,
+    ):
+        super().__init__(server, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls, api_key)
+        opts = [*CHANNEL_OPTIONS, *options]
+        self._channel = (
+            grpc.aio.insecure_channel(self.server, options=opts) if self._credentials is None
+            else grpc.aio.secure_channel(self.server, self._credentials, options=opts))
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -289,12 +368,12 @@ class AsyncKvloomClient:
         return await self.generate_text(messages=chat_turns(messages), **options)
 
     async def _stream(self, request: pb.GenerateRequest, timeout) -> AsyncIterator[GenerateChunk]:
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield chunk_from_pb(response)
         except grpc.RpcError as exc:
-            raise KvloomError.from_rpc(exc, self.server) from None
+            raise self.error(exc) from None
         finally:
             call.cancel()
 
@@ -347,9 +426,9 @@ class AsyncKvloomClient:
 
     async def _call(self, method, request, timeout):
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise KvloomError.from_rpc(exc, self.server) from None
+            raise self.error(exc) from None
 
     async def close(self) -> None:
         await self._channel.close()

@@ -1,12 +1,12 @@
 """The --help formatter of every kvloom command: each option shows its default,
 except a secret's (--auth-token's default may come from KVLOOM_AUTH_TOKEN,
-which --help must not print)."""
+--api-key's from KVLOOM_API_KEY, which --help must not print)."""
 
 from __future__ import annotations
 
 import argparse
 
-SECRET_WORDS = ("token", "secret", "password")
+SECRET_WORDS = ("token", "secret", "password", "api-key")
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

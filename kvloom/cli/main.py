@@ -100,7 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_server_arg(parser: argparse.ArgumentParser) -> None:
+    """--server and how to reach it: TLS files and the API key (docs/security.md)."""
     parser.add_argument("--server", default=default_server(), help="controlplane HOST:PORT")
+    sec = parser.add_argument_group("connection security")
+    sec.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                     help="CA that signed the server's certificate; implies TLS")
+    sec.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                     help="client certificate, for a server with --ssl-ca-certs (mTLS)")
+    sec.add_argument("--ssl-keyfile", default=None, metavar="PEM",
+                     help="private key of --ssl-certfile")
+    sec.add_argument("--tls", action="store_true",
+                     help="TLS, trusting the system's CAs (implied by the --ssl-* flags)")
+    sec.add_argument("--api-key", default=None, metavar="KEY",
+                     help="sent as 'authorization: Bearer KEY' (prefer the variable: a "
+                          "flag's value shows in ps)")
+
+
+def connect(args: argparse.Namespace) -> KvloomClient:
+    """The client of a command that talks to --server."""
+    return KvloomClient(
+        args.server, ssl_ca_certs=args.ssl_ca_certs, ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile, tls=args.tls,
+        # None still reads KVLOOM_API_KEY (EnvArgumentParser already did, for the flag).
+        api_key=args.api_key,
+    )
 
 
 def _token_ids(text: str) -> list[int]:
@@ -123,19 +146,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    with KvloomClient(args.server) as client:
+    with connect(args) as client:
         return complete(client, args.prompt, args)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    with KvloomClient(args.server) as client:
+    with connect(args) as client:
         return complete(client, chat_turns(args.message, args.system), args)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     chat = args.chat or args.system is not None
     prompt = chat_turns(args.text, args.system) if chat else args.text
-    with KvloomClient(args.server) as client:
+    with connect(args) as client:
         ids, text = client.tokenize(
             prompt, add_special_tokens=args.special_tokens,
             add_generation_prompt=args.generation_prompt,
@@ -151,13 +174,13 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 def cmd_detokenize(args: argparse.Namespace) -> int:
     ids = [i for group in args.ids for i in group]
-    with KvloomClient(args.server) as client:
+    with connect(args) as client:
         print(client.detokenize(ids, skip_special_tokens=args.skip_special_tokens))
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    with KvloomClient(args.server) as client:
+    with connect(args) as client:
         model, server = client.model_info(), client.server_info()
     if args.json:
         doc = {"server": args.server, "model": dataclasses.asdict(model),
@@ -177,7 +200,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     services = [args.service] if args.service is not None else ["", READY_SERVICE]
     healthy = True
-    with KvloomClient(args.server) as client:
+    with connect(args) as client:
         for service in services:
             status = client.health(service)
             healthy = healthy and status == "SERVING"

@@ -243,3 +243,61 @@ def fake_daemons(tmp_path, monkeypatch):
         return tmp_path
 
     return install
+
+
+API_KEY = "client-test-key-0001"
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """Certificates for the TLS tests (tests/controlplane/api/pki.py)."""
+    from tests.controlplane.api.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def secure_server(pki):
+    """The fake Generation server secured as the controlplane secures it:
+    start(tls=..., mtls=..., api_key=...) -> (address, servicer); TLS with
+    pki.server, mTLS trusting pki.ca, the controlplane's API-key interceptor."""
+    from controlplane.api.auth import ApiKeyInterceptor, ApiKeys
+
+    loop = asyncio.new_event_loop()
+    threads, holder = [], {}
+
+    def start(tls: bool = True, mtls: bool = False, api_key: str | None = None):
+        servicer = FakeGeneration()
+        started = threading.Event()
+
+        async def serve():
+            interceptors = [ApiKeyInterceptor(ApiKeys(env_key=api_key))] if api_key else []
+            server = grpc.aio.server(interceptors=interceptors)
+            pb_grpc.add_GenerationServicer_to_server(servicer, server)
+            health_pb2_grpc.add_HealthServicer_to_server(FakeHealth(), server)
+            if tls:
+                creds = grpc.ssl_server_credentials(
+                    [(pki.server.keyfile.read_bytes(), pki.server.certfile.read_bytes())],
+                    root_certificates=pki.ca.read_bytes() if mtls else None,
+                    require_client_auth=mtls)
+                holder["port"] = server.add_secure_port("127.0.0.1:0", creds)
+            else:
+                holder["port"] = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            holder["done"] = asyncio.Event()
+            started.set()
+            await holder["done"].wait()
+            await server.stop(0)
+
+        thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+        thread.start()
+        threads.append(thread)
+        assert started.wait(10)
+        return f"127.0.0.1:{holder['port']}", servicer
+
+    yield start
+    if threads:
+        loop.call_soon_threadsafe(holder["done"].set)
+        threads[0].join(10)
+        assert not threads[0].is_alive()
+    loop.close()

@@ -6,14 +6,16 @@
 For each layout (default 1x1, 2x2, 8x2 as TPxPP) it starts a real controlplane
 process (`python -m controlplane --tensor-parallel-size T
 --pipeline-parallel-size P --max-num-seqs R --num-gpu-blocks-override ...`)
-and one null-worker process with T*P ranks (benchmarks/null_worker.py: they
-speak worker.proto, have no model, and the output rank answers each step at
-once with a fixed token). Then, for each running count R (default 64, 256),
-this process sends R concurrent Generate requests (8 prompt token ids,
-ignore_eos, --warmup + --steps + a margin tokens each) over one gRPC channel.
-The steady window opens when every request has streamed --warmup tokens and
-closes when every one has streamed --warmup + --steps; only steps inside it
-that schedule all R requests (pure decode) count.
+and T*P null ranks (benchmarks/null_worker.py: they speak worker.proto, have
+no model, and the output rank answers each step at once with a fixed token):
+the output rank in a process of its own, the others in a second process.
+Then, for each running count R (default 64, 256), this process sends R
+concurrent Generate requests (8 prompt token ids, ignore_eos, max_tokens long
+enough to outlast the window) over one gRPC channel. The steady window opens
+when every request has streamed --warmup tokens and closes when every one has
+streamed --warmup + --steps; then the requests are cancelled. Only steps
+inside the window that schedule all R requests (pure decode) count. One full
+run (3 layouts x 2) takes about a minute on 2 cores; --quick about 25 s.
 
 The controlplane loads only config.json and the tokenizer, so the model is a
 config-only directory: --model's config with the attention heads set so TP up
@@ -34,9 +36,15 @@ Reported per layout and R, over the steady window:
     its reply latency (step arrival -> reply written) and the gap from its
     reply to the next step's arrival (everything the controlplane does between
     two steps, transport included); the spread of one step's arrival over the
-    ranks (fan-out; all null ranks share one process and one loop);
+    ranks (fan-out; the output rank runs in a process of its own, the other null
+    ranks share a second one and its loop);
   * CPU per step of the controlplane process, the null workers and this
-    client process (/proc), to show how much of the 2 cores each one takes.
+    client process (/proc), to show how much of the 2 cores each one takes;
+    and of the controlplane's threads: its API loop (main thread), the engine
+    thread, the worker plane's loop, the tokenize pool, the loops' default
+    executors, gRPC's own threads and the rest (the /metrics server). The
+    controlplane is started through a wrapper that only names its Python
+    threads for the kernel (NAMED_THREADS).
 """
 
 from __future__ import annotations
@@ -81,6 +89,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 SYNTHETIC_VOCAB = 1024
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+# Runs `python -m controlplane` unchanged, except that every Python thread
+# gives the kernel its name (PR_SET_NAME, 15 characters), so /proc shows
+# which thread spends the CPU: the main thread (the client API's loop),
+# engine-core, worker-plane, the tokenize pool; gRPC's own threads name
+# themselves. Measurement only: nothing else of the controlplane changes.
+NAMED_THREADS = (
+    "import ctypes, runpy, sys, threading\n"
+    "prctl = ctypes.CDLL(None).prctl\n"
+    "prctl(15, b'api-loop', 0, 0, 0)\n"
+    "_run = threading.Thread.run\n"
+    "def run(self):\n"
+    "    prctl(15, self.name.encode()[:15], 0, 0, 0)\n"
+    "    _run(self)\n"
+    "threading.Thread.run = run\n"
+    "sys.argv[0] = 'controlplane'\n"
+    "runpy.run_module('controlplane', run_name='__main__', alter_sys=True)\n"
+)
+# Per-thread CPU, grouped by what the thread's name contains. gRPC's: its
+# core's threads and grpc.aio's completion-queue poller ("Thread-N (_poll...").
+THREAD_GROUPS = (
+    ("api loop", ("api-loop",)),
+    ("engine", ("engine-core",)),
+    ("worker plane", ("worker-plane",)),
+    ("tokenize pool", ("kvloom-tokenize",)),
+    ("asyncio executors", ("asyncio_",)),
+    ("grpc threads", ("grpc", "event_engine", "lifeguard", "(_poll")),
+)
 
 
 # ---- the config-only checkpoint ---------------------------------------------
@@ -149,6 +185,27 @@ class Proc:
             return float("nan")
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
+    def thread_cpu_s(self) -> dict[str, float]:
+        """CPU seconds so far by THREAD_GROUPS (the rest under "other"); threads
+        that have exited are not counted."""
+        out = dict.fromkeys([name for name, _ in THREAD_GROUPS] + ["other"], 0.0)
+        try:
+            tasks = list(Path(f"/proc/{self.popen.pid}/task").iterdir())
+        except OSError:
+            return out
+        for task in tasks:
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+            group = next((name for name, parts in THREAD_GROUPS
+                          if any(part in comm for part in parts)), "other")
+            out[group] += cpu
+        return out
+
     def stop(self, grace: float = 15.0) -> None:
         if self.alive():
             stop_pids([(self.name, self.popen.pid)], grace=grace)
@@ -189,13 +246,29 @@ def start_controlplane(
                            "--num-gpu-blocks-override", str(num_blocks),
                            "--log-level", "WARNING", *extra),
     )
-    return spawn("controlplane", controlplane_command(spec, model, ports), log)
+    argv = controlplane_command(spec, model, ports)
+    assert argv[1:3] == ["-m", "controlplane"], argv
+    return spawn("controlplane", [argv[0], "-c", NAMED_THREADS, *argv[3:]], log)
 
 
-def start_null_workers(worker_address: str, world_size: int, log: Path, steps_log: Path) -> Proc:
-    argv = [sys.executable, "-m", "benchmarks.null_worker", "--controlplane", worker_address,
-            "--world-size", str(world_size), "--log", str(steps_log)]
-    return spawn("null workers", argv, log)
+def start_null_workers(
+    worker_address: str, layout: Layout, logs: Path
+) -> list[tuple[Proc, Path]]:
+    """The output rank in a process of its own, so the other ranks' reads never
+    delay its reply; the other ranks together in a second one. Each process
+    with the file its step records go to."""
+    output = (layout.pp - 1) * layout.tp
+    others = [r for r in range(layout.world_size) if r != output]
+    groups = [("null output rank", [output])] + ([("null other ranks", others)] if others else [])
+    out = []
+    for name, ranks in groups:
+        slug = name.replace(" ", "-")
+        steps_log = logs / f"steps-{layout.name}-{slug}.json"
+        argv = [sys.executable, "-m", "benchmarks.null_worker", "--controlplane",
+                worker_address, "--world-size", str(layout.world_size),
+                "--ranks", ",".join(map(str, ranks)), "--log", str(steps_log)]
+        out.append((spawn(name, argv, logs / f"{slug}-{layout.name}.log"), steps_log))
+    return out
 
 
 async def health(api: str, service: str = READY_SERVICE) -> str:
@@ -301,7 +374,8 @@ async def drive(api: str, metrics_url: str, running: int, warmup: int, steps: in
     marks = {warmup: opened, warmup + steps: closed}
 
     def cpu() -> dict[str, float]:
-        return {"client": time.process_time(), **{p.name: p.cpu_s() for p in procs}}
+        threads = {f"controlplane {k}": v for k, v in procs[0].thread_cpu_s().items()}
+        return {"client": time.process_time(), **{p.name: p.cpu_s() for p in procs}, **threads}
 
     async def one(stub, i: int) -> None:
         ids = [3 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)]
@@ -363,6 +437,10 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    return sorted(xs)[int(q * (len(xs) - 1))] if xs else float("nan")
+
+
 def analyze(ranks: list[dict], window: Window, running: int, world_size: int) -> dict:
     output = next(r for r in ranks if r["output"])
     steady = [s for s in output["steps"]
@@ -378,12 +456,12 @@ def analyze(ranks: list[dict], window: Window, running: int, world_size: int) ->
     nbytes = [s[2] for s in steady]
     steady_ids = set(ids)
     by_step: dict[int, list[float]] = {}
-    sizes: set[int] = set()
+    sizes: dict[int, set[int]] = {}
     for r in ranks:
         for s in r["steps"]:
             if s[0] in steady_ids:
                 by_step.setdefault(s[0], []).append(s[1])
-                sizes.add(s[2])
+                sizes.setdefault(s[0], set()).add(s[2])
     spread = [max(v) - min(v) for v in by_step.values() if len(v) == world_size]
     m = metrics_window(window.metrics_open, window.metrics_close)
     span = window.t_close - window.t_open
@@ -397,11 +475,11 @@ def analyze(ranks: list[dict], window: Window, running: int, world_size: int) ->
         "window_steps": len(in_window),
         "ms_per_step_median": _median(periods) * 1e3,
         "ms_per_step_mean": ms_mean,
-        "ms_per_step_p90": (sorted(periods)[int(0.9 * (len(periods) - 1))] * 1e3
-                            if periods else float("nan")),
+        "ms_per_step_p10": _quantile(periods, 0.1) * 1e3,
+        "ms_per_step_p90": _quantile(periods, 0.9) * 1e3,
         "bytes_per_step_per_rank": _mean(nbytes),
         "bytes_per_step_all_ranks": _mean(nbytes) * world_size,
-        "ranks_saw_same_bytes": len(sizes) <= len(steady_ids),
+        "ranks_saw_same_bytes": all(len(v) == 1 for v in sizes.values()),
         "tokens_per_s": m["generation_tokens"] / span if span else float("nan"),
         "breakdown_ms": {
             "schedule_and_update": m["scheduler_ms"],
@@ -428,7 +506,6 @@ def run_layout(layout: Layout, args, model: str, tmp: Path) -> list[dict]:
     ports = Ports(*pick_free_ports(3))
     api = f"127.0.0.1:{ports.api}"
     metrics_url = f"http://127.0.0.1:{ports.metrics}/metrics"
-    steps_log = tmp / f"steps-{layout.name}.json"
     blocks = max(r * ((PROMPT_LEN + max_tokens_for(r, args.warmup, args.steps)) // 16 + 2)
                  for r in args.running) + 1024
     results: list[dict] = []
@@ -436,23 +513,25 @@ def run_layout(layout: Layout, args, model: str, tmp: Path) -> list[dict]:
         cp = start_controlplane(model, layout, ports, max(args.running), blocks,
                                 tmp / f"controlplane-{layout.name}.log")
         stack.callback(cp.stop)
-        nulls = start_null_workers(f"127.0.0.1:{ports.worker}", layout.world_size,
-                                   tmp / f"null-{layout.name}.log", steps_log)
-        stack.callback(nulls.stop)
-        asyncio.run(wait_serving(api, [cp, nulls]))
+        nulls = start_null_workers(f"127.0.0.1:{ports.worker}", layout, tmp)
+        for proc, _ in nulls:
+            stack.callback(proc.stop)
+        procs = [cp, *(proc for proc, _ in nulls)]
+        asyncio.run(wait_serving(api, procs))
         runs = []
         for running in args.running:
             print(f"== {layout.name}: {running} running", file=sys.stderr)
             window, counts, seconds = asyncio.run(drive(
-                api, metrics_url, running, args.warmup, args.steps, [cp, nulls]))
+                api, metrics_url, running, args.warmup, args.steps, procs))
             runs.append((running, window, seconds))
         # The controlplane tells the workers to shut down; they write their log.
         cp.stop()
         deadline = time.monotonic() + 15
-        while nulls.alive() and time.monotonic() < deadline:
+        while any(proc.alive() for proc, _ in nulls) and time.monotonic() < deadline:
             time.sleep(0.05)
-        nulls.stop()
-    ranks = json.loads(steps_log.read_text())["ranks"]
+        for proc, _ in nulls:
+            proc.stop()
+    ranks = [r for _, steps_log in nulls for r in json.loads(steps_log.read_text())["ranks"]]
     for running, window, seconds in runs:
         result = analyze(ranks, window, running, layout.world_size)
         results.append({"layout": layout.name, "tp": layout.tp, "pp": layout.pp,
@@ -470,6 +549,7 @@ COLUMNS = [
     ("steps", lambda r: str(r["steady_steps"])),
     ("ms/step", lambda r: f"{r['ms_per_step_median']:.2f}"),
     ("mean", lambda r: f"{r['ms_per_step_mean']:.2f}"),
+    ("p10", lambda r: f"{r['ms_per_step_p10']:.2f}"),
     ("p90", lambda r: f"{r['ms_per_step_p90']:.2f}"),
     ("B/step/rank", lambda r: f"{r['bytes_per_step_per_rank']:.0f}"),
     ("B/step all", lambda r: f"{r['bytes_per_step_all_ranks']:.0f}"),
@@ -485,24 +565,42 @@ BREAKDOWN = [
     ("api lag", "api_loop_lag"),
     ("wrk lag", "workers_loop_lag"),
 ]
-CPU = [("cpu cp", "controlplane"), ("cpu nulls", "null workers"), ("cpu client", "client")]
+CPU = [("cpu cp", "controlplane"),
+       *((f"cp {name.split()[0][:8]}", f"controlplane {name}") for name, _ in THREAD_GROUPS),
+       ("cp other", "controlplane other"),
+       ("cpu out", "null output rank"), ("cpu others", "null other ranks"),
+       ("cpu client", "client")]
 
 
-def format_table(results: list[dict]) -> str:
-    cols = [*COLUMNS,
-            *((label, lambda r, k=key: f"{r['breakdown_ms'][k]:.2f}") for label, key in BREAKDOWN),
-            *((label, lambda r, k=key: f"{r['cpu_ms_per_step'].get(k, float('nan')):.2f}")
-              for label, key in CPU)]
+def _table(results: list[dict], cols: list) -> str:
     rows = [[label for label, _ in cols]] + [[fmt(r) for _, fmt in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w)
                        for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + (
-        "\n(ms per step; breakdown columns in ms per step: sched+update and round trip from "
-        "/metrics, rest = mean step - both; null reply, reply->next and fan-out from the "
-        "null ranks; api/wrk lag: mean wake-up lag of the controlplane's loops; "
-        "cpu = CPU ms per step of each process)")
+    return "\n".join(lines)
+
+
+def format_table(results: list[dict]) -> str:
+    """Three tables: step time and bytes; where a step's time goes; CPU per step."""
+    key = COLUMNS[:3]
+    breakdown = [*key, *((label, lambda r, k=k: f"{r['breakdown_ms'][k]:.2f}")
+                         for label, k in BREAKDOWN)]
+    cpu = [*key, *((label, lambda r, k=k: f"{r['cpu_ms_per_step'].get(k, float('nan')):.2f}")
+                   for label, k in CPU)]
+    return "\n\n".join([
+        _table(results, COLUMNS)
+        + "\n(ms/step: median period of the steady steps at the output rank; mean, p10, p90 "
+        "beside it)",
+        _table(results, breakdown)
+        + "\n(ms per step. sched+update and round trip: the controlplane's /metrics; rest: mean "
+        "step - both. null reply: output rank's arrival -> reply; reply->next: its reply -> "
+        "next step's arrival; fan-out: one step's arrival spread over the ranks. api/wrk "
+        "lag: mean wake-up lag of the controlplane's API and worker loops)",
+        _table(results, cpu)
+        + "\n(CPU ms per step: cpu cp / out / others / client per process; cp <thread>: the "
+        "controlplane's threads)",
+    ])
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -523,14 +621,14 @@ def build_parser() -> argparse.ArgumentParser:
                    default=[64, 256], help="running requests, comma-separated")
     p.add_argument("--warmup", type=int, default=30, help="tokens each request streams before "
                    "the window opens")
-    p.add_argument("--steps", type=int, default=300, help="decode steps in the window")
+    p.add_argument("--steps", type=int, default=500, help="decode steps in the window")
     p.add_argument("--quick", action="store_true", help="--warmup 10 --steps 60")
     p.add_argument("--model", help="checkpoint whose config and tokenizer to use; default: "
                    "the embedded SmolLM2-135M")
     p.add_argument("--synthetic-tokenizer", action="store_true",
                    help="a word-level tokenizer instead of --model's")
     p.add_argument("--keep", action="store_true", help="keep the temporary dir (logs)")
-    p.add_argument("--out", type=Path, help="write the results here (JSON)")
+    p.add_argument("--out", "--json", type=Path, help="write the results here (JSON)")
     return p
 
 

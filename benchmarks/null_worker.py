@@ -1,7 +1,8 @@
 """Null workers: ranks that speak worker.proto and have no model at all.
 
     python -m benchmarks.null_worker --controlplane 127.0.0.1:50052 \\
-        --world-size 16 [--num-blocks 65536] [--token 42] [--log steps.json]
+        --world-size 16 [--ranks 0-7,9-15] [--num-blocks 65536] [--token 42] \\
+        [--log steps.json]
 
 (run from the repository root). Each NullRank dials the controlplane's worker
 port as workerd does (RegisterRequest with PROTOCOL_VERSION_CURRENT and an
@@ -252,11 +253,12 @@ class NullRank:
 
 
 async def serve_ranks(
-    address: str, world_size: int, stop: asyncio.Event | None = None, **kwargs
+    address: str, ranks: int | list[int], stop: asyncio.Event | None = None, **kwargs
 ) -> list[NullRank]:
-    """world_size null ranks (explicit ranks 0..world_size-1) until every stream
-    ends or `stop` is set; the ranks, with their records."""
-    ranks = [NullRank(address, r, **kwargs) for r in range(world_size)]
+    """Null ranks (an int n: ranks 0..n-1) until every stream ends or `stop`
+    is set; the ranks, with their records."""
+    ids = list(range(ranks)) if isinstance(ranks, int) else ranks
+    ranks = [NullRank(address, r, **kwargs) for r in ids]
     tasks = [asyncio.create_task(r.run()) for r in ranks]
     stopper = asyncio.create_task(stop.wait()) if stop is not None else None
     try:
@@ -276,10 +278,21 @@ async def serve_ranks(
     return ranks
 
 
+def parse_ranks(text: str) -> list[int]:
+    """ "0-7,9-15" -> [0, ..., 7, 9, ..., 15]."""
+    out: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--controlplane", required=True, help="the worker port, host:port")
     p.add_argument("--world-size", type=int, required=True, help="ranks 0..N-1, one stream each")
+    p.add_argument("--ranks", type=parse_ranks, help="serve only these ranks, e.g. 0-7,9-15 "
+                   "(the others run elsewhere, e.g. the output rank in a process of its own)")
     p.add_argument("--num-blocks", type=int, default=1 << 16, help="KV blocks each rank reports")
     p.add_argument("--token", type=int, default=DEFAULT_TOKEN, help="the token every step samples")
     p.add_argument("--log", type=Path, help="write every rank's step records here (JSON)")
@@ -290,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await serve_ranks(args.controlplane, args.world_size, stop,
+        ranks = args.ranks if args.ranks is not None else args.world_size
+        return await serve_ranks(args.controlplane, ranks, stop,
                                  num_blocks=args.num_blocks, token=args.token)
 
     ranks = asyncio.run(run())

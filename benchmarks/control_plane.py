@@ -659,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         config = {k: (v if not isinstance(v, list) or not v or not isinstance(v[0], Layout)
                       else [x.name for x in v]) for k, v in vars(args).items() if k != "out"}
-        payload = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        payload = {"command": " ".join(["python benchmarks/control_plane.py",
+                                        *(sys.argv[1:] if argv is None else argv)]),
                    "config": json.loads(json.dumps(config, default=str)),
                    "cpus": os.cpu_count(), "results": results}
         args.out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -75,11 +76,16 @@ class Pod:
 
 
 class LocalCluster:
-    """The rendered objects, with pods placed on loopback."""
+    """The rendered objects, with pods placed on loopback. Secret volumes are
+    written under `scratch` and their mount paths, in arguments and env
+    values, point there (extra_secrets: Secrets the chart expects to exist)."""
 
-    def __init__(self, docs: list[dict]):
+    def __init__(self, docs: list[dict], scratch: Path | None = None,
+                 extra_secrets: list[dict] = ()):
         self.docs = docs
-        self.secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+        self.scratch = scratch
+        self.secrets = {d["metadata"]["name"]: d
+                        for d in [*docs, *extra_secrets] if d["kind"] == "Secret"}
         self.services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         (deployment,) = self.of_kind("Deployment")
         (statefulset,) = self.of_kind("StatefulSet")
@@ -91,6 +97,7 @@ class LocalCluster:
             for i in range(statefulset["spec"]["replicas"])
         ]
         self.pods = [self.controlplane, *self.workers]
+        self.mounts = {pod.name: self.secret_mounts(pod) for pod in self.pods}
         # Every pod has a network namespace of its own; here they share one.
         wanted = {(p.name, n): port for p in self.pods for n, port in p.container_ports.items()}
         for (pod_name, port_name), port in assign_ports(wanted).items():
@@ -98,6 +105,29 @@ class LocalCluster:
 
     def of_kind(self, kind: str) -> list[dict]:
         return [d for d in self.docs if d["kind"] == kind]
+
+    def secret_mounts(self, pod: Pod) -> dict[str, str]:
+        """mountPath -> a local directory holding the Secret volume's files."""
+        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+        mounts = {}
+        for mount in pod.container.get("volumeMounts", []):
+            source = volumes[mount["name"]].get("secret")
+            if source is None:
+                continue
+            assert self.scratch is not None, "secret volumes need a scratch directory"
+            data = self.secrets[source["secretName"]]["data"]
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
+            local = self.scratch / "secrets" / pod.name / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            for item in items:
+                (local / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+            mounts[mount["mountPath"]] = str(local)
+        return mounts
+
+    def localize_path(self, pod: Pod, value: str) -> str:
+        for mount_path, local in self.mounts[pod.name].items():
+            value = value.replace(mount_path + "/", local + "/")
+        return value
 
     def service_port(self, service_name: str, port: int) -> int:
         """Service port -> targetPort of a selected pod -> that pod's local port."""
@@ -156,6 +186,7 @@ class LocalCluster:
             port_name = next((n for n, p in own_ports.items() if str(p) == value), None)
             if name.endswith("_PORT") and port_name is not None:
                 value = str(pod.local_ports[port_name])  # this pod's port, moved
+            value = self.localize_path(pod, value)
             local[name] = self.localize(pod, value, bare_host=name.endswith("_HOST"))
         return {**base, **local}
 
@@ -178,8 +209,8 @@ class LocalCluster:
 
     def argv(self, pod: Pod, env: dict[str, str]) -> list[str]:
         argv = [*pod.container["command"], *pod.container.get("args", [])]
-        return [self.localize_port_flag(pod, self.localize(pod, expand(arg, env)))
-                for arg in argv]
+        return [self.localize_port_flag(pod, self.localize(pod, self.localize_path(
+                    pod, expand(arg, env)))) for arg in argv]
 
     def localize_port_flag(self, pod: Pod, arg: str) -> str:
         """--port=N, --worker-port=N...: a containerPort of this pod, moved."""
@@ -213,9 +244,10 @@ def expand(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
 
 
-def run_chart_locally(tmp_path, model_dir: str, layout: tuple[int, int], *values: str) -> None:
+def run_chart_locally(tmp_path, model_dir: str, layout: tuple[int, int], *values: str,
+                      extra_secrets: list[dict] = ()) -> None:
     docs = render(f"model.path={model_dir}", "workers.numThreads=1", *values)
-    cluster = LocalCluster(docs)
+    cluster = LocalCluster(docs, tmp_path, extra_secrets)
     base = base_env(tmp_path)
     cp = cluster.controlplane
     cp_env = cluster.pod_env(cp, base)
@@ -270,3 +302,26 @@ def test_chart_hostname_ranks_serve(tiny_model_dir, tmp_path):
         "parallel.tensorParallelSize=2",
         "parallel.pipelineParallelSize=1",
     )
+
+
+def tls_secret(name: str, leaf) -> dict:
+    """A Secret in cert-manager's layout (tls.crt, tls.key, ca.crt) for a CertFiles."""
+    files = {"tls.crt": leaf.certfile, "tls.key": leaf.keyfile, "ca.crt": leaf.ca_certs}
+    return {"kind": "Secret", "metadata": {"name": name},
+            "data": {k: base64.b64encode(Path(v).read_bytes()).decode()
+                     for k, v in files.items()}}
+
+
+def test_chart_pods_serve_with_worker_mtls(tiny_model_dir, tmp_path):
+    """tls.worker: the controlplane and every rank read their certificates
+    from the mounted Secrets and the group forms over mTLS."""
+    from kvloom.server.certs import CertAuthority
+
+    ca = CertAuthority.create(tmp_path / "pki")
+    secrets = [tls_secret("kvloom-cp-tls", ca.issue(tmp_path / "pki", "controlplane",
+                                                   ("kvloom", "localhost", "127.0.0.1"))),
+               tls_secret("kvloom-worker-tls", ca.issue(tmp_path / "pki", "worker"))]
+    run_chart_locally(
+        tmp_path, tiny_model_dir, (1, 2), "tls.worker.enabled=true",
+        "tls.worker.controlplaneSecret=kvloom-cp-tls", "tls.worker.workerSecret=kvloom-worker-tls",
+        extra_secrets=secrets)

@@ -14,7 +14,7 @@ import tomllib
 import pytest
 import yaml
 
-from tests.deploy.localrun import ROOT, find_docker_compose
+from tests.deploy.localrun import ROOT, find_docker_compose, find_helm
 from tests.deploy.test_helm_local import render
 
 
@@ -356,3 +356,167 @@ def test_engine_recovery_timeout_is_configurable():
         assert "--engine-recovery-timeout=${KVLOOM_ENGINE_RECOVERY_TIMEOUT:-120}" in text
         command = compose_config(*files)["services"]["controlplane"]["command"]
         assert _flag(command, "--engine-recovery-timeout") == "120"
+
+
+# ---- security of the chart (issue 11) ------------------------------------------
+
+
+def _pod_specs(docs: list[dict]) -> dict[str, dict]:
+    return {d["kind"]: d["spec"]["template"]["spec"]
+            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _all_containers(pod: dict) -> list[dict]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+@pytest.mark.parametrize("values", [(), ("model.convertDefaultModel.enabled=true",),
+                                    ("workers.rankFrom=hostname",)])
+def test_chart_pods_run_read_only_with_the_runtime_seccomp_profile(values):
+    for kind, pod in _pod_specs(render(*values)).items():
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, kind
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in _all_containers(pod):
+            ctx = container["securityContext"]
+            assert ctx["readOnlyRootFilesystem"] is True, container["name"]
+            assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+            # What must stay writable is an emptyDir.
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert "emptyDir" in volumes[mounts["/tmp"]], container["name"]
+        main = pod["containers"][0]
+        mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+        assert "emptyDir" in volumes[mounts["/home/kvloom/.cache"]]
+
+
+@pytest.mark.parametrize("values", [(), ("auth.token=s3cret-from-values",),
+                                    ("auth.existingSecret=mine", "auth.existingSecretKey=k"),
+                                    ("workers.rankFrom=hostname",)])
+def test_chart_token_is_a_mounted_file_never_an_argument_or_env(values):
+    docs = render(*values)
+    rendered_token = "s3cret-from-values"
+    for kind, pod in _pod_specs(docs).items():
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in _all_containers(pod):
+            words = [*container.get("command", []), *container.get("args", [])]
+            assert not any(rendered_token in w or "AUTH_TOKEN)" in w for w in words), kind
+            assert not any(w.startswith("--auth-token=") for w in words)
+            for entry in container.get("env", []):
+                assert entry["name"] != "KVLOOM_AUTH_TOKEN", kind
+                assert "secretKeyRef" not in entry.get("valueFrom", {}), kind
+        main = pod["containers"][0]
+        (mount,) = [m for m in main["volumeMounts"] if m["name"] == "auth-token"]
+        assert mount["mountPath"] == "/etc/kvloom/auth" and mount["readOnly"] is True
+        secret = volumes["auth-token"]["secret"]
+        assert secret["items"][0]["path"] == "token"
+        if "auth.existingSecret=mine" in values:
+            assert secret["secretName"] == "mine" and secret["items"][0]["key"] == "k"
+        if kind == "Deployment":
+            assert "--auth-token-file=/etc/kvloom/auth/token" in main["args"]
+        else:
+            env = {e["name"]: e.get("value") for e in main["env"]}
+            assert env["KVLOOM_AUTH_TOKEN_FILE"] == "/etc/kvloom/auth/token"
+
+
+def test_chart_worker_mtls_mounts_the_secrets_and_passes_the_flags():
+    docs = render("tls.worker.enabled=true", "tls.worker.controlplaneSecret=cp-tls",
+                  "tls.worker.workerSecret=w-tls")
+    pods = _pod_specs(docs)
+    for kind, secret_name in (("Deployment", "cp-tls"), ("StatefulSet", "w-tls")):
+        pod = pods[kind]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["worker-tls"]["secret"]["secretName"] == secret_name
+        main = pod["containers"][0]
+        (mount,) = [m for m in main["volumeMounts"] if m["name"] == "worker-tls"]
+        assert mount["readOnly"] is True and mount["mountPath"] == "/etc/kvloom/tls/worker"
+    args = pods["Deployment"]["containers"][0]["args"]
+    for flag, name in (("--worker-ssl-certfile", "tls.crt"), ("--worker-ssl-keyfile", "tls.key"),
+                       ("--worker-ssl-ca-certs", "ca.crt")):
+        assert f"{flag}=/etc/kvloom/tls/worker/{name}" in args
+    worker = pods["StatefulSet"]["containers"][0]
+    assert worker["args"] == ["--ssl-ca-certs=/etc/kvloom/tls/worker/ca.crt",
+                              "--ssl-certfile=/etc/kvloom/tls/worker/tls.crt",
+                              "--ssl-keyfile=/etc/kvloom/tls/worker/tls.key"]
+    # Not as KVLOOM_SSL_* env: the readiness probe's `kvloom health` reads those.
+    assert not any(e["name"].startswith("KVLOOM_SSL") for e in worker["env"])
+
+
+def test_chart_worker_mtls_hostname_ranks_still_pass_the_flags():
+    docs = render("tls.worker.enabled=true", "tls.worker.controlplaneSecret=a",
+                  "tls.worker.workerSecret=b", "workers.rankFrom=hostname")
+    worker = _pod_specs(docs)["StatefulSet"]["containers"][0]
+    assert worker["command"][:2] == ["sh", "-c"] and '"$@"' in worker["command"][2]
+    assert len(worker["args"]) == 3
+
+
+@pytest.mark.parametrize(("given", "missing"), [
+    ("tls.worker.controlplaneSecret=a", "tls.worker.workerSecret"),
+    ("tls.worker.workerSecret=b", "tls.worker.controlplaneSecret"),
+])
+def test_chart_worker_mtls_needs_both_secrets(given, missing):
+    helm = find_helm()
+    if helm is None:
+        pytest.skip("helm is not installed")
+    done = subprocess.run([helm, "template", "kvloom", str(ROOT / "helm" / "kvloom"), "--set",
+                           "tls.worker.enabled=true", "--set", given],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and missing in done.stderr
+
+
+def _policies(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]
+            for d in by_kind(docs, "NetworkPolicy")}
+
+
+def _rule_for(spec: dict, port: str) -> dict:
+    (rule,) = [r for r in spec["ingress"] if [p["port"] for p in r.get("ports", [])] == [port]]
+    return rule
+
+
+WORKER_PODS = {"app.kubernetes.io/name": "kvloom", "app.kubernetes.io/instance": "kvloom",
+               "app.kubernetes.io/component": "workerd"}
+
+
+def test_network_policies_close_the_worker_port_and_metrics():
+    docs = render()
+    policies = _policies(docs)
+    assert set(policies) == {"controlplane", "workerd"}
+    cp, workers = policies["controlplane"], policies["workerd"]
+    assert cp["policyTypes"] == ["Ingress"] and workers["policyTypes"] == ["Ingress"]
+    (deployment,) = by_kind(docs, "Deployment")
+    (sts,) = by_kind(docs, "StatefulSet")
+    assert cp["podSelector"]["matchLabels"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert workers["podSelector"]["matchLabels"] == WORKER_PODS
+    assert WORKER_PODS.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    # The named ports exist on the containers they select.
+    cp_ports = {p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert {"grpc", "worker", "metrics"} <= cp_ports
+    # Worker port: worker pods only.
+    assert _rule_for(cp, "worker")["from"] == [{"podSelector": {"matchLabels": WORKER_PODS}}]
+    # Metrics: the monitoring namespace only, on both.
+    monitoring = [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    assert _rule_for(cp, "metrics")["from"] == monitoring
+    assert _rule_for(workers, "metrics")["from"] == monitoring
+    # The API: anyone by default.
+    assert "from" not in _rule_for(cp, "grpc")
+    # Ranks reach each other on any port (NCCL/gloo pick theirs at run time).
+    (peers,) = [r for r in workers["ingress"] if "ports" not in r]
+    assert peers["from"] == [{"podSelector": {"matchLabels": WORKER_PODS}}]
+
+
+def test_network_policy_selectors_come_from_values():
+    docs = render("networkPolicy.monitoringNamespaceSelector.matchLabels.team=obs",
+                  "networkPolicy.apiFrom[0].namespaceSelector.matchLabels.tenant=a")
+    cp = _policies(docs)["controlplane"]
+    assert _rule_for(cp, "metrics")["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring",
+                                               "team": "obs"}}}]
+    api_from = _rule_for(cp, "grpc")["from"]
+    assert {"namespaceSelector": {"matchLabels": {"tenant": "a"}}} in api_from
+    # The workers keep their way to the API (their readiness probe).
+    assert {"podSelector": {"matchLabels": WORKER_PODS}} in api_from
+    assert by_kind(render("networkPolicy.enabled=false"), "NetworkPolicy") == []

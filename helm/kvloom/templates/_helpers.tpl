@@ -72,17 +72,65 @@ names a checkpoint).
 {{- end }}
 {{- end }}
 
-{{/* Env every kvloom container gets: the shared secret and the model cache. */}}
+{{/* Env every kvloom container gets: the model cache. (The shared secret is
+a mounted file, kvloom.secretMounts: never an env var or an argument.) */}}
 {{- define "kvloom.commonEnv" -}}
-- name: KVLOOM_AUTH_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "kvloom.authSecretName" . }}
-      key: {{ .Values.auth.existingSecretKey | default "token" }}
 {{- with include "kvloom.cacheDir" . }}
 - name: KVLOOM_CACHE_DIR
   value: {{ . | quote }}
 {{- end }}
+{{- end }}
+
+{{/* Where the mounted secrets are: the token file and the TLS directories. */}}
+{{- define "kvloom.authTokenFile" -}}/etc/kvloom/auth/token{{- end }}
+{{- define "kvloom.tlsDir" -}}/etc/kvloom/tls{{- end }}
+
+{{/*
+The volumes every kvloom pod mounts besides the model: the auth token, the
+worker-plane TLS Secret of its component ("controlplane" or "workerd"), and
+the writable emptyDirs a read-only root filesystem leaves (/tmp, ~/.cache).
+*/}}
+{{- define "kvloom.secretVolumes" -}}
+{{- $ctx := index . 0 }}
+{{- $component := index . 1 }}
+{{- $tls := $ctx.Values.tls.worker }}
+- name: auth-token
+  secret:
+    secretName: {{ include "kvloom.authSecretName" $ctx }}
+    defaultMode: 0440
+    items:
+      - key: {{ $ctx.Values.auth.existingSecretKey | default "token" }}
+        path: token
+{{- if $tls.enabled }}
+- name: worker-tls
+  secret:
+    {{- if eq $component "controlplane" }}
+    secretName: {{ required "tls.worker.controlplaneSecret: the Secret (tls.crt, tls.key, ca.crt) of the controlplane's worker port" $tls.controlplaneSecret }}
+    {{- else }}
+    secretName: {{ required "tls.worker.workerSecret: the Secret (tls.crt, tls.key, ca.crt) the ranks present" $tls.workerSecret }}
+    {{- end }}
+    defaultMode: 0440
+{{- end }}
+- name: tmp
+  emptyDir: {}
+- name: home-cache
+  emptyDir: {}
+{{- end }}
+
+{{- define "kvloom.secretMounts" -}}
+{{- $ctx := index . 0 }}
+- name: auth-token
+  mountPath: /etc/kvloom/auth
+  readOnly: true
+{{- if $ctx.Values.tls.worker.enabled }}
+- name: worker-tls
+  mountPath: {{ include "kvloom.tlsDir" $ctx }}/worker
+  readOnly: true
+{{- end }}
+- name: tmp
+  mountPath: /tmp
+- name: home-cache
+  mountPath: /home/kvloom/.cache
 {{- end }}
 
 {{/* Volumes for the model: the PVC and/or the conversion cache. */}}
@@ -137,5 +185,7 @@ run it: the first does the work, the others find the finished directory.
   {{- end }}
   volumeMounts:
     {{- include "kvloom.modelMounts" (list . false) | trim | nindent 4 }}
+    - name: tmp
+      mountPath: /tmp
 {{- end }}
 {{- end }}

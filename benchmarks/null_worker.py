@@ -144,6 +144,7 @@ class NullRank:
         self.ended = asyncio.Event()
         self._call = None
         self._write_lock = asyncio.Lock()
+        self._done_writing = False
 
     # ---- the stream --------------------------------------------------------
 
@@ -186,8 +187,12 @@ class NullRank:
             self._call.cancel()
 
     async def _write(self, msg: worker_pb2.WorkerMessage) -> None:
+        if self._done_writing:
+            return
         async with self._write_lock:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            # The stream may be ending under us; run() sees how it ended.
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError,
+                                     asyncio.InvalidStateError):
                 await self._call.write(msg)
 
     async def _heartbeats(self) -> None:
@@ -209,8 +214,11 @@ class NullRank:
             return
         if kind == "shutdown":
             self.shutdown_reason = msg.shutdown.reason
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                await self._call.done_writing()
+            async with self._write_lock:
+                self._done_writing = True
+                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError,
+                                         asyncio.InvalidStateError):
+                    await self._call.done_writing()
             return
         if kind == "init_distributed":
             init = msg.init_distributed

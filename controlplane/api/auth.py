@@ -28,6 +28,7 @@ import hmac
 import inspect
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -41,6 +42,9 @@ MAX_KEY_LEN = 256
 MAX_HEADER_LEN = MAX_KEY_LEN + len("Bearer ")
 KEY_RULE = "visible ASCII characters ('!' to '~'), at most 256 of them"
 HOW_TO_SEND = "send gRPC metadata 'authorization: Bearer <key>' with a key this server accepts"
+# Refusals are logged at most once per this many seconds (with a count), so
+# a client hammering with a bad key cannot flood the log.
+REFUSAL_LOG_INTERVAL_S = 60.0
 # Tenant ids are this many hex digits of the key's digest's own HMAC: stable
 # across restarts and reloads, short enough for logs, never the key.
 TENANT_ID_HEX = 16
@@ -184,6 +188,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, keys: ApiKeys):
         self.keys = keys
+        self._refusals = RefusalLog()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -191,17 +196,39 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         tenant, why = self.keys.authenticate(handler_call_details.invocation_metadata)
         if tenant is None:
-            return _refusing(handler, why)
+            return _refusing(handler, why, self._refusals)
         return _as_tenant(handler, tenant)
 
 
-def _refusing(handler, why: str):
+class RefusalLog:
+    """One warning per REFUSAL_LOG_INTERVAL_S for refused calls: how many,
+    and the last one's peer and reason (never a key)."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S):
+        self.interval_s = interval_s
+        self._count = 0
+        self._last_logged = -interval_s
+
+    def refused(self, peer: str, why: str) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last_logged < self.interval_s:
+            return
+        logger.warning("refused %d call(s) without a valid API key (UNAUTHENTICATED) since the "
+                       "last such line; the last from %s: %s", self._count, peer, why)
+        self._count = 0
+        self._last_logged = now
+
+
+def _refusing(handler, why: str, log: RefusalLog):
     """A handler of the same kind that never parses the request (an
     unauthenticated caller's bytes are not read) and ends UNAUTHENTICATED."""
     async def refuse(request, context):
+        log.refused(context.peer(), why)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def refuse_stream(request, context):
+        log.refused(context.peer(), why)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield  # pragma: no cover - abort raises
 

@@ -169,3 +169,13 @@ def test_tenant_cache_salt():
     for salt in (None, "", "x", f"tenant:{a}/x", f"{a}/"):
         assert tenant_cache_salt(b, salt, "key") != tenant_cache_salt(a, salt, "key")
         assert not tenant_cache_salt(b, salt, "key").startswith(f"tenant:{a}/")
+
+
+def test_refusals_are_logged_at_most_once_per_interval(caplog):
+    log = auth.RefusalLog(interval_s=3600)
+    with caplog.at_level(logging.WARNING, "controlplane.api.auth"):
+        for _ in range(5):
+            log.refused("ipv4:127.0.0.1:5555", "the API key is not valid")
+    (record,) = caplog.records
+    assert "refused 1 call(s) without a valid API key" in record.getMessage()
+    assert "ipv4:127.0.0.1:5555: the API key is not valid" in record.getMessage()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import time
 
@@ -113,7 +114,9 @@ def _every_method(stub, metadata):
 
 @pytest.mark.parametrize("metadata", [None, bearer("not-a-key-of-ours")],
                          ids=["keyless", "wrong key"])
-def test_every_generation_method_needs_a_key_and_health_stays_open(api, metadata):
+def test_every_generation_method_needs_a_key_and_health_stays_open(api, metadata, caplog):
+    caplog.set_level(logging.WARNING, "controlplane.api.auth")
+
     async def scenario():
         async with api(api_keys=ApiKeys(env_key=KEY_A)) as h:
             for call in _every_method(h.stub, metadata):
@@ -130,6 +133,9 @@ def test_every_generation_method_needs_a_key_and_health_stays_open(api, metadata
                 await call
 
     asyncio.run(scenario())
+    # One line (rate-limited) names the refusal, never the key.
+    assert "without a valid API key (UNAUTHENTICATED)" in caplog.text
+    assert "not-a-key-of-ours" not in caplog.text and KEY_A not in caplog.text
 
 
 def test_keys_and_mtls_together(api, pki):

@@ -103,6 +103,7 @@ class ControlPlane:
             on_ready=self._on_group_ready,
             on_failed=self._on_group_failed,
             vocab_size=model_info.vocab_size,
+            scheduler=config.scheduler,
         )
         self.loop_probes = {name: LoopLagProbe(name) for name in ("api", "workers")}
         self.worker_plane = WorkerPlane(

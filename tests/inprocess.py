@@ -42,10 +42,23 @@ from controlplane.executor.wire import model_runner_output_from_proto, scheduler
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
 from kvloom.worker.v1 import worker_pb2
+from workerd.limits import WorkerLimits
 from workerd.model_runner import ModelRunner
 from workerd.worker import Worker
 
 BLOCK_SIZE = 4
+
+
+def limits_pb(config: SchedulerConfig | None = None) -> worker_pb2.WorkerLimits:
+    """LoadModel.limits as the controlplane sends them for `config`."""
+    config = config or SchedulerConfig()
+    return worker_pb2.WorkerLimits(max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_seqs=config.max_num_seqs,
+                                   max_model_len=config.max_model_len)
+
+
+def runner_limits(config: SchedulerConfig | None = None) -> WorkerLimits:
+    return WorkerLimits.from_proto(limits_pb(config))
 
 
 def free_port() -> int:
@@ -112,10 +125,12 @@ def handshake(
         )
     )
     if isinstance(model, str | os.PathLike):
-        call(load_model=worker_pb2.LoadModel(model_path=str(model), dtype=dtype, seed=seed))
+        call(load_model=worker_pb2.LoadModel(model_path=str(model), dtype=dtype, seed=seed,
+                                             limits=limits_pb()))
     else:
         # Stand-in models skip the checkpoint load, nothing else.
-        runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed)
+        runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed,
+                             limits=runner_limits())
         runner.model = model
         worker.runner = runner
     profile = call(

@@ -36,6 +36,7 @@ from workerd.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
+from workerd.limits import WorkerLimits
 from workerd.logprobs import (
     PromptLogprobsTarget,
     compute_token_logprobs,
@@ -80,14 +81,14 @@ class ModelRunner:
         seed: int,
         pp_layer_partition: tuple[int, ...] | list[int] = (),
         *,
-        max_num_batched_tokens: int = 2048,
+        limits: WorkerLimits,
     ) -> None:
         self.ps = ps
         self.model_path = model_path
         self.dtype = dtype
         self.pp_layer_partition = tuple(pp_layer_partition)
-        # Size of the profiling forward: the largest step the scheduler sends.
-        self.max_num_batched_tokens = max_num_batched_tokens
+        # The scheduler's limits: the profile run's worst case.
+        self.limits = limits
         self.device = torch.device(ps.device)
         # A private generator keeps unseeded sampling reproducible from
         # LoadModel.seed without touching torch's global RNG.
@@ -350,12 +351,14 @@ class ModelRunner:
     # ---- profiling --------------------------------------------------------
 
     def _profile_run(self, block_size: int) -> None:
-        """One forward of max_num_batched_tokens tokens, for the activation peak.
+        """The activation peak: one forward of max_num_batched_tokens tokens,
+        and logits for a full batch of sampled rows (one per request, at most
+        max_num_seqs).
 
         No pipeline traffic: non-first stages feed zeros instead of receiving,
         so each rank can profile on its own.
         """
-        n = self.max_num_batched_tokens
+        n = self.limits.max_num_batched_tokens
         num_blocks = math.ceil(n / block_size)
         dev = self.device
         caches = allocate_kv_caches(self.model, num_blocks, block_size, self.dtype, dev)
@@ -380,5 +383,5 @@ class ModelRunner:
         with torch.inference_mode():
             out = self.model.forward(input_ids, positions, caches, md, intermediate)
             if self.ps.is_last_pp_rank:
-                self.model.compute_logits(out[-min(n, 256) :])
+                self.model.compute_logits(out[-min(n, self.limits.max_num_seqs) :])
         del caches, out

@@ -23,6 +23,7 @@ import torch
 
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import free_port
+from workerd.limits import WorkerLimits
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
 logger = logging.getLogger(__name__)
@@ -115,15 +116,21 @@ class Worker:
             raise CommandError("load_model before init_distributed")
         if cmd.dtype not in _DTYPES:
             raise CommandError(f"unsupported dtype {cmd.dtype!r}; use one of {sorted(_DTYPES)}")
+        try:
+            limits = WorkerLimits.from_proto(cmd.limits)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition))
         if self.runner is not None and self._loaded == key:
+            self.runner.limits = limits  # the weights do not depend on them
             logger.info("reusing the weights loaded from %s (%.1f MiB on this rank)",
                         cmd.model_path, self.runner.weights_bytes() / 2**20)
             return _model_loaded(True, self.runner.weights_bytes())
         self.runner = None  # a different model: let the old one go first
         t0 = time.monotonic()
         runner = ModelRunner(
-            self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition)
+            self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition),
+            limits=limits,
         )
         runner.load_model()
         self.runner, self._loaded = runner, key

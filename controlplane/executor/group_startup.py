@@ -15,7 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
+from controlplane.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerGroupConfig,
+)
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
@@ -49,8 +55,10 @@ class GroupStartup:
         workers: WorkerGroupConfig,
         model: ModelConfig,
         cache: CacheConfig,
+        scheduler: SchedulerConfig,
     ):
         self.calls = calls
+        self.scheduler = scheduler
         self.parallel = parallel
         self.cfg = workers
         self.model = model
@@ -69,6 +77,11 @@ class GroupStartup:
                 dtype=self.model.dtype,
                 pp_layer_partition=list(par.pp_layer_partition),
                 seed=self.model.seed,
+                limits=worker_pb2.WorkerLimits(
+                    max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+                    max_num_seqs=self.scheduler.max_num_seqs,
+                    max_model_len=self.scheduler.max_model_len,
+                ),
             )
         )
         t0 = time.monotonic()

@@ -41,7 +41,13 @@ import time
 from collections.abc import Callable
 from types import MappingProxyType
 
-from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
+from controlplane.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerGroupConfig,
+)
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
 from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.registration import (
@@ -79,6 +85,7 @@ class Executor:
         on_failed: Callable[[str, FailureKind], None],
         *,
         vocab_size: int,
+        scheduler: SchedulerConfig | None = None,
     ):
         self.parallel = parallel
         self.cfg = workers
@@ -87,7 +94,9 @@ class Executor:
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._block_size = cache.block_size
-        self._group_startup = GroupStartup(self, parallel, workers, model, cache)
+        # The scheduler's limits reach the workers in LoadModel (their profile run).
+        self._group_startup = GroupStartup(self, parallel, workers, model, cache,
+                                           scheduler or SchedulerConfig())
         self._loop: asyncio.AbstractEventLoop | None = None
         # The group: written on the loop only, under _lock, so that status()
         # (from any thread) never sees one transition half done.

@@ -33,6 +33,7 @@ from tests.inprocess import (
     replay_rank,
     replayed_outputs,
     run_to_completion,
+    runner_limits,
 )
 from tests.integration.reference import hf_greedy
 from workerd import distributed, kv_cache
@@ -113,7 +114,8 @@ class FakeModel:
 
 
 def fake_runner(ps: ParallelState | None = None) -> ModelRunner:
-    runner = ModelRunner(ps or single_process_state(), "unused", torch.float32, seed=0)
+    runner = ModelRunner(ps or single_process_state(), "unused", torch.float32, seed=0,
+                         limits=runner_limits())
     runner.model = FakeModel()
     runner.init_kv_cache(num_blocks=64, block_size=BS)
     return runner
@@ -440,7 +442,8 @@ def test_seeded_request_reproducible_across_batches_and_preemption(tiny_model_di
 
 
 def make_runner(model_dir: str, num_blocks: int) -> ModelRunner:
-    runner = ModelRunner(single_process_state(), model_dir, torch.float32, seed=0)
+    runner = ModelRunner(single_process_state(), model_dir, torch.float32, seed=0,
+                         limits=runner_limits())
     runner.load_model()
     runner.init_kv_cache(num_blocks, BLOCK_SIZE)
     return runner
@@ -479,3 +482,30 @@ def test_tp2_pp2_ranks_replaying_the_broadcast_match_single_process(tiny_model_d
             continue
         for want, have in zip(executor.replies, got, strict=True):
             assert (have.req_ids, have.sampled_token_ids) == (want.req_ids, want.sampled_token_ids)
+
+
+def test_the_profile_run_is_the_schedulers_worst_case():
+    """The forward covers max_num_batched_tokens tokens and the logits a full
+    batch of sampled rows (max_num_seqs), from the limits LoadModel carried."""
+
+    class Recording(FakeModel):
+        def __init__(self):
+            super().__init__()
+            self.forward_tokens, self.logit_rows = [], []
+
+        def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate):
+            self.forward_tokens.append(positions.numel())
+            return super().forward(input_ids, positions, kv_caches, attn_metadata, intermediate)
+
+        def compute_logits(self, hidden):
+            self.logit_rows.append(hidden.shape[0])
+            return super().compute_logits(hidden)
+
+    from controlplane.config import SchedulerConfig
+
+    runner = ModelRunner(single_process_state(), "unused", torch.float32, seed=0,
+                         limits=runner_limits(SchedulerConfig(max_num_batched_tokens=300,
+                                                              max_num_seqs=40)))
+    runner.model = Recording()
+    runner._profile_run(BS)
+    assert runner.model.forward_tokens == [300] and runner.model.logit_rows == [40]

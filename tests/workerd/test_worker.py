@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvloom.worker.v1 import worker_pb2
-from tests.inprocess import free_port
+from tests.inprocess import free_port, limits_pb
 from workerd.worker import Worker
 
 DISPATCHED = {
@@ -77,7 +77,7 @@ def test_commands_before_load_model_are_refused_by_name(name):
 
 def test_load_model_before_init_distributed_is_refused(tiny_model_dir):
     worker = Worker("cpu")
-    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32")
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", limits=limits_pb())
     kind, message = _error_of(_send(worker, load_model=load))
     assert (kind, message) == ("load_model", "CommandError: load_model before init_distributed")
     assert worker.runner is None
@@ -87,7 +87,7 @@ def test_load_model_before_init_distributed_is_refused(tiny_model_dir):
 def test_unsupported_dtype_is_refused_before_loading(tiny_model_dir, dtype):
     worker = Worker("cpu")
     _send(worker, init_distributed=_init_distributed())
-    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype=dtype)
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype=dtype, limits=limits_pb())
     kind, message = _error_of(_send(worker, load_model=load))
     assert kind == "load_model"
     assert f"unsupported dtype {dtype!r}" in message
@@ -98,7 +98,7 @@ def test_unsupported_dtype_is_refused_before_loading(tiny_model_dir, dtype):
 def test_handshake_then_steps_and_a_failing_step_is_an_error_reply(tiny_model_dir):
     worker = Worker("cpu")
     assert _send(worker, 1, init_distributed=_init_distributed()).call_id == 1
-    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32")
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", limits=limits_pb())
     assert _send(worker, 2, load_model=load).WhichOneof("payload") == "model_loaded"
     budget = worker_pb2.ProfileMemory(block_size=4, kv_cache_memory_bytes=1 << 20)
     profile = _send(worker, 3, profile_memory=budget)
@@ -141,7 +141,8 @@ def _step_for(prompt: list[int], req_id: str, step_id: int) -> worker_pb2.Schedu
 
 def test_reset_keeps_the_weights_and_the_next_group_reuses_them(tiny_model_dir):
     worker = Worker("cpu")
-    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=3)
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=3,
+                                limits=limits_pb())
 
     def start(first_id: int) -> worker_pb2.WorkerMessage:
         assert _send(worker, first_id, init_distributed=_init_distributed()).WhichOneof(
@@ -172,9 +173,27 @@ def test_reset_keeps_the_weights_and_the_next_group_reuses_them(tiny_model_dir):
         before.model_runner_output.sampled_token_ids)
 
     # Another model (here: another seed) is loaded, not reused.
-    other = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=4)
+    other = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=4,
+                                 limits=limits_pb())
     _send(worker, 10, reset=worker_pb2.Reset())
     _send(worker, 11, init_distributed=_init_distributed())
     assert _send(worker, 12, load_model=other).model_loaded.reused is False
     assert worker.runner is not runner
     worker.close()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_num_batched_tokens", 0), ("max_num_batched_tokens", (1 << 20) + 1),
+    ("max_num_seqs", 0), ("max_num_seqs", 1 << 17),
+    ("max_model_len", 0), ("max_model_len", (1 << 24) + 1),
+])
+def test_load_model_refuses_limits_out_of_bounds_before_loading(tiny_model_dir, field, value):
+    worker = Worker("cpu")
+    _send(worker, init_distributed=_init_distributed())
+    limits = limits_pb()
+    setattr(limits, field, value)
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", limits=limits)
+    kind, message = _error_of(_send(worker, load_model=load))
+    assert kind == "load_model"
+    assert f"LoadModel.limits.{field} must be in [1, " in message and f"got {value}" in message
+    assert worker.runner is None

@@ -61,16 +61,28 @@ class InitDistributed(_message.Message):
     def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed")
+    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PP_LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     dtype: str
     pp_layer_partition: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    limits: WorkerLimits
+    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ...) -> None: ...
+
+class WorkerLimits(_message.Message):
+    __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    def __init__(self, max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ProfileMemory(_message.Message):
     __slots__ = ("block_size", "kv_cache_memory_bytes", "gpu_memory_utilization")

@@ -8,7 +8,13 @@ import asyncio
 
 import pytest
 
-from controlplane.config import CacheConfig, ModelConfig, ParallelConfig, WorkerGroupConfig
+from controlplane.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerGroupConfig,
+)
 from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
@@ -37,8 +43,12 @@ class FakeCalls:
         return {rank: self._reply(rank, c) for rank, c in commands.items()}
 
 
+SCHEDULER = SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=3000, max_model_len=777)
+
+
 def _startup(calls: FakeCalls, cache: CacheConfig | None = None) -> GroupStartup:
-    return GroupStartup(calls, PARALLEL, WorkerGroupConfig(), MODEL, cache or CacheConfig())
+    return GroupStartup(calls, PARALLEL, WorkerGroupConfig(), MODEL, cache or CacheConfig(),
+                        SCHEDULER)
 
 
 def test_handshake_order_and_minimum_pool():
@@ -52,6 +62,11 @@ def test_handshake_order_and_minimum_pool():
     assert all(m.master_addr == "10.0.0.1" and m.master_port == 29500 and m.world_size == 2
                for m in init.values())
     assert calls.sent[1][1][0].load_model.model_path == "/w"
+    # Every rank learns the scheduler's limits (its profile run's worst case).
+    for command in calls.sent[1][1].values():
+        limits = command.load_model.limits
+        assert (limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len) == (
+            3000, 48, 777)
     assert calls.sent[3][1][1].init_kv_cache.num_blocks == 25
 
 

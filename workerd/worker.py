@@ -23,6 +23,7 @@ import torch
 
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import free_port
+from workerd.devices import claim_device, resolve_device
 from workerd.limits import WorkerLimits
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
@@ -33,15 +34,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class CommandError(Exception):
     """A command that cannot be carried out; reported to the controlplane."""
-
-
-def resolve_device(spec: str, rank: int) -> torch.device:
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if spec == "cuda":
-        # One process per GPU: ranks on a node take the GPUs in order.
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-    return torch.device(spec)
 
 
 class Worker:
@@ -82,7 +74,11 @@ class Worker:
     def init_distributed(self, cmd: worker_pb2.InitDistributed) -> worker_pb2.WorkerMessage:
         from workerd.distributed import init_parallel_state, rebind_parallel_state
 
-        device = resolve_device(self.device_spec, cmd.rank)
+        try:
+            device = resolve_device(self.device_spec, cmd.rank)
+            claim_device(device, cmd.rank)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         t0 = time.monotonic()
         ps = init_parallel_state(
             rank=cmd.rank,

@@ -47,12 +47,13 @@ PORT_VARIABLES = {
 READY_TIMEOUT = 240.0
 
 
-def _compose_config(env: dict[str, str]) -> dict:
+def _compose_config(env: dict[str, str], *overrides: str) -> dict:
     compose = find_docker_compose()
     if compose is None:
         pytest.skip("docker-compose is not installed (scripts/install_deploy_tools.sh installs it)")
+    files = [arg for name in overrides for arg in ("-f", str(ROOT / name))]
     out = subprocess.run(
-        [compose, "-f", str(COMPOSE_FILE), "config"],
+        [compose, "-f", str(COMPOSE_FILE), *files, "config"],
         env=env,
         capture_output=True,
         text=True,
@@ -102,24 +103,43 @@ def test_every_port_variable_is_read_by_the_file():
         assert f"${{{var}:-{default}}}" in text, f"{var} (default {default}) not in the file"
 
 
-def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("overrides", [(), ("deploy/compose.tls.yml",)],
+                         ids=["plaintext", "worker-mtls"])
+def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path, overrides):
     env = base_env(tmp_path)
     ports = assign_ports(PORT_VARIABLES)
-    overrides = {var: str(port) for var, port in ports.items()}
-    overrides.update(
+    variables = {var: str(port) for var, port in ports.items()}
+    # The secret files the file mounts (compose `secrets:`), in a directory of their own.
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir()
+    (secrets_dir / "auth-token").write_text(secrets.token_hex(8) + "\n")
+    if overrides:  # deploy/compose.tls.yml's files, as docs/security.md makes them
+        from kvloom.server.certs import CertAuthority
+
+        tls = secrets_dir / "tls"
+        ca = CertAuthority.create(tls, name="ca")
+        ca.issue(tls, "controlplane", ("controlplane", "localhost", "127.0.0.1"))
+        ca.issue(tls, "worker")
+    variables.update(
         KVLOOM_MODEL=tiny_model_dir,
         KVLOOM_NUM_THREADS="1",
-        KVLOOM_AUTH_TOKEN=secrets.token_hex(8),
+        KVLOOM_SECRETS_DIR=str(secrets_dir),
     )
-    config = _compose_config({**env, **overrides})
+    config = _compose_config({**env, **variables}, *overrides)
     services = _kvloom_services(config)
     assert {"controlplane", "workerd-0", "workerd-1"} <= set(services)
     hostnames = set(config["services"])
+    # Docker mounts each of a service's secrets at /run/secrets/<name>.
+    mounted = {f"/run/secrets/{name}": spec["file"] for name, spec in config["secrets"].items()}
+
+    def local(value: str) -> str:
+        for path, source in mounted.items():
+            value = value.replace(path, source)
+        return _local_value(value, hostnames)
 
     def service_env(name: str) -> dict[str, str]:
         declared = services[name].get("environment") or {}
-        local = {k: _local_value(str(v), hostnames) for k, v in declared.items()}
-        return {**env, **local}
+        return {**env, **{k: local(str(v)) for k, v in declared.items()}}
 
     def healthy(name: str) -> bool:
         test = services[name]["healthcheck"]["test"]
@@ -134,7 +154,7 @@ def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path):
                     procs.wait_for(
                         f"{dependency} healthy", lambda d=dependency: healthy(d), READY_TIMEOUT
                     )
-            argv = [_local_value(arg, hostnames) for arg in services[name]["command"]]
+            argv = [local(arg) for arg in services[name]["command"]]
             procs.start(name, argv, service_env(name))
         # Every healthcheck passes once the group serves (the workers' checks
         # are the group's readiness).

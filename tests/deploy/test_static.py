@@ -185,7 +185,8 @@ def test_compose_ranks_and_dependencies():
     for svc in workers.values():
         assert svc["depends_on"]["controlplane"]["condition"] == "service_healthy"
         assert svc["shm_size"]
-        assert svc["environment"]["KVLOOM_AUTH_TOKEN"]
+        assert svc["environment"]["KVLOOM_AUTH_TOKEN_FILE"] == "/run/secrets/kvloom_auth_token"
+        assert [ref["source"] for ref in svc["secrets"]] == ["kvloom_auth_token"]
     rank0 = next(s for s in workers.values() if s["environment"]["KVLOOM_RANK"] == "0")
     assert rank0["environment"]["KVLOOM_ADVERTISE_HOST"] in services
 
@@ -520,3 +521,67 @@ def test_network_policy_selectors_come_from_values():
     # The workers keep their way to the API (their readiness probe).
     assert {"podSelector": {"matchLabels": WORKER_PODS}} in api_from
     assert by_kind(render("networkPolicy.enabled=false"), "NetworkPolicy") == []
+
+
+# ---- security of the compose files (issue 11) ----------------------------------
+
+COMPOSE_VARIANTS = [("docker-compose.yml",), ("docker-compose.yml", "deploy/compose.gpu.yml"),
+                    ("docker-compose.yml", "deploy/compose.tls.yml")]
+
+
+@pytest.mark.parametrize("files", COMPOSE_VARIANTS)
+def test_compose_has_no_default_secret_and_no_secret_in_commands(files):
+    config = compose_config(*files)
+    text = yaml.safe_dump(config)
+    assert "kvloom-compose-token" not in text and "--auth-token=" not in text
+    for name, svc in config["services"].items():
+        env = svc.get("environment") or {}
+        assert "KVLOOM_AUTH_TOKEN" not in env, name
+        assert "GF_SECURITY_ADMIN_PASSWORD" not in env, name
+        if (svc.get("command") or [""])[0] == "kvloom-controlplane":
+            assert "--auth-token-file=/run/secrets/kvloom_auth_token" in svc["command"]
+    # The token is a secret file, with no default content: a missing file
+    # stops `up`, the controlplane refuses an empty one.
+    assert config["secrets"]["kvloom_auth_token"]["file"].endswith("deploy/secrets/auth-token")
+
+
+def test_compose_grafana_password_is_a_secret_file():
+    grafana = compose_config("docker-compose.yml")["services"]["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == \
+        "/run/secrets/grafana_admin_password"
+    assert [ref["source"] for ref in grafana["secrets"]] == ["grafana_admin_password"]
+
+
+def test_compose_secrets_dir_is_not_committed():
+    ignore = (ROOT / "deploy" / "secrets" / ".gitignore").read_text().split()
+    assert ignore[0] == "*"
+    tracked = subprocess.run(["git", "ls-files", "deploy/secrets"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert set(tracked) <= {"deploy/secrets/.gitignore", "deploy/secrets/README.md"}
+
+
+def test_compose_tls_override_gives_every_daemon_its_certificate():
+    config = compose_config("docker-compose.yml", "deploy/compose.tls.yml")
+    services = config["services"]
+    cp = services["controlplane"]
+    assert cp["environment"]["KVLOOM_WORKER_SSL_CERTFILE"] == \
+        "/run/secrets/kvloom_tls_controlplane_crt"
+    assert cp["environment"]["KVLOOM_WORKER_SSL_KEYFILE"] == \
+        "/run/secrets/kvloom_tls_controlplane_key"
+    assert cp["environment"]["KVLOOM_WORKER_SSL_CA_CERTS"] == "/run/secrets/kvloom_tls_ca"
+    assert {"kvloom_auth_token", "kvloom_tls_controlplane_key"} <= \
+        {ref["source"] for ref in cp["secrets"]}
+    workers = {n: s for n, s in services.items()
+               if (s.get("command") or [""])[0] == "kvloom-workerd"}
+    assert len(workers) >= 2
+    for name, svc in workers.items():
+        assert svc["command"][1:] == ["--ssl-ca-certs=/run/secrets/kvloom_tls_ca",
+                                      "--ssl-certfile=/run/secrets/kvloom_tls_worker_crt",
+                                      "--ssl-keyfile=/run/secrets/kvloom_tls_worker_key"], name
+        assert {"kvloom_auth_token", "kvloom_tls_worker_key"} <= \
+            {ref["source"] for ref in svc["secrets"]}
+        # The healthcheck's `kvloom health` would read KVLOOM_SSL_* as its own.
+        assert not any(k.startswith("KVLOOM_SSL") for k in svc["environment"]), name
+        assert svc["environment"]["KVLOOM_RANK"]  # the base file's env survives the merge
+    for ref in ("kvloom_tls_ca", "kvloom_tls_worker_crt", "kvloom_tls_controlplane_key"):
+        assert "/deploy/secrets/tls/" in config["secrets"][ref]["file"]

@@ -18,5 +18,7 @@ echo "== generated protobuf stubs"
 scripts/check_protos.sh
 echo "== deployment files"
 scripts/check_deploy.sh
+echo "== GPU check script (CPU dry run: the script works; scripts/gpu_check.sh)"
+scripts/gpu_check.sh --dry-run --out "$(mktemp -d)" > /dev/null
 echo "== pytest"
 python -m pytest -q "$@"

@@ -178,3 +178,48 @@ def test_rmsnorm_fused_residual_matches_hf():
     normed, new_res = ours(x, res)
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(normed, hf(x + res))
+
+
+def test_one_long_context_does_not_pad_the_short_decodes():
+    # 7 decodes with 20-token contexts beside one decode at 4,000 tokens:
+    # padded to the longest they would gather 8 x 4,001 slots for 4,147 real.
+    bs = 16
+    computed = [19] * 7 + [4000]
+    tables = [[i] * 2 for i in range(7)] + [[7 + j for j in range(251)]]
+    md, _ = build_attn_metadata(computed, [1] * 8, tables, bs)
+    plan = build_plan(md, 8)
+    real = sum(md.seq_lens_cpu)
+    gathered = sum(g.context_slots.numel() for g in plan.groups)
+    assert real == 7 * 20 + 4001
+    assert gathered <= 2 * real, (gathered, real)
+    # K and V bytes gathered per layer, as the issue states the bound.
+    bytes_per_slot = 2 * NUM_KV_HEADS * HEAD_DIM * 4
+    assert gathered * bytes_per_slot <= 2 * real * bytes_per_slot
+
+
+def test_decodes_split_by_context_length_still_match_naive(monkeypatch):
+    monkeypatch.setattr(attention, "_PADDING_SLACK", 0)  # split even these small rows
+    g = torch.Generator().manual_seed(3)
+    computed, bs = [5, 6, 300], BLOCK_SIZE
+    blocks_per = [-(-(c + 1) // bs) for c in computed]
+    tables, nxt = [], 0
+    for n in blocks_per:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    md, _ = build_attn_metadata(computed, [1, 1, 1], tables, bs)
+    assert len(build_plan(md, 3).groups) == 2  # the 300-token context on its own
+    cache = torch.zeros(2, nxt, bs, NUM_KV_HEADS, HEAD_DIM)
+    contexts = []
+    for c, table in zip(computed, tables, strict=True):
+        ck = torch.randn(c, NUM_KV_HEADS, HEAD_DIM, generator=g)
+        cv = torch.randn(c, NUM_KV_HEADS, HEAD_DIM, generator=g)
+        for j in range(c):
+            cache[0, table[j // bs], j % bs], cache[1, table[j // bs], j % bs] = ck[j], cv[j]
+        contexts.append((ck, cv))
+    q = torch.randn(3, NUM_HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(3, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    out = paged_attention(q, k, v, cache, md, 0.25)
+    for i, (ck, cv) in enumerate(contexts):
+        ref = _naive(q[i:i + 1], torch.cat([ck, k[i:i + 1]]), torch.cat([cv, v[i:i + 1]]), 0.25)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)

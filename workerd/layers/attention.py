@@ -8,9 +8,11 @@ queries attend to it causally.
 
 Requests are attended in groups, one scaled_dot_product_attention call per
 group over [rows, max_query_len] queries x [rows, max_seq_len] keys with a
-boolean mask: all decodes form one group, and prefill chunks are grouped only
-while the padding stays within a small factor of the real work (one long chunk
-must not pad hundreds of decodes to its length). The index tensors depend
+boolean mask. Decodes and prefill chunks are grouped apart, and rows join a
+group only while its padding stays within a small factor of the real work:
+one long chunk must not pad hundreds of decodes to its length, nor one long
+context the short ones beside it (the keys gathered per layer stay within
+that factor of the real context, plus a little slack for tiny requests). The index tensors depend
 only on the metadata, so the model builds one PagedAttentionPlan per forward
 and every layer reuses it.
 """
@@ -56,14 +58,23 @@ _PADDING_SLACK = 4096
 
 
 def _group_rows(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Decodes together; prefill chunks grouped while padding stays bounded."""
-    decodes = [r for r, n in enumerate(q_lens) if n == 1]
-    groups = [decodes] if decodes else []
+    """Decodes apart from prefill chunks; within each kind, rows grouped while
+    the padded work stays bounded (decodes by context length, chunks by query
+    length), so neither one long chunk nor one long context pads the rest."""
+    decodes = sorted((r for r, n in enumerate(q_lens) if n == 1), key=lambda r: seq_lens[r])
+    chunks = sorted((r for r, n in enumerate(q_lens) if n > 1), key=lambda r: q_lens[r])
+    return [*_bounded(decodes, q_lens, seq_lens), *_bounded(chunks, q_lens, seq_lens)]
+
+
+def _bounded(order: list[int], q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Consecutive rows of `order` in one group while its padded score matrix
+    (rows x longest query x longest context) stays within the bound."""
+    groups: list[list[int]] = []
     current: list[int] = []
     real = 0
-    for r in sorted((r for r, n in enumerate(q_lens) if n > 1), key=lambda r: q_lens[r]):
+    for r in order:
         rows = [*current, r]
-        padded = len(rows) * q_lens[r] * max(seq_lens[i] for i in rows)
+        padded = len(rows) * max(q_lens[i] for i in rows) * max(seq_lens[i] for i in rows)
         cost = real + q_lens[r] * seq_lens[r]
         if current and padded > _MAX_PADDING_FACTOR * cost + _PADDING_SLACK:
             groups.append(current)

@@ -222,6 +222,13 @@ def spawn(name: str, argv: list[str], log: Path, cwd: Path = REPO) -> Proc:
     return Proc(name, popen, log)
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / CLOCK_TICKS
+
+
 @dataclass
 class Layout:
     tp: int
@@ -375,7 +382,8 @@ async def drive(api: str, metrics_url: str, running: int, warmup: int, steps: in
 
     def cpu() -> dict[str, float]:
         threads = {f"controlplane {k}": v for k, v in procs[0].thread_cpu_s().items()}
-        return {"client": time.process_time(), **{p.name: p.cpu_s() for p in procs}, **threads}
+        return {"client": time.process_time(), **{p.name: p.cpu_s() for p in procs}, **threads,
+                "machine": machine_busy_s()}
 
     async def one(stub, i: int) -> None:
         ids = [3 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)]
@@ -466,6 +474,9 @@ def analyze(ranks: list[dict], window: Window, running: int, world_size: int) ->
     m = metrics_window(window.metrics_open, window.metrics_close)
     span = window.t_close - window.t_open
     cpu = {k: (window.cpu_close[k] - window.cpu_open[k]) for k in window.cpu_open}
+    # What other processes on the machine took meanwhile: the benchmark's noise.
+    ours = ("client", "controlplane", "null output rank", "null other ranks")
+    cpu["foreign"] = cpu.pop("machine") - sum(cpu.get(k, 0.0) for k in ours)
     n_steps = len(in_window) or 1
     ms_mean = _mean(periods) * 1e3
     other = ms_mean - m["scheduler_ms"] - m["round_trip_ms"]
@@ -569,7 +580,7 @@ CPU = [("cpu cp", "controlplane"),
        *((f"cp {name.split()[0][:8]}", f"controlplane {name}") for name, _ in THREAD_GROUPS),
        ("cp other", "controlplane other"),
        ("cpu out", "null output rank"), ("cpu others", "null other ranks"),
-       ("cpu client", "client")]
+       ("cpu client", "client"), ("cpu foreign", "foreign")]
 
 
 def _table(results: list[dict], cols: list) -> str:
@@ -599,7 +610,7 @@ def format_table(results: list[dict]) -> str:
         "lag: mean wake-up lag of the controlplane's API and worker loops)",
         _table(results, cpu)
         + "\n(CPU ms per step: cpu cp / out / others / client per process; cp <thread>: the "
-        "controlplane's threads)",
+        "controlplane's threads; foreign: every other process on the machine, i.e. noise)",
     ])
 
 

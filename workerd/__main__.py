@@ -63,8 +63,9 @@ def build_parser() -> EnvArgumentParser:
                         "--worker-ssl-ca-certs must have signed it)")
     p.add_argument("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile")
     p.add_argument("--advertise-host", default="",
-                   help="address other ranks reach this worker at (rank 0 hosts the "
-                        "torch.distributed store); default: this host's name")
+                   help="this worker's address as reported to the controlplane, for display; "
+                        "the torch.distributed rendezvous uses the address the controlplane "
+                        "sees rank 0 connect from; default: this host's name")
     p.add_argument("--dist-port", type=int, default=0,
                    help="port for the torch.distributed store if this is rank 0; 0 = free port")
     p.add_argument("--num-threads", type=int, default=0,

@@ -170,10 +170,12 @@ def grpc_health_serving(address: str, service: str) -> bool:
 
 
 def check_greedy_completion(
-    address: str, model_dir: str, layout: tuple[int, int], max_tokens: int = 12
+    address: str, model_dir: str, layout: tuple[int, int], max_tokens: int = 12,
+    **client_kwargs,
 ) -> None:
     """The cluster serves model_dir with layout (tp, pp), and one request through
-    the client API matches transformers' greedy output token for token."""
+    the client API matches transformers' greedy output token for token
+    (client_kwargs: KvloomClient's TLS files and API key)."""
     from transformers import AutoConfig
 
     from tests.integration.reference import hf_greedy
@@ -181,7 +183,7 @@ def check_greedy_completion(
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     rng = random.Random(7)
     prompt = [rng.randrange(3, vocab) for _ in range(9)]
-    with KvloomClient(address) as client:
+    with KvloomClient(address, **client_kwargs) as client:
         assert client.health(READY_SERVICE) == "SERVING"
         info = client.server_info()
         assert (info.tensor_parallel_size, info.pipeline_parallel_size) == layout

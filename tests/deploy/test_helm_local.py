@@ -162,6 +162,10 @@ class LocalCluster:
         if value == "0.0.0.0":
             return LOOPBACK
         host, sep, port = value.rpartition(":")
+        if sep and host == "localhost" and port.isdigit():  # this pod's own port
+            name = next((n for n, p in pod.container_ports.items() if p == int(port)), None)
+            if name is not None:
+                return f"{LOOPBACK}:{pod.local_ports[name]}"
         if sep and port.isdigit() and self.resolve_host(host):
             first = host.split(".")[0]
             if first in self.services:
@@ -228,7 +232,8 @@ class LocalCluster:
                 f"{LOOPBACK}:{pod.local_ports[name]}", probe["grpc"].get("service", "")
             )
         if "exec" in probe:
-            argv = [self.localize(pod, arg) for arg in probe["exec"]["command"]]
+            argv = [self.localize(pod, self.localize_path(pod, arg))
+                    for arg in probe["exec"]["command"]]
             return command_succeeds(argv, env, timeout=probe.get("timeoutSeconds", 20))
         raise AssertionError(f"unsupported probe {probe}")
 
@@ -245,7 +250,7 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 
 def run_chart_locally(tmp_path, model_dir: str, layout: tuple[int, int], *values: str,
-                      extra_secrets: list[dict] = ()) -> None:
+                      extra_secrets: list[dict] = (), client: dict | None = None) -> None:
     docs = render(f"model.path={model_dir}", "workers.numThreads=1", *values)
     cluster = LocalCluster(docs, tmp_path, extra_secrets)
     base = base_env(tmp_path)
@@ -274,7 +279,7 @@ def run_chart_locally(tmp_path, model_dir: str, layout: tuple[int, int], *values
                 )
         service, port = _client_service(cluster)
         address = f"{LOOPBACK}:{cluster.service_port(service, port)}"
-        check_greedy_completion(address, model_dir, layout)
+        check_greedy_completion(address, model_dir, layout, **(client or {}))
         procs.check_alive()
 
 
@@ -312,16 +317,28 @@ def tls_secret(name: str, leaf) -> dict:
                      for k, v in files.items()}}
 
 
-def test_chart_pods_serve_with_worker_mtls(tiny_model_dir, tmp_path):
-    """tls.worker: the controlplane and every rank read their certificates
-    from the mounted Secrets and the group forms over mTLS."""
+def test_chart_pods_serve_with_mtls_on_both_ports_and_api_keys(tiny_model_dir, tmp_path):
+    """tls.worker, tls.api (clientAuth) and apiKeys: every pod reads its
+    certificates and keys from the mounted Secrets, the group forms over mTLS,
+    the exec probes pass over TLS, and a client with a certificate and a key
+    gets exact tokens."""
     from kvloom.server.certs import CertAuthority
 
-    ca = CertAuthority.create(tmp_path / "pki")
-    secrets = [tls_secret("kvloom-cp-tls", ca.issue(tmp_path / "pki", "controlplane",
-                                                   ("kvloom", "localhost", "127.0.0.1"))),
-               tls_secret("kvloom-worker-tls", ca.issue(tmp_path / "pki", "worker"))]
+    pki = tmp_path / "pki"
+    ca = CertAuthority.create(pki)
+    names = ("kvloom", "localhost", "127.0.0.1")
+    client = ca.issue(pki, "client")
+    keys = {"kind": "Secret", "metadata": {"name": "kvloom-api-keys"},
+            "data": {"api-keys": base64.b64encode(b"# tenants\nkey-one\n").decode()}}
+    secrets = [tls_secret("kvloom-cp-tls", ca.issue(pki, "controlplane", names)),
+               tls_secret("kvloom-worker-tls", ca.issue(pki, "worker")),
+               tls_secret("kvloom-api-tls", ca.issue(pki, "api", names)),
+               tls_secret("kvloom-probe-tls", ca.issue(pki, "probe")), keys]
     run_chart_locally(
         tmp_path, tiny_model_dir, (1, 2), "tls.worker.enabled=true",
         "tls.worker.controlplaneSecret=kvloom-cp-tls", "tls.worker.workerSecret=kvloom-worker-tls",
-        extra_secrets=secrets)
+        "tls.api.enabled=true", "tls.api.secret=kvloom-api-tls", "tls.api.clientAuth=true",
+        "tls.api.probeClientSecret=kvloom-probe-tls", "apiKeys.existingSecret=kvloom-api-keys",
+        extra_secrets=secrets,
+        client={"ssl_ca_certs": ca.ca_path, "ssl_certfile": client.certfile,
+                "ssl_keyfile": client.keyfile, "api_key": "key-one"})

@@ -585,3 +585,59 @@ def test_compose_tls_override_gives_every_daemon_its_certificate():
         assert svc["environment"]["KVLOOM_RANK"]  # the base file's env survives the merge
     for ref in ("kvloom_tls_ca", "kvloom_tls_worker_crt", "kvloom_tls_controlplane_key"):
         assert "/deploy/secrets/tls/" in config["secrets"][ref]["file"]
+
+
+def test_chart_api_tls_and_keys_mount_secrets_and_probe_over_tls():
+    docs = render("tls.api.enabled=true", "tls.api.secret=api-tls", "tls.api.clientAuth=true",
+                  "tls.api.probeClientSecret=probe-tls", "apiKeys.existingSecret=keys")
+    pods = _pod_specs(docs)
+    cp_pod, worker_pod = pods["Deployment"], pods["StatefulSet"]
+    cp = cp_pod["containers"][0]
+    for flag, path in (("--ssl-certfile", "/etc/kvloom/tls/api/tls.crt"),
+                       ("--ssl-keyfile", "/etc/kvloom/tls/api/tls.key"),
+                       ("--ssl-ca-certs", "/etc/kvloom/tls/api/ca.crt"),
+                       ("--api-key-file", "/etc/kvloom/api-keys/keys")):
+        assert f"{flag}={path}" in cp["args"]
+    volumes = {v["name"]: v["secret"] for v in cp_pod["volumes"] if "secret" in v}
+    assert volumes["api-tls"]["secretName"] == "api-tls" and "items" not in volumes["api-tls"]
+    assert volumes["probe-tls"]["secretName"] == "probe-tls"
+    assert volumes["api-keys"] == {"secretName": "keys", "defaultMode": 0o440,
+                                   "items": [{"key": "api-keys", "path": "keys"}]}
+    # Kubelet gRPC probes are plaintext: under API TLS they are `kvloom health` over TLS.
+    tls_flags = ["--ssl-ca-certs=/etc/kvloom/tls/api/ca.crt",
+                 "--ssl-certfile=/etc/kvloom/tls/probe/tls.crt",
+                 "--ssl-keyfile=/etc/kvloom/tls/probe/tls.key"]
+    for kind, service in (("startupProbe", ""), ("livenessProbe", ""),
+                          ("readinessProbe", "kvloom.v1.Generation")):
+        assert "grpc" not in cp[kind]
+        command = cp[kind]["exec"]["command"]
+        assert command[:6] == ["kvloom", "health", "--server", "localhost:50051", "--service",
+                               service] and command[6:] == tls_flags, kind
+    # The ranks see the API's CA only, never its key, and no API keys at all.
+    worker_volumes = {v["name"]: v["secret"] for v in worker_pod["volumes"] if "secret" in v}
+    assert worker_volumes["api-tls"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert "api-keys" not in worker_volumes
+    probe = worker_pod["containers"][0]["readinessProbe"]["exec"]["command"]
+    assert probe[-3:] == tls_flags
+
+
+def test_chart_api_without_tls_keeps_grpc_probes():
+    cp = _pod_specs(render())["Deployment"]["containers"][0]
+    assert cp["startupProbe"]["grpc"] == {"port": 50051, "service": ""}
+    assert not any(a.startswith(("--ssl-", "--api-key-file")) for a in cp["args"])
+
+
+@pytest.mark.parametrize(("values", "missing"), [
+    (("tls.api.enabled=true",), "tls.api.secret"),
+    (("tls.api.enabled=true", "tls.api.secret=a", "tls.api.clientAuth=true"),
+     "tls.api.probeClientSecret"),
+])
+def test_chart_api_tls_needs_its_secrets(values, missing):
+    helm = find_helm()
+    if helm is None:
+        pytest.skip("helm is not installed")
+    argv = [helm, "template", "kvloom", str(ROOT / "helm" / "kvloom")]
+    for value in values:
+        argv += ["--set", value]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and missing in done.stderr

@@ -94,6 +94,7 @@ the writable emptyDirs a read-only root filesystem leaves (/tmp, ~/.cache).
 {{- $ctx := index . 0 }}
 {{- $component := index . 1 }}
 {{- $tls := $ctx.Values.tls.worker }}
+{{- $api := $ctx.Values.tls.api }}
 - name: auth-token
   secret:
     secretName: {{ include "kvloom.authSecretName" $ctx }}
@@ -111,6 +112,33 @@ the writable emptyDirs a read-only root filesystem leaves (/tmp, ~/.cache).
     {{- end }}
     defaultMode: 0440
 {{- end }}
+{{- if $api.enabled }}
+- name: api-tls
+  secret:
+    secretName: {{ required "tls.api.secret: the Secret (tls.crt, tls.key, ca.crt) of the client API port" $api.secret }}
+    defaultMode: 0440
+    {{- if ne $component "controlplane" }}
+    # The ranks' readiness probe only verifies the API: the CA, not the key.
+    items:
+      - key: ca.crt
+        path: ca.crt
+    {{- end }}
+{{- if $api.clientAuth }}
+- name: probe-tls
+  secret:
+    secretName: {{ required "tls.api.probeClientSecret: the Secret (tls.crt, tls.key) of the probes' client certificate under tls.api.clientAuth" $api.probeClientSecret }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+{{- if and (eq $component "controlplane") $ctx.Values.apiKeys.existingSecret }}
+- name: api-keys
+  secret:
+    secretName: {{ $ctx.Values.apiKeys.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ $ctx.Values.apiKeys.existingSecretKey | default "api-keys" }}
+        path: keys
+{{- end }}
 - name: tmp
   emptyDir: {}
 - name: home-cache
@@ -119,6 +147,7 @@ the writable emptyDirs a read-only root filesystem leaves (/tmp, ~/.cache).
 
 {{- define "kvloom.secretMounts" -}}
 {{- $ctx := index . 0 }}
+{{- $component := index . 1 }}
 - name: auth-token
   mountPath: /etc/kvloom/auth
   readOnly: true
@@ -127,10 +156,62 @@ the writable emptyDirs a read-only root filesystem leaves (/tmp, ~/.cache).
   mountPath: {{ include "kvloom.tlsDir" $ctx }}/worker
   readOnly: true
 {{- end }}
+{{- if $ctx.Values.tls.api.enabled }}
+- name: api-tls
+  mountPath: {{ include "kvloom.tlsDir" $ctx }}/api
+  readOnly: true
+{{- if $ctx.Values.tls.api.clientAuth }}
+- name: probe-tls
+  mountPath: {{ include "kvloom.tlsDir" $ctx }}/probe
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if and (eq $component "controlplane") $ctx.Values.apiKeys.existingSecret }}
+- name: api-keys
+  mountPath: /etc/kvloom/api-keys
+  readOnly: true
+{{- end }}
 - name: tmp
   mountPath: /tmp
 - name: home-cache
   mountPath: /home/kvloom/.cache
+{{- end }}
+
+{{/* `kvloom health` flags that reach the client API under tls.api, one a line. */}}
+{{- define "kvloom.healthTlsFlags" -}}
+{{- if .Values.tls.api.enabled }}
+- --ssl-ca-certs={{ include "kvloom.tlsDir" . }}/api/ca.crt
+{{- if .Values.tls.api.clientAuth }}
+- --ssl-certfile={{ include "kvloom.tlsDir" . }}/probe/tls.crt
+- --ssl-keyfile={{ include "kvloom.tlsDir" . }}/probe/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A controlplane probe: grpc.health.v1 `service` on the API port; under
+tls.api an exec of `kvloom health` over TLS (kubelet gRPC probes are plaintext).
+*/}}
+{{- define "kvloom.controlplaneProbe" -}}
+{{- $ctx := index . 0 }}
+{{- $service := index . 1 }}
+{{- if $ctx.Values.tls.api.enabled }}
+exec:
+  command:
+    - kvloom
+    - health
+    - --server
+    - {{ printf "localhost:%v" $ctx.Values.controlplane.ports.api | quote }}
+    - --service
+    - {{ $service | quote }}
+    {{- with include "kvloom.healthTlsFlags" $ctx | trim }}
+    {{- . | nindent 4 }}
+    {{- end }}
+{{- else }}
+grpc:
+  port: {{ $ctx.Values.controlplane.ports.api }}
+  service: {{ $service | quote }}
+{{- end }}
 {{- end }}
 
 {{/* Volumes for the model: the PVC and/or the conversion cache. */}}

@@ -120,6 +120,11 @@ def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path, ove
         ca = CertAuthority.create(tls, name="ca")
         ca.issue(tls, "controlplane", ("controlplane", "localhost", "127.0.0.1"))
         ca.issue(tls, "worker")
+        client = ca.issue(tls, "client")
+        client_kwargs = {"ssl_ca_certs": ca.ca_path, "ssl_certfile": client.certfile,
+                         "ssl_keyfile": client.keyfile}
+    else:
+        client_kwargs = {}
     variables.update(
         KVLOOM_MODEL=tiny_model_dir,
         KVLOOM_NUM_THREADS="1",
@@ -144,7 +149,7 @@ def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path, ove
     def healthy(name: str) -> bool:
         test = services[name]["healthcheck"]["test"]
         assert test[0] == "CMD", f"{name}: healthcheck must be exec form, got {test[0]}"
-        argv = [_local_value(arg, hostnames) for arg in test[1:]]
+        argv = [local(arg) for arg in test[1:]]
         return command_succeeds(argv, service_env(name))
 
     with LocalProcesses(tmp_path / "logs") as procs:
@@ -160,5 +165,6 @@ def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path, ove
         # are the group's readiness).
         for name in services:
             procs.wait_for(f"{name} healthy", lambda n=name: healthy(n), READY_TIMEOUT)
-        check_greedy_completion(f"{LOOPBACK}:{ports['KVLOOM_PORT']}", tiny_model_dir, layout=(1, 2))
+        address = f"{LOOPBACK}:{ports['KVLOOM_PORT']}"
+        check_greedy_completion(address, tiny_model_dir, layout=(1, 2), **client_kwargs)
         procs.check_alive()

@@ -585,6 +585,16 @@ def test_compose_tls_override_gives_every_daemon_its_certificate():
         assert svc["environment"]["KVLOOM_RANK"]  # the base file's env survives the merge
     for ref in ("kvloom_tls_ca", "kvloom_tls_worker_crt", "kvloom_tls_controlplane_key"):
         assert "/deploy/secrets/tls/" in config["secrets"][ref]["file"]
+    # The client API too (--ssl-*), and every healthcheck presents its daemon's certificate.
+    assert cp["environment"]["KVLOOM_SSL_CERTFILE"] == "/run/secrets/kvloom_tls_controlplane_crt"
+    assert cp["environment"]["KVLOOM_SSL_CA_CERTS"] == "/run/secrets/kvloom_tls_ca"
+    cp_check = cp["healthcheck"]["test"]
+    assert cp_check[cp_check.index("--ssl-certfile") + 1] == \
+        "/run/secrets/kvloom_tls_controlplane_crt"
+    for svc in workers.values():
+        check = svc["healthcheck"]["test"]
+        assert check[check.index("--ssl-certfile") + 1] == "/run/secrets/kvloom_tls_worker_crt"
+        assert check[check.index("--ssl-ca-certs") + 1] == "/run/secrets/kvloom_tls_ca"
 
 
 def test_chart_api_tls_and_keys_mount_secrets_and_probe_over_tls():

@@ -72,8 +72,9 @@ def test_tp_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
     layer = model.layers[3]
     p = "model.layers.3."
     attn = layer.self_attn
-    torch.testing.assert_close(attn.q_proj.weight, full[p + "self_attn.q_proj.weight"][32:])
-    torch.testing.assert_close(attn.k_proj.weight, full[p + "self_attn.k_proj.weight"][16:])
+    qkv = attn.qkv_proj.checkpoint_params()
+    torch.testing.assert_close(qkv["q_proj.weight"], full[p + "self_attn.q_proj.weight"][32:])
+    torch.testing.assert_close(qkv["k_proj.weight"], full[p + "self_attn.k_proj.weight"][16:])
     torch.testing.assert_close(
         layer.self_attn.o_proj.weight, full[p + "self_attn.o_proj.weight"][:, 32:]
     )
@@ -92,7 +93,7 @@ def test_replicated_kv_heads_when_tp_exceeds_kv_heads(tiny_model_dir):
     for tp_rank, kv_head in [(0, 0), (1, 0), (2, 1), (3, 1)]:
         model = load_model(tiny_model_dir, layout_state(tp_size=4, tp_rank=tp_rank), torch.float32)
         assert model.num_kv_heads == 1
-        k = model.layers[0].self_attn.k_proj.weight
+        k = model.layers[0].self_attn.qkv_proj.checkpoint_params()["k_proj.weight"]
         torch.testing.assert_close(k, full[kv_head * 16 : (kv_head + 1) * 16])
 
 
@@ -108,7 +109,8 @@ def test_pp_stage_loads_only_its_layers(tmp_path, monkeypatch):
     assert not any(n.startswith("model.layers.0.") for n in read)
     full = _full(path)
     torch.testing.assert_close(
-        model.layers[0].mlp.up_proj.weight, full["model.layers.1.mlp.up_proj.weight"]
+        model.layers[0].mlp.gate_up_proj.checkpoint_params()["up_proj.weight"],
+        full["model.layers.1.mlp.up_proj.weight"],
     )
     # Tied: the last stage's LM head comes from the embedding tensor.
     torch.testing.assert_close(model.lm_head.weight, full["model.embed_tokens.weight"])
@@ -140,3 +142,22 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(full, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks 1 tensors: model\.layers\.2\.mlp\.gate_proj"):
         load_model(str(path), layout_state(), torch.float32)
+
+
+def test_fused_projections_are_one_weight_filled_through_their_views(tiny_model_dir):
+    """q/k/v and gate/up each run as one matmul: the fused weight is the
+    checkpoint tensors stacked, its views share its storage, and the weights
+    are counted once."""
+    model = load_model(tiny_model_dir, layout_state(), torch.float32)
+    full = _full(tiny_model_dir)
+    p = "model.layers.0."
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    torch.testing.assert_close(attn.qkv_proj.weight, torch.cat(
+        [full[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+    torch.testing.assert_close(mlp.gate_up_proj.weight, torch.cat(
+        [full[p + "mlp.gate_proj.weight"], full[p + "mlp.up_proj.weight"]]))
+    view = attn.qkv_proj.checkpoint_params()["k_proj.weight"]
+    assert view.untyped_storage().data_ptr() == attn.qkv_proj.weight.untyped_storage().data_ptr()
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
+    assert sum(t.numel() for t in model.parameters()) == sum(t.numel() for t in full.values())

@@ -3,7 +3,9 @@
 ColumnParallelLinear splits the output features across TP ranks (q/k/v,
 gate/up); RowParallelLinear splits the input features and all-reduces the
 partial sums (o_proj, down_proj). A column layer followed by a row layer needs
-exactly one all-reduce.
+exactly one all-reduce. MergedColumnParallelLinear runs several column layers
+of the same input (q/k/v, gate/up) as one matmul: this rank's slices of each
+are stacked in one weight, and each checkpoint tensor loads into its view.
 
 Every weight carries a `shard` attribute, (dim, start, end) into the full
 checkpoint tensor, so the loader can read just this rank's slice from disk.
@@ -88,3 +90,57 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(F.linear(x, self.weight), self.ps)
         return y if self.bias is None else y + self.bias
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel projections of one input fused into one matmul.
+
+    parts: (checkpoint name, output_size, num_shards or None, shard_index or
+    None) per projection, sharded exactly as its own ColumnParallelLinear would
+    be. forward returns the concatenated outputs; split them with
+    `output_sizes`. The per-projection weights exist only as views into the
+    fused one (checkpoint_params), so they are loaded in place and never
+    counted twice."""
+
+    def __init__(
+        self,
+        input_size: int,
+        parts: list[tuple[str, int, int | None, int | None]],
+        ps: ParallelState,
+        bias: bool = False,
+    ):
+        super().__init__()
+        shards = []
+        for name, output_size, num_shards, shard_index in parts:
+            num_shards = ps.tp_size if num_shards is None else num_shards
+            shard_index = ps.tp_rank if shard_index is None else shard_index
+            if output_size % num_shards:
+                raise ValueError(f"{name}: output_size {output_size} not divisible into "
+                                 f"{num_shards} shards")
+            size = output_size // num_shards
+            shards.append((name, size, shard_index * size))
+        self.output_sizes = [size for _, size, _ in shards]
+        total = sum(self.output_sizes)
+        self.weight = _empty_param(total, input_size)
+        self.bias = _empty_param(total) if bias else None
+        self._views: dict[str, nn.Parameter] = {}
+        offset = 0
+        for name, size, start in shards:
+            self._views[f"{name}.weight"] = set_shard(
+                _view(self.weight, offset, size), 0, start, start + size)
+            if self.bias is not None:
+                self._views[f"{name}.bias"] = set_shard(
+                    _view(self.bias, offset, size), 0, start, start + size)
+            offset += size
+
+    def checkpoint_params(self) -> dict[str, nn.Parameter]:
+        """Checkpoint tensor suffix (e.g. "q_proj.weight") -> the view it fills."""
+        return dict(self._views)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _view(param: nn.Parameter, offset: int, size: int) -> nn.Parameter:
+    # Shares param's storage: the loader's copy into the view fills the fused weight.
+    return nn.Parameter(param.data.narrow(0, offset, size), requires_grad=False)

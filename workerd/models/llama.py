@@ -18,7 +18,7 @@ from workerd.attn_metadata import AttentionMetadata
 from workerd.distributed import IntermediateTensors, ParallelState
 from workerd.layers.attention import PagedAttentionPlan, build_plan, paged_attention
 from workerd.layers.layernorm import RMSNorm
-from workerd.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workerd.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workerd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from workerd.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -79,10 +79,13 @@ class LlamaAttention(nn.Module):
         )
         bias = getattr(config, "attention_bias", False)
         kv_out = total_kv * self.head_dim
-        self.q_proj = ColumnParallelLinear(hidden, total_heads * self.head_dim, ps, bias)
         num_kv_shards = total_kv // self.num_kv_heads
-        self.k_proj = ColumnParallelLinear(hidden, kv_out, ps, bias, num_kv_shards, kv_shard)
-        self.v_proj = ColumnParallelLinear(hidden, kv_out, ps, bias, num_kv_shards, kv_shard)
+        # One matmul for q, k and v (checkpoint tensors load into its slices).
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [
+            ("q_proj", total_heads * self.head_dim, None, None),
+            ("k_proj", kv_out, num_kv_shards, kv_shard),
+            ("v_proj", kv_out, num_kv_shards, kv_shard),
+        ], ps, bias)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, ps, bias)
         self.scale = self.head_dim**-0.5
 
@@ -96,9 +99,10 @@ class LlamaAttention(nn.Module):
         plan: PagedAttentionPlan,
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, md, self.scale, plan)
         return self.o_proj(out)
@@ -111,12 +115,13 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         bias = getattr(config, "mlp_bias", False)
         h, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = ColumnParallelLinear(h, inter, ps, bias)
-        self.up_proj = ColumnParallelLinear(h, inter, ps, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            h, [("gate_proj", inter, None, None), ("up_proj", inter, None, None)], ps, bias)
         self.down_proj = RowParallelLinear(inter, h, ps, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -214,8 +219,16 @@ class LlamaForCausalLM(nn.Module):
             add("model.embed_tokens.weight", self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{self.start_layer + i}."
-            for name, param in layer.named_parameters():
-                add(prefix + name, param)
+            for mod_name, module in layer.named_modules():
+                where = prefix + (mod_name.rsplit(".", 1)[0] + "." if "." in mod_name else "")
+                if isinstance(module, MergedColumnParallelLinear):
+                    # Its checkpoint tensors are siblings: self_attn.q_proj.weight.
+                    for suffix, param in module.checkpoint_params().items():
+                        add(where + suffix, param)
+                    continue
+                own = prefix + (mod_name + "." if mod_name else "")
+                for name, param in module.named_parameters(recurse=False):
+                    add(own + name, param)
         if self.norm is not None:
             add("model.norm.weight", self.norm.weight)
             head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"

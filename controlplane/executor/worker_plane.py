@@ -162,16 +162,17 @@ class WorkerPlane:
         # Exclusive whatever the caller passed (kvloom/server/ports.py).
         server = grpc.aio.server(options=[*self._options, EXCLUSIVE_PORT])
         server.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
-        credentials = worker_server_credentials(self.executor.cfg)
+        cfg = self.executor.cfg
+        credentials = worker_server_credentials(cfg)
         if credentials is None:
             port = add_insecure_port(server, self._host, self._port, "--worker-port")
         else:
             port = _add_secure_port(server, self._host, self._port, credentials)
-            cfg = self.executor.cfg
-            logger.info("worker port %s:%d: TLS%s", self._host, port,
-                        f", workers must present a certificate signed by "
-                        f"{cfg.worker_ssl_ca_certs} (mTLS)" if cfg.worker_ssl_ca_certs else
-                        " without client certificates (no --worker-ssl-ca-certs)")
+            if cfg.worker_ssl_ca_certs:
+                guard = f"mTLS: workers need a certificate {cfg.worker_ssl_ca_certs} signed"
+            else:
+                guard = "TLS, no client certificates (no --worker-ssl-ca-certs)"
+            logger.info("worker port %s:%d: %s", self._host, port, guard)
         await server.start()
         self.executor.start(self._loop)
         if self._lag_probe is not None:

@@ -44,12 +44,12 @@ class RequestRecord:
     error: str = ""
 
 
-async def run_request(client, prompt, args, record: RequestRecord) -> None:
+async def run_request(client, prompt, max_tokens: int, args, record: RequestRecord) -> None:
     record.start = last = time.perf_counter()
     try:
         async for chunk in client.generate(
             prompt,
-            max_tokens=args.max_tokens,
+            max_tokens=max_tokens,
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
             seed=args.seed,
@@ -70,20 +70,34 @@ async def run_request(client, prompt, args, record: RequestRecord) -> None:
 async def benchmark(server: str, args) -> dict:
     async with AsyncKvloomClient(server) as client:
         prompts = await make_prompts(client, args)
-        for prompt in prompts[: args.warmup]:
-            await run_request(client, prompt, args, RequestRecord(len(prompt)))
+        max_tokens = output_lengths(args)
+        for prompt, n in list(zip(prompts, max_tokens, strict=True))[: args.warmup]:
+            await run_request(client, prompt, n, args, RequestRecord(len(prompt)))
         limit = asyncio.Semaphore(args.concurrency)
         records = [RequestRecord(len(p)) for p in prompts]
 
-        async def one(prompt, record):
+        async def one(prompt, n, record):
             async with limit:
-                await run_request(client, prompt, args, record)
+                await run_request(client, prompt, n, args, record)
 
         started = time.perf_counter()
-        await asyncio.gather(*(one(p, r) for p, r in zip(prompts, records, strict=True)))
+        await asyncio.gather(*(one(p, n, r) for p, n, r in
+                               zip(prompts, max_tokens, records, strict=True)))
         duration = time.perf_counter() - started
         server_info = asdict(await client.server_info())
-    return {"metrics": summarize(records, duration), "server_info": server_info}
+    # The requests themselves, for --hf-baseline (not printed or saved).
+    return {"metrics": summarize(records, duration), "server_info": server_info,
+            "requests": list(zip(prompts, max_tokens, strict=True))}
+
+
+def _lengths(fixed: int, span: tuple[int, int] | None, n: int, rng: random.Random) -> list[int]:
+    return [rng.randint(*span) if span else fixed for _ in range(n)]
+
+
+def output_lengths(args) -> list[int]:
+    """max_tokens per request: --max-tokens, or seeded draws from --max-tokens-range."""
+    return _lengths(args.max_tokens, args.max_tokens_range, args.num_requests,
+                    random.Random(args.seed + 1))
 
 
 async def make_prompts(client, args) -> list:
@@ -96,9 +110,10 @@ async def make_prompts(client, args) -> list:
     excluded = set(info.eos_token_ids)
     rng = random.Random(args.seed)
     prompts = []
-    for _ in range(args.num_requests):
+    for length in _lengths(args.prompt_len, args.prompt_len_range, args.num_requests,
+                           random.Random(args.seed + 2)):
         ids = []
-        while len(ids) < args.prompt_len:
+        while len(ids) < length:
             token = rng.randrange(info.vocab_size)
             if token not in excluded:
                 ids.append(token)
@@ -194,6 +209,13 @@ def step_bytes(metrics_url: str) -> dict:
     return {"steps": int(steps), "bytes_per_step_per_rank": total / steps if steps else 0.0}
 
 
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
+        raise argparse.ArgumentTypeError(f"bad range {text!r}: expected LO,HI with 1 <= LO <= HI")
+    return int(lo), int(hi)
+
+
 def parse_layouts(text: str) -> list[tuple[int, int]]:
     """ "1x1,2x1,1x2" -> [(tp, pp), ...]."""
     layouts = []
@@ -216,6 +238,7 @@ def run_launched(args) -> list[dict]:
             model=args.model,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
+            worker_threads=args.worker_threads,
             controlplane_args=tuple(args.controlplane_args),
         )
         sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
@@ -229,6 +252,14 @@ def run_launched(args) -> list[dict]:
         finally:
             cluster.stop()
         runs.append({"name": f"tp{tp} pp{pp}", "tp": tp, "pp": pp, **result})
+    if args.hf_baseline:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script, not a package
+        import hf_baseline
+
+        print("== transformers generate (static batches)", file=sys.stderr)
+        metrics = hf_baseline.run(args.model, runs[0]["requests"], args.concurrency,
+                                  args.dtype, args.worker_threads or 1)
+        runs.append({"name": "transformers", "metrics": metrics})
     return runs
 
 
@@ -240,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--dataset", help="text file, one prompt per line (sent as text)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len-range", type=parse_range, metavar="LO,HI",
+                        help="per-request prompt lengths drawn from [LO, HI] (seeded)")
+    parser.add_argument("--max-tokens-range", type=parse_range, metavar="LO,HI",
+                        help="per-request max_tokens drawn from [LO, HI] (seeded)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -253,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--layouts", type=parse_layouts, help="e.g. 1x1,2x1,1x2 (TPxPP)")
     launch.add_argument("--ready-timeout", type=float, default=600.0)
     launch.add_argument("--logs", action="store_true", help="show the daemons' logs")
+    launch.add_argument("--worker-threads", type=int, default=None,
+                        help="torch threads per worker (and for --hf-baseline)")
+    launch.add_argument("--hf-baseline", action="store_true",
+                        help="also run transformers' generate on the same requests "
+                             "(benchmarks/hf_baseline.py) and report the ratio")
+    launch.add_argument("--dtype", default="float32",
+                        help="dtype of the --hf-baseline model (pass the same to the "
+                             "controlplane after --)")
     launch.add_argument("controlplane_args", nargs="*", help="after --: controlplane flags")
     return parser
 
@@ -269,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serving benchmark: error: {exc}", file=sys.stderr)
         return 1
     print(format_table(runs))
+    if len(runs) > 1 and runs[-1]["name"] == "transformers":
+        base = runs[-1]["metrics"]["output_throughput"]
+        for run in runs[:-1]:
+            ratio = run["metrics"]["output_throughput"] / base if base else 0.0
+            print(f"{run['name']}: {ratio:.2f}x transformers generate (output tokens/s)")
+    for run in runs:
+        run.pop("requests", None)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json",)}
         payload = {"config": json.loads(json.dumps(config, default=str)), "runs": runs}

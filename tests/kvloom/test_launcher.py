@@ -353,3 +353,18 @@ def test_up_tls_writes_its_pki_next_to_the_state_file(tmp_path):
     first_ca = Path(spec.tls.ca_certs).read_bytes()
     again = with_tls(launcher.ClusterSpec(), tls_dir(state_file))  # a new CA each time
     assert Path(again.tls.ca_certs).read_bytes() != first_ca
+
+
+def test_up_tls_prints_what_a_client_needs(tmp_path, capsys):
+    from kvloom.cli.cluster import print_endpoints, with_tls
+
+    spec = with_tls(launcher.ClusterSpec(), tmp_path / "tls")
+    cluster = launcher.Cluster(spec)
+    cluster.ports = launcher.Ports(50999, 50998, 9999)
+    print_endpoints(cluster)
+    err = capsys.readouterr().err
+    client = spec.tls.client
+    assert f"CA {spec.tls.ca_certs}, client certificate {client.certfile}, key " \
+           f"{client.keyfile}" in err
+    assert (f"--server 127.0.0.1:50999 --ssl-ca-certs {spec.tls.ca_certs} --ssl-certfile "
+            f"{client.certfile} --ssl-keyfile {client.keyfile}") in err

@@ -5,7 +5,9 @@ long as the cluster's state directory.
 
 Leaves carry both serverAuth and clientAuth, so one certificate can serve a
 daemon's port and its mTLS client side; subjectAltName lists loopback and the
-given host names, which is what gRPC checks.
+given host names, which is what gRPC checks. `cryptography` is imported only
+when certificates are made, so the CLI (and a client-only install) can import
+this module.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
@@ -42,6 +44,11 @@ class CertAuthority:
     @classmethod
     def create(cls, directory: Path, name: str = "kvloom-local-ca",
                days: int = 30) -> CertAuthority:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
         directory.mkdir(parents=True, exist_ok=True)
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -68,6 +75,11 @@ class CertAuthority:
               days: int = 30, not_before: datetime.datetime | None = None) -> CertFiles:
         """A leaf for `name` valid for `hosts`; `not_before`/`days` let tests
         make expired certificates."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
         key = ec.generate_private_key(ec.SECP256R1())
         start = not_before or _now() - datetime.timedelta(minutes=5)
         cert = (
@@ -95,6 +107,8 @@ class CertAuthority:
 
 
 def _san(host: str) -> x509.GeneralName:
+    from cryptography import x509
+
     try:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:

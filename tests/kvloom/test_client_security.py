@@ -174,7 +174,5 @@ def test_the_client_imports_neither_cryptography_nor_torch():
     assert _imports_heavy("kvloom.client") == ""
 
 
-@pytest.mark.xfail(reason="kvloom/cli/launcher.py imports kvloom.server.certs (cryptography) "
-                          "at module level, for `kvloom up --tls`", strict=False)
 def test_the_cli_imports_neither_cryptography_nor_torch():
     assert _imports_heavy("kvloom.cli.main") == ""

@@ -21,12 +21,12 @@ import logging
 import os
 import queue
 import socket
-import stat
 import threading
 import time
 
 import grpc
 
+from kvloom.server.pem import read_pem
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -80,32 +80,12 @@ class TlsRefused(ConnectionError):
     """The TLS handshake with the controlplane failed: retrying cannot help."""
 
 
-# A PEM certificate, key or CA bundle is kilobytes; a bigger "PEM" is a mistake.
-MAX_PEM_BYTES = 1 << 20
 # Consecutive dial attempts whose connection the peer closed during the
 # handshake before the worker concludes its certificate is refused.
 CLOSED_HANDSHAKES = 3
 # A method no server implements: the fail-fast probe that reads the
 # channel's last connection error (an answer, UNIMPLEMENTED, means connected).
 _PROBE_METHOD = "/kvloom.worker.v1.WorkerControl/TransportProbe"
-
-
-def read_pem(flag: str, path: str) -> bytes:
-    """A PEM file's bytes; ValueError naming the flag for anything else."""
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{flag} {path}: not a regular file")
-        if info.st_size > MAX_PEM_BYTES:
-            raise ValueError(f"{flag} {path}: {info.st_size} bytes, more than a PEM file "
-                             f"holds (limit {MAX_PEM_BYTES})")
-        with open(path, "rb") as f:
-            data = f.read(MAX_PEM_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
-    return data
 
 
 def channel_credentials(ca_certs: str, certfile: str, keyfile: str) -> grpc.ChannelCredentials:

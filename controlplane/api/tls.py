@@ -16,7 +16,7 @@ import ssl
 import grpc
 
 from controlplane.config import ApiSecurityConfig
-from kvloom.server.ports import PortInUse, port_in_use
+from kvloom.server.ports import add_port
 
 
 def _readable(flag: str, path: str) -> bytes:
@@ -76,17 +76,5 @@ def api_credentials(cfg: ApiSecurityConfig) -> grpc.ServerCredentials | None:
 def add_api_port(server, host: str, port: int,
                  credentials: grpc.ServerCredentials | None) -> int:
     """Bind the API port, with TLS when credentials are given; a busy port is
-    PortInUse (kvloom.server.ports' rule, for secure ports too)."""
-    address = f"{host}:{port}"
-    try:
-        if credentials is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, credentials)
-    except RuntimeError:  # grpcio >= 1.5x: "Failed to bind to address ..."
-        bound = 0
-    if bound == 0:
-        if port and port_in_use(host, port):
-            raise PortInUse(port, "--port, the API")
-        raise RuntimeError(f"cannot listen on {address} (--port, the API)")
-    return bound
+    PortInUse naming the flag."""
+    return add_port(server, host, port, "--port, the API", credentials)

@@ -37,9 +37,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import logging
-import os
 import ssl
-import stat
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -51,7 +49,8 @@ from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import ExecutorStatus
 from controlplane.executor.worker_service import WorkerControlService
 from controlplane.metrics.loop_lag import LoopLagProbe
-from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_insecure_port, port_in_use
+from kvloom.server.pem import read_pem
+from kvloom.server.ports import EXCLUSIVE_PORT, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +58,6 @@ T = TypeVar("T")
 
 # stop() waits this much longer than the server's grace for the thread to end.
 JOIN_MARGIN_S = 2.0
-# A PEM certificate, key or CA bundle is kilobytes; a bigger "PEM" is a mistake.
-MAX_PEM_BYTES = 1 << 20
 
 
 class WorkerTlsError(ValueError):
@@ -165,9 +162,9 @@ class WorkerPlane:
         cfg = self.executor.cfg
         credentials = worker_server_credentials(cfg)
         if credentials is None:
-            port = add_insecure_port(server, self._host, self._port, "--worker-port")
+            port = add_port(server, self._host, self._port, "--worker-port")
         else:
-            port = _add_secure_port(server, self._host, self._port, credentials)
+            port = add_port(server, self._host, self._port, "--worker-port", credentials)
             if cfg.worker_ssl_ca_certs:
                 guard = f"mTLS: workers need a certificate {cfg.worker_ssl_ca_certs} signed"
             else:
@@ -232,19 +229,9 @@ def worker_server_credentials(cfg: WorkerGroupConfig) -> grpc.ServerCredentials 
 
 def _read_pem(flag: str, path: str) -> bytes:
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise WorkerTlsError(f"{flag} {path}: not a regular file")
-        if info.st_size > MAX_PEM_BYTES:
-            raise WorkerTlsError(f"{flag} {path}: {info.st_size} bytes, more than a PEM "
-                                 f"file holds (limit {MAX_PEM_BYTES})")
-        with open(path, "rb") as f:
-            data = f.read(MAX_PEM_BYTES + 1)
-    except OSError as exc:
-        raise WorkerTlsError(f"{flag} {path}: {exc.strerror or exc}") from None
-    if b"-----BEGIN " not in data:
-        raise WorkerTlsError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
-    return data
+        return read_pem(flag, path)
+    except ValueError as exc:
+        raise WorkerTlsError(str(exc)) from None
 
 
 def _check_validity(flag: str, path: str, pem: bytes) -> None:
@@ -274,15 +261,3 @@ def _reason(exc: Exception) -> str:
     return getattr(exc, "reason", None) or str(exc) or type(exc).__name__
 
 
-def _add_secure_port(server, host: str, port: int, credentials) -> int:
-    """server.add_secure_port, with a busy port reported as PortInUse (as
-    kvloom.server.ports.add_insecure_port does for plaintext)."""
-    try:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        if port and port_in_use(host, port):
-            raise PortInUse(port, "--worker-port")
-        raise RuntimeError(f"cannot listen on {host}:{port} (--worker-port)")
-    return bound

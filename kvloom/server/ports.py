@@ -38,14 +38,23 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def add_insecure_port(server, host: str, port: int, what: str = "") -> int:
-    """server.add_insecure_port, with a busy port reported as PortInUse."""
+def add_port(server, host: str, port: int, what: str = "", credentials=None) -> int:
+    """server.add_insecure_port, or add_secure_port with credentials, with a
+    busy port reported as PortInUse naming `what` (the flag)."""
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError:  # grpcio >= 1.5x: "Failed to bind to address ..."
         bound = 0
     if bound == 0:
         if port and port_in_use(host, port):
             raise PortInUse(port, what)
-        raise RuntimeError(f"cannot listen on {host}:{port}{f' ({what})' if what else ''}")
+        raise RuntimeError(f"cannot listen on {address}{f' ({what})' if what else ''}")
     return bound
+
+
+def add_insecure_port(server, host: str, port: int, what: str = "") -> int:
+    return add_port(server, host, port, what)

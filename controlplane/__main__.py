@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import stat
 import sys
 from typing import NoReturn
 
@@ -37,6 +36,7 @@ from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.server.logs import setup_logging
 from kvloom.server.ports import PortInUse, port_in_use
+from kvloom.server.secret_files import read_token_file
 
 logger = logging.getLogger("controlplane")
 
@@ -116,8 +116,6 @@ def build_config(
     return config, info
 
 
-# A token is a line of text; a bigger "token file" is the wrong file.
-MAX_TOKEN_FILE_BYTES = 64 * 1024
 
 
 def worker_auth_token(args: argparse.Namespace) -> str:
@@ -133,27 +131,6 @@ def worker_auth_token(args: argparse.Namespace) -> str:
         token = read_token_file(path)
     except ValueError as exc:
         fail(f"--auth-token-file {path}: {exc}")
-    return token
-
-
-def read_token_file(path: str) -> str:
-    """The file's text, stripped; ValueError says what is wrong with it."""
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if info.st_size > MAX_TOKEN_FILE_BYTES:
-            raise ValueError(f"{info.st_size} bytes; a token file holds one line")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(exc.strerror or str(exc)) from None
-    try:
-        token = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
-    if not token:
-        raise ValueError("the file is empty; put the token in it (or drop the flag)")
     return token
 
 

@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.server.logs import flush_log_handlers, setup_logging
 from kvloom.server.ports import PortInUse
+from kvloom.server.secret_files import read_token_file
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import (
     ControlplaneConnection,
@@ -193,8 +193,6 @@ def startup_problem(args) -> str | None:
     return None
 
 
-# A token is a line of text; a bigger "token file" is the wrong file.
-MAX_TOKEN_FILE_BYTES = 64 * 1024
 
 
 def auth_token(args) -> str:
@@ -206,22 +204,9 @@ def auth_token(args) -> str:
         raise ValueError("--auth-token-file and --auth-token (or KVLOOM_AUTH_TOKEN) both give "
                          "the auth token: pass one")
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if info.st_size > MAX_TOKEN_FILE_BYTES:
-            raise ValueError(f"{info.st_size} bytes; a token file holds one line")
-        with open(path, "rb") as f:
-            token = f.read(MAX_TOKEN_FILE_BYTES + 1).decode("utf-8").strip()
-    except OSError as exc:
-        raise ValueError(f"--auth-token-file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"--auth-token-file {path}: not UTF-8 text") from None
+        return read_token_file(path)
     except ValueError as exc:
         raise ValueError(f"--auth-token-file {path}: {exc}") from None
-    if not token:
-        raise ValueError(f"--auth-token-file {path}: the file is empty; put the token in it")
-    return token
 
 
 def credentials(args):

@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from kvloom.server.pem import read_pem
+from kvloom.server.secret_files import read_pem
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -49,8 +49,8 @@ from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import ExecutorStatus
 from controlplane.executor.worker_service import WorkerControlService
 from controlplane.metrics.loop_lag import LoopLagProbe
-from kvloom.server.pem import read_pem
 from kvloom.server.ports import EXCLUSIVE_PORT, add_port
+from kvloom.server.secret_files import read_pem
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,9 @@ def build_parser() -> EnvArgumentParser:
                           formatter_class=DefaultsHelpFormatter)
     p.add_argument("--controlplane", required=True, help="HOST:WORKER_PORT of the controlplane")
     p.add_argument("--rank", type=int, default=-1, help="explicit rank; -1 = assigned")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or cuda:N; cuda = the GPU of LOCAL_RANK if set, else "
+                        "rank modulo the visible GPUs (a GPU another rank holds is refused)")
     p.add_argument("--auth-token", default="",
                    help="shared secret of the controlplane (visible in ps: prefer "
                         "--auth-token-file or the environment)")

@@ -263,7 +263,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Abort(self, request, context):
         # Client ids only: a sample's engine id ("x/3.0") is never a key here, so a caller
         # can end the samples of the ids it names and nothing else. With API keys, only
-        # its own: another tenant's id is as unknown as one never sent (0 aborted).
+        # its own: another tenant's id is NOT_FOUND, exactly as one never sent.
         if len(request.request_ids) > self._capacity:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -273,6 +273,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tenant = current_tenant() or ""
         parents = [k for r in dict.fromkeys(request.request_ids)
                    if (k := (tenant, r)) in self._in_flight]
+        if tenant and request.request_ids and not parents:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                "no request with the given id(s) is in flight for this API key "
+                "(never sent, already finished, or sent with another key)",
+            )
         children = [c for p in parents for c in self._in_flight[p]]
         if children:
             self.engine.abort_requests(children)

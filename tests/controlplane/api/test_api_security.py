@@ -104,7 +104,7 @@ def test_mtls_refuses_clients_without_a_valid_certificate(api, pki, client):
 def _every_method(stub, metadata):
     return [
         drain(stub.Generate(request(sampling={"max_tokens": 1}), metadata=metadata)),
-        stub.Abort(pb.AbortRequest(request_ids=["a"]), metadata=metadata),
+        stub.Abort(pb.AbortRequest(), metadata=metadata),  # no ids: nothing to find
         stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=metadata),
         stub.Detokenize(pb.DetokenizeRequest(token_ids=[1]), metadata=metadata),
         stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata),
@@ -214,12 +214,14 @@ def test_a_tenant_cannot_abort_or_detect_anothers_request(api, two_tenants):
             call = h.stub.Generate(request(request_id="a", sampling={"max_tokens": 3}),
                                    metadata=bearer(KEY_A))
             await until(lambda: h.in_flight("a"))
-            # B's answer for A's id is the answer for an id never sent.
-            reply = await h.stub.Abort(pb.AbortRequest(request_ids=["a"]),
-                                       metadata=bearer(KEY_B))
-            unknown = await h.stub.Abort(pb.AbortRequest(request_ids=["never-sent"]),
-                                         metadata=bearer(KEY_B))
-            assert reply == unknown == pb.AbortResponse(num_aborted=0)
+            # B's answer for A's id is the answer for an id never sent: NOT_FOUND.
+            errors = []
+            for ids in (["a"], ["never-sent"]):
+                errors.append(await rpc_error(h.stub.Abort(pb.AbortRequest(request_ids=ids),
+                                                           metadata=bearer(KEY_B))))
+            assert [(e.code(), e.details()) for e in errors] == [
+                (grpc.StatusCode.NOT_FOUND, errors[0].details())] * 2
+            assert "in flight for this API key" in errors[0].details()
             h.model.release()
             msgs = await asyncio.wait_for(drain(call), WAIT_S)
             assert msgs[-1].finish.reason == pb.LENGTH

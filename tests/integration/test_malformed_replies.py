@@ -122,6 +122,9 @@ def controlplane(tiny_model_dir, tmp_path_factory):
             *TEST_KV_CACHE,
             "--step-timeout", str(STEP_TIMEOUT_S),
             "--max-message-bytes", str(MAX_MESSAGE_BYTES),
+            # Fail-fast: the client's UNAVAILABLE is what is checked here (with
+            # recovery on, the request would wait for a worker that behaves).
+            "--engine-recovery-timeout", "0",
         ),
     )
     ports = Ports(*pick_free_ports(3))

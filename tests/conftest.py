@@ -52,3 +52,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """Tests that run a daemon's main() in process (e.g. `--check`) install its
+    stderr handler on the root logger; left there, it outlives pytest's
+    capture stream and every later log line (an engine thread of another
+    test, a fatal exit's flush) fails with "I/O operation on closed file"."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -63,7 +63,9 @@ async def _generate_until_signalled(address: str, before_signal) -> tuple[list[i
 
 
 def test_sigterm_lets_a_worker_finish_its_step_and_exit_0(tiny_model_dir):
-    with running_cluster(tiny_model_dir) as cluster:
+    # Fail-fast, so the client's status shows how the worker left (with
+    # recovery on, test_recovery.py, the request would wait for a new rank).
+    with running_cluster(tiny_model_dir, args=("--engine-recovery-timeout", "0")) as cluster:
         controlplane, worker = _process(cluster, "controlplane"), _process(cluster, "rank 0")
 
         def sigterm_the_frozen_worker() -> None:
@@ -77,9 +79,8 @@ def test_sigterm_lets_a_worker_finish_its_step_and_exit_0(tiny_model_dir):
             _generate_until_signalled(cluster.api_address, sigterm_the_frozen_worker)
         )
         assert worker.wait(timeout=WAIT_S) == 0
-        # The group failure, as today (surviving it is another issue's work):
-        # UNAVAILABLE, and the worker left cleanly: its stream was closed, not
-        # broken, and no step deadline passed.
+        # The group failure, fail-fast: UNAVAILABLE, and the worker left
+        # cleanly: its stream was closed, not broken, and no step deadline passed.
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error
         assert "closed its stream" in error.details(), error.details()
         assert 0 < len(tokens) < MAX_TOKENS

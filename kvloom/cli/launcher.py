@@ -54,10 +54,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from kvloom.cli.cluster_tls import (  # noqa: F401 (ClusterTls, issue_cluster_tls: API)
+    ClusterTls,
+    issue_cluster_tls,
+    tls_controlplane_args,
+    tls_worker_args,
+)
 from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
 from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
-from kvloom.server.certs import DEFAULT_HOSTS, CertAuthority, CertFiles
 from kvloom.server.ports import PortInUse, port_in_use
 
 TAIL_LINES = 40
@@ -65,35 +70,6 @@ TAIL_LINES = 40
 
 class ClusterError(RuntimeError):
     """The local cluster failed to start or stop."""
-
-
-@dataclass(frozen=True)
-class ClusterTls:
-    """PEM files of a local secure cluster, all signed by one throw-away CA."""
-
-    ca_certs: str
-    # The controlplane's certificate, for its API port and its worker port.
-    controlplane: CertFiles
-    # Every rank's client certificate (mTLS on the worker port).
-    worker: CertFiles
-    # For clients of the API (mTLS): wait_ready(), `kvloom run`, `kvloom chat`.
-    client: CertFiles
-
-
-def issue_cluster_tls(directory: Path, host: str = "127.0.0.1") -> ClusterTls:
-    """A new CA and its certificates under directory (replacing any there):
-    the controlplane's is valid for loopback, `host` and, for a wildcard
-    bind, this machine's name."""
-    names = [*DEFAULT_HOSTS, connect_host(host)]
-    if host in ("0.0.0.0", "", "::"):
-        names.append(socket.gethostname())
-    ca = CertAuthority.create(directory)
-    return ClusterTls(
-        ca_certs=str(ca.ca_path),
-        controlplane=ca.issue(directory, "controlplane", tuple(dict.fromkeys(names))),
-        worker=ca.issue(directory, "worker"),
-        client=ca.issue(directory, "client"),
-    )
 
 
 @dataclass(frozen=True)
@@ -203,17 +179,6 @@ def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[st
     ]
 
 
-def tls_controlplane_args(tls: ClusterTls | None) -> list[str]:
-    """The controlplane's TLS flags: its certificate on both ports, and the
-    CA that must have signed every client's and worker's (mTLS)."""
-    if tls is None:
-        return []
-    cert, key = str(tls.controlplane.certfile), str(tls.controlplane.keyfile)
-    return ["--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-ca-certs", tls.ca_certs,
-            "--worker-ssl-certfile", cert, "--worker-ssl-keyfile", key,
-            "--worker-ssl-ca-certs", tls.ca_certs]
-
-
 def workerd_command(
     spec: ClusterSpec, worker_port: int, rank: int, metrics_port: int = 0
 ) -> list[str]:
@@ -227,11 +192,7 @@ def workerd_command(
     if metrics_port:
         # Bound like the API: loopback stays loopback, a wildcard stays reachable.
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", spec.host]
-    if spec.tls is not None:
-        argv += ["--ssl-ca-certs", spec.tls.ca_certs,
-                 "--ssl-certfile", str(spec.tls.worker.certfile),
-                 "--ssl-keyfile", str(spec.tls.worker.keyfile)]
-    return argv
+    return argv + tls_worker_args(spec.tls)
 
 
 def child_env(spec: ClusterSpec) -> dict[str, str]:

@@ -132,12 +132,27 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
 
 
 class _Connection:
-    """What both clients share: the address, the channel's security, the key."""
+    """What both clients share: the address, the channel's security, the key,
+    and the channel itself, from the blocking or the asyncio grpc module."""
 
-    def __init__(self, server, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls, api_key):
+    _grpc = grpc  # AsyncKvloomClient: grpc.aio
+
+    def __init__(
+        self, server: str | None = None, *, options: Sequence[tuple] = (),
+        ssl_ca_certs: str | os.PathLike | None = None,
+        ssl_certfile: str | os.PathLike | None = None,
+        ssl_keyfile: str | os.PathLike | None = None,
+        tls: bool = False, api_key: str | None = None,
+    ):
         self.server = server or default_server()
         self._credentials = channel_credentials(ssl_ca_certs, ssl_certfile, ssl_keyfile, tls)
         self._metadata = auth_metadata(api_key)
+        opts = [*CHANNEL_OPTIONS, *options]
+        self._channel = (
+            self._grpc.insecure_channel(self.server, options=opts) if self._credentials is None
+            else self._grpc.secure_channel(self.server, self._credentials, options=opts))
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     @property
     def tls(self) -> bool:
@@ -207,22 +222,11 @@ class Collector:
 
 
 class KvloomClient(_Connection):
-    """Blocking client; use as a context manager to close the channel."""
+    """Blocking client; use as a context manager to close the channel.
 
-    def __init__(
-        self, server: str | None = None, *, options: Sequence[tuple] = (),
-        ssl_ca_certs: str | os.PathLike | None = None,
-        ssl_certfile: str | os.PathLike | None = None,
-        ssl_keyfile: str | os.PathLike | None = None,
-        tls: bool = False, api_key: str | None = None,
-    ):
-        super().__init__(server, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls, api_key)
-        opts = [*CHANNEL_OPTIONS, *options]
-        self._channel = (
-            grpc.insecure_channel(self.server, options=opts) if self._credentials is None
-            else grpc.secure_channel(self.server, self._credentials, options=opts))
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    KvloomClient(server=None, *, options=(), ssl_ca_certs=None, ssl_certfile=None,
+    ssl_keyfile=None, tls=False, api_key=None): server defaults to
+    KVLOOM_SERVER; api_key None reads KVLOOM_API_KEY ("" sends none)."""
 
     def stream(
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **options
@@ -332,20 +336,7 @@ class AsyncKvloomClient(_Connection):
     """grpc.aio client; create and use it inside one running event loop.
     Takes KvloomClient's keywords."""
 
-    def __init__(
-        self, server: str | None = None, *, options: Sequence[tuple] = (),
-        ssl_ca_certs: str | os.PathLike | None = None,
-        ssl_certfile: str | os.PathLike | None = None,
-        ssl_keyfile: str | os.PathLike | None = None,
-        tls: bool = False, api_key: str | None = None,
-    ):
-        super().__init__(server, ssl_ca_certs, ssl_certfile, ssl_keyfile, tls, api_key)
-        opts = [*CHANNEL_OPTIONS, *options]
-        self._channel = (
-            grpc.aio.insecure_channel(self.server, options=opts) if self._credentials is None
-            else grpc.aio.secure_channel(self.server, self._credentials, options=opts))
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+    _grpc = grpc.aio
 
     def stream(
         self, prompt: Prompt | None = None, *, timeout: float | None = None, **options

@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from controlplane.config import ControlPlaneConfig
 from controlplane.core.outputs import EngineCoreOutput
 from controlplane.executor.status import ExecutorStatus, FailureKind
+from controlplane.metrics.busy import BusyWindow
 from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import (
     FINISH_REASONS,
@@ -104,6 +105,7 @@ class ControlPlaneMetrics:
         self._deltas = CounterDeltas()
         self._endpoint = MetricsEndpoint(self.registry)
         self.last_output_forward_s = 0.0
+        self.output_busy = BusyWindow()
         self.loop_probes: list[LoopLagProbe] = []
         self._build(config)
         self.registry.register(_ScrapeCollector(self, engine, executor))
@@ -208,6 +210,7 @@ class ControlPlaneMetrics:
         self.step_bytes.observe(record.step_bytes)
         self.output_forward.observe(record.forward_time_s)
         self.last_output_forward_s = record.forward_time_s
+        self.output_busy.add(record.t_end, record.forward_time_s)
         if record.stats is not None:
             d = self._deltas.update(record.generation, record.stats)
             self.prefix_queries.inc(d.prefix_cache_queries)
@@ -345,8 +348,16 @@ class _ScrapeCollector:
         ready = GaugeMetricFamily("kvloom_worker_group_ready", "1 while the worker group "
                                   "serves steps.", labels=["model_name"])
         ready.add_metric([m], 1.0 if status.ready else 0.0)
+        in_flight = GaugeMetricFamily("kvloom_steps_in_flight", "Steps sent to the workers "
+                                      "and not yet answered.", labels=["model_name"])
+        in_flight.add_metric([m], 1.0 if status.step_in_flight else 0.0)
+        busy = GaugeMetricFamily(
+            "kvloom_output_rank_busy_ratio", "The output rank's forward + sampling time "
+            f"over wall time, last {self.metrics.output_busy.window_s:g} s (1 = the control "
+            "path is hidden).", labels=["model_name"])
+        busy.add_metric([m], self.metrics.output_busy.ratio(time.monotonic()))
         failures = CounterMetricFamily("kvloom_worker_failures", "Worker group failures by "
                                        "reason.", labels=["model_name", "reason"])
         for kind in FailureKind:
             failures.add_metric([m, kind.value], status.failure_counts.get(kind, 0))
-        yield from (up, age, fwd, ready, failures)
+        yield from (up, age, fwd, ready, failures, in_flight, busy)

@@ -172,6 +172,11 @@ def test_registry_exposes_step_and_request_metrics(metrics):
     assert _get(s, "kvloom_worker_failures_total", reason="heartbeat_timeout") == 2
     assert _get(s, "kvloom_worker_failures_total", reason="step_timeout") == 0
     assert _get(s, "kvloom_worker_group_ready") == 1
+    assert _get(s, "kvloom_steps_in_flight") == 0
+    # Two steps ended at t=1.1 and 2.1, long ago on the monotonic clock: idle now.
+    assert _get(s, "kvloom_output_rank_busy_ratio") == 0.0
+    m.observe([], record(time.monotonic() - 0.1))
+    assert 0 < _get(_samples(m.registry), "kvloom_output_rank_busy_ratio") <= 1
     info = next(dict(labels) for name, labels in s if name == "kvloom_cache_config_info")
     assert info["num_gpu_blocks"] == "64"
     assert all(dict(labels).get("model_name") == "tiny" for _, labels in s)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from controlplane.executor.grpc_executor import WorkerGroupFailed
-from controlplane.executor.status import FailureKind, GroupState
+from controlplane.executor.status import FailureKind
 from kvloom.worker.v1 import worker_pb2
 from tests.controlplane.executor.steps import decode_step
 from tests.controlplane.executor.test_grpc_executor import FakeWorker, Harness
@@ -68,7 +68,7 @@ def test_round_trip_heartbeat_and_disconnect_are_recorded():
 def test_step_error_fails_the_group_as_worker_error():
     async def scenario():
         async with Harness() as h:
-            _, tasks = await _ready_group(h, FailingWorker)
+            workers, tasks = await _ready_group(h, FailingWorker)
             with pytest.raises(WorkerGroupFailed, match="boom"):
                 await asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
             # The failure is recorded on the loop: poll for it, no fixed sleep.
@@ -77,8 +77,14 @@ def test_step_error_fails_the_group_as_worker_error():
                     break
                 await asyncio.sleep(0.01)
             status = h.executor.status()
-            assert status.failure_counts == {FailureKind.WORKER_ERROR: 1}
-            assert status.state is GroupState.FORMING and h.failed
+            assert status.failure_counts == {FailureKind.WORKER_ERROR: 1} and h.failed
+            # Nobody died (recovery is on): both ranks were kept and told to
+            # Reset, and the group re-forms from them alone.
+            for _ in range(3000):
+                if all(w.resets for w in workers):
+                    break
+                await asyncio.sleep(0.01)
+            assert [w.resets for w in workers] == [1, 1]
             await _stop(tasks)
 
     asyncio.run(scenario())

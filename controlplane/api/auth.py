@@ -25,13 +25,14 @@ import asyncio
 import contextvars
 import hashlib
 import hmac
-import inspect
 import logging
 import signal
 import time
 from dataclasses import dataclass
 
 import grpc
+
+from controlplane.api.handler_wrap import relay_stream, rewrap, run_unary
 
 logger = logging.getLogger(__name__)
 
@@ -235,14 +236,7 @@ def _refusing(handler, why: str, log: RefusalLog):
     def ignore(data: bytes) -> None:
         return None
 
-    ser = handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse, ignore, ser)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, ignore, ser)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(refuse, ignore, ser)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, ignore, ser)
+    return rewrap(handler, lambda _: refuse, lambda _: refuse_stream, ignore)
 
 
 def _as_tenant(handler, tenant: str):
@@ -251,35 +245,17 @@ def _as_tenant(handler, tenant: str):
     def unary(behavior):
         async def wrapped(request, context):
             _TENANT.set(tenant)
-            result = behavior(request, context)
-            return await result if inspect.isawaitable(result) else result
+            return await run_unary(behavior, request, context)
 
         return wrapped
 
     def stream(behavior):
         async def wrapped(request, context):
             _TENANT.set(tenant)
-            result = behavior(request, context)
-            try:
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
-                elif inspect.isawaitable(result):
-                    await result
-                else:
-                    for item in result:
-                        yield item
-            finally:
-                if hasattr(result, "aclose"):
-                    await result.aclose()
+            async with relay_stream(behavior, request, context) as items:
+                async for item in items:
+                    yield item
 
         return wrapped
 
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), des, ser)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), des, ser)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), des, ser)
-    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), des, ser)
+    return rewrap(handler, unary, stream)

@@ -12,10 +12,11 @@ deserializer: none of the client API streams requests.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import grpc
+
+from controlplane.api.handler_wrap import relay_stream, rewrap, run_unary
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,7 @@ def _wrap_unary(behavior, method: str):
     async def wrapped(request, context):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(method, request))
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
+        return await run_unary(behavior, request, context)
 
     return wrapped
 
@@ -58,21 +58,9 @@ def _wrap_stream(behavior, method: str):
     async def wrapped(request, context):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(method, request))
-        result = behavior(request, context)
-        try:
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield item
-            elif inspect.isawaitable(result):
-                await result  # a handler that writes with context.write()
-            else:
-                for item in result:
-                    yield item
-        finally:
-            # Close the handler's generator now, so its own finally (e.g.
-            # Generate releasing its request) runs at once, not at GC time.
-            if hasattr(result, "aclose"):
-                await result.aclose()
+        async with relay_stream(behavior, request, context) as items:
+            async for item in items:
+                yield item
 
     return wrapped
 
@@ -83,9 +71,5 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_streaming:
             return handler
         method = handler_call_details.method
-        parse = _safe(handler.request_deserializer)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), parse, handler.response_serializer)
-        return grpc.unary_stream_rpc_method_handler(
-            _wrap_stream(handler.unary_stream, method), parse, handler.response_serializer)
+        return rewrap(handler, lambda b: _wrap_unary(b, method),
+                      lambda b: _wrap_stream(b, method), _safe(handler.request_deserializer))

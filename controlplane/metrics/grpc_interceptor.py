@@ -11,10 +11,11 @@ label so a scanner cannot grow label cardinality.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Callable
 
 import grpc
+
+from controlplane.api.handler_wrap import relay_stream, rewrap, run_unary
 
 UNKNOWN_METHOD = "unknown"
 _BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -48,29 +49,15 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         record = self._record
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method, record),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, record),
-                handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, record),
-                handler.request_deserializer, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method, record),
-            handler.request_deserializer, handler.response_serializer)
+        return rewrap(handler, lambda b: _wrap_unary(b, method, record),
+                      lambda b: _wrap_stream(b, method, record))
 
 
 def _wrap_unary(behavior, method: str, record):
     async def wrapped(request, context):
         exc: BaseException | None = None
         try:
-            result = behavior(request, context)
-            return await result if inspect.isawaitable(result) else result
+            return await run_unary(behavior, request, context)
         except BaseException as e:
             exc = e
             raise
@@ -83,25 +70,14 @@ def _wrap_unary(behavior, method: str, record):
 def _wrap_stream(behavior, method: str, record):
     async def wrapped(request, context):
         exc: BaseException | None = None
-        result = None
         try:
-            result = behavior(request, context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield item
-            elif inspect.isawaitable(result):
-                await result  # a handler that writes with context.write()
-            else:
-                for item in result:
+            async with relay_stream(behavior, request, context) as items:
+                async for item in items:
                     yield item
         except BaseException as e:
             exc = e
             raise
         finally:
             record(method, status_name(context, exc))
-            # Close the handler's generator now, so its own finally (e.g.
-            # Generate aborting its request) runs at once, not at GC time.
-            if hasattr(result, "aclose"):
-                await result.aclose()
 
     return wrapped

@@ -90,19 +90,6 @@ def controlplane():
         servicer.join_readers()
 
 
-@pytest.fixture
-def connections():
-    """Every ControlplaneConnection a test opens is closed, even on failure."""
-    opened: list[ControlplaneConnection] = []
-
-    def open_(target: str) -> ControlplaneConnection:
-        conn = ControlplaneConnection(target)
-        opened.append(conn)
-        return conn
-
-    yield open_
-    for conn in opened:
-        conn.close()
 
 
 def _register_request(**fields) -> worker_pb2.RegisterRequest:

@@ -65,18 +65,6 @@ def servers():
         server.stop(0).wait(10)
 
 
-@pytest.fixture
-def conns():
-    opened: list[ControlplaneConnection] = []
-
-    def open_(target: str) -> ControlplaneConnection:
-        conn = ControlplaneConnection(target)
-        opened.append(conn)
-        return conn
-
-    yield open_
-    for conn in opened:
-        conn.close(grace_s=1.0)
 
 
 def test_channel_reconnect_backoff_is_capped():
@@ -87,9 +75,9 @@ def test_channel_reconnect_backoff_is_capped():
     assert opts["grpc.min_reconnect_backoff_ms"] <= 2000
 
 
-def test_non_kvloom_grpc_server_is_a_clear_registration_error(servers, conns):
+def test_non_kvloom_grpc_server_is_a_clear_registration_error(servers, connections):
     port = servers()
-    conn = conns(f"127.0.0.1:{port}")
+    conn = connections(f"127.0.0.1:{port}")
     conn.connect(POLL_S)
     with pytest.raises(RegistrationError) as err:
         conn.register(_register_request())
@@ -98,11 +86,11 @@ def test_non_kvloom_grpc_server_is_a_clear_registration_error(servers, conns):
     assert f"127.0.0.1:{port}" in str(err.value)
 
 
-def test_wrong_protocol_version_is_refused_not_retried(servers, conns):
+def test_wrong_protocol_version_is_refused_not_retried(servers, connections):
     scripted = ScriptedControlplane()
     scripted.refusal = (grpc.StatusCode.FAILED_PRECONDITION, "worker speaks protocol version 9")
     port = servers(controlplane=scripted)
-    conn = conns(f"127.0.0.1:{port}")
+    conn = connections(f"127.0.0.1:{port}")
     conn.connect(POLL_S)
     with pytest.raises(RegistrationError) as err:
         conn.register(_register_request(protocol_version=9))
@@ -110,7 +98,7 @@ def test_wrong_protocol_version_is_refused_not_retried(servers, conns):
     assert scripted.received.qsize() == 1  # one attempt: a refusal is final
 
 
-def test_silent_peer_registration_attempt_is_bounded(servers, conns, monkeypatch):
+def test_silent_peer_registration_attempt_is_bounded(servers, connections, monkeypatch):
     """A peer that accepts the stream but never answers: each attempt is
     cancelled after REGISTER_ATTEMPT_S and the dial gives up at its deadline."""
     monkeypatch.setattr(connection, "REGISTER_ATTEMPT_S", 0.3)
@@ -124,7 +112,7 @@ def test_silent_peer_registration_attempt_is_bounded(servers, conns, monkeypatch
 
     scripted.Connect = never_answers
     port = servers(controlplane=scripted)
-    conn = conns(f"127.0.0.1:{port}")
+    conn = connections(f"127.0.0.1:{port}")
     conn.connect(1.0)
     try:
         with pytest.raises(ConnectionError, match="could not register"):
@@ -134,10 +122,10 @@ def test_silent_peer_registration_attempt_is_bounded(servers, conns, monkeypatch
     assert scripted.received.qsize() >= 2  # retried before giving up
 
 
-def test_worker_started_before_its_controlplane_joins_once_it_listens(servers, conns, caplog):
+def test_worker_started_before_its_controlplane_joins_once_it_listens(servers, connections, caplog):
     port = free_port()
     target = f"127.0.0.1:{port}"
-    conn = conns(target)
+    conn = connections(target)
     result: dict = {}
 
     def dial() -> None:

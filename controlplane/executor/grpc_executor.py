@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 # First and largest pause before re-forming a group whose start-up failed.
 RESTART_BACKOFF_S = 0.5
 MAX_RESTART_BACKOFF_S = 30.0
+MAX_PORT = 65535
 
 
 class Executor:
@@ -383,8 +384,13 @@ class Executor:
                     del self._pending[call_id]
         for rank, msg in replies.items():
             handle = self._handles.get(rank)
-            if handle is not None and msg.reset_done.dist_port:
-                handle.dist_port = msg.reset_done.dist_port
+            port = msg.reset_done.dist_port
+            if handle is None or not port:
+                continue
+            if port > MAX_PORT:  # it would be every rank's rendezvous address
+                self._protocol_violation(rank, f"named rendezvous port {port} in ResetDone")
+                continue
+            handle.dist_port = port
         # Nobody died (a worker error, a missed deadline): nobody will
         # register, so the survivors alone form the next group.
         self._start_if_complete()

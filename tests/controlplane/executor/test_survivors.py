@@ -184,3 +184,29 @@ def test_a_protocol_violator_is_let_go_and_the_others_kept():
             await _serves(h)
 
     asyncio.run(scenario())
+
+
+def test_a_survivor_naming_an_impossible_rendezvous_port_is_let_go():
+    class BadPort(ScriptedWorker):
+        async def _on(self, msg):
+            if msg.WhichOneof("command") == "reset":
+                self.num_resets += 1
+                reply = worker_pb2.WorkerMessage(call_id=msg.call_id)
+                reply.reset_done.dist_port = 70000
+                await self._outbox.put(reply)
+                return
+            await super()._on(msg)
+
+    async def scenario():
+        async with _harness() as h:
+            liar, victim = BadPort(h.address, rank=0, output_rank=OUTPUT_RANK), _worker(h, 1)
+            await _group(h, liar, victim)
+            _kill(h, victim)
+            await asyncio.wait_for(h.failed.get(), WAIT_S)
+            await asyncio.wait_for(liar.ended.wait(), WAIT_S)
+            assert "rendezvous port 70000" in liar.shutdown_reason
+            assert h.executor.status().failure_counts[FailureKind.PROTOCOL_VIOLATION] == 1
+            await _group(h, _worker(h, 0), _worker(h, 1))
+            await _serves(h)
+
+    asyncio.run(scenario())

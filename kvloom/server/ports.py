@@ -54,7 +54,3 @@ def add_port(server, host: str, port: int, what: str = "", credentials=None) -> 
             raise PortInUse(port, what)
         raise RuntimeError(f"cannot listen on {address}{f' ({what})' if what else ''}")
     return bound
-
-
-def add_insecure_port(server, host: str, port: int, what: str = "") -> int:
-    return add_port(server, host, port, what)

@@ -15,7 +15,7 @@ import pytest
 from controlplane.__main__ import build_config, build_parser
 from controlplane.executor.worker_plane import WorkerPlane
 from controlplane.server import grpc_options
-from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_insecure_port
+from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_port
 from tests.checkpoints import config_only_checkpoint
 from tests.controlplane.executor.test_worker_plane import Plane
 
@@ -68,7 +68,7 @@ def test_api_server_bind_refuses_a_reuseport_holder(model_dir, held_port):
     server = grpc.server(None, options=grpc_options(config))
     try:
         with pytest.raises(PortInUse, match=f"port {held_port} is already in use"):
-            add_insecure_port(server, "127.0.0.1", held_port)
+            add_port(server, "127.0.0.1", held_port)
     finally:
         server.stop(None)
 

@@ -10,7 +10,7 @@ import prometheus_client
 import pytest
 
 from kvloom.server.metrics_http import MetricsEndpoint
-from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_insecure_port, port_in_use
+from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_port, port_in_use
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_grpc_server_with_exclusive_option_refuses_a_held_port(held_port):
     server = grpc.server(None, options=[EXCLUSIVE_PORT])
     try:
         with pytest.raises(PortInUse) as caught:
-            add_insecure_port(server, "127.0.0.1", held_port, "--port")
+            add_port(server, "127.0.0.1", held_port, "--port")
     finally:
         server.stop(None)
     assert str(caught.value).startswith(f"port {held_port} is already in use by another process")

@@ -1,0 +1,47 @@
+"""benchmarks/decode_roofline.py: its matmul floor must be exactly the model's
+weight matmuls (a missed or extra projection would make the ratio lie), and
+one tiny run must go end to end through the real ModelRunner."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks.decode_roofline import main, matmul_weights
+from workerd.distributed import single_process_state
+from workerd.model_loader import load_model
+
+
+def test_matmul_weights_are_the_models_projections_and_lm_head(tiny_model_dir):
+    model = load_model(tiny_model_dir, single_process_state(), torch.float32)
+    cfg = model.config
+    weights = matmul_weights(model)
+    names = [n for n, _ in weights]
+    assert len(weights) == 4 * cfg.num_hidden_layers + 1
+    assert names[:4] == ["layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj",
+                         "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"]
+    assert names[-1] == "lm_head"
+    d, h, kv = model.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    assert [tuple(w.shape) for _, w in weights[:4]] == [
+        ((h + 2 * kv) * d, cfg.hidden_size), (cfg.hidden_size, h * d),
+        (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+    # Every parameter is either one of those weights, the embedding or a norm:
+    # nothing that multiplies activations by a matrix is left out of the floor.
+    ours = {w.data_ptr() for _, w in weights}
+    others = {model.embed_tokens.weight.data_ptr()} | {
+        p.data_ptr() for n, p in model.named_parameters() if n.endswith("norm.weight")}
+    assert {p.data_ptr() for p in model.parameters()} == ours | others
+    assert len(ours) == len(weights)
+
+
+def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "roofline.json"
+    payload = main(["--model", tiny_model_dir, "--batch-sizes", "1,3", "--context", "6",
+                    "--steps", "2", "--warmup", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == payload
+    assert [r["batch"] for r in payload["results"]] == [1, 3]
+    for row in payload["results"]:
+        assert row["step_ms"] > 0 and row["matmul_ms"] > 0
+        assert row["ratio"] == row["step_ms"] / row["matmul_ms"]
+    assert "ratio" in capsys.readouterr().out

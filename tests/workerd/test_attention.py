@@ -27,7 +27,10 @@ def _naive(q, ctx_k, ctx_v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
 
 
-@pytest.mark.parametrize("case", ["mixed", "decode_only", "prefill_only", "split_groups"])
+@pytest.mark.parametrize(
+    "case",
+    ["mixed", "decode_only", "prefill_only", "split_groups", "equal_decodes", "equal_chunks"],
+)
 def test_paged_attention_matches_naive(case, monkeypatch):
     g = torch.Generator().manual_seed(0)
     computed, scheduled = {
@@ -36,6 +39,9 @@ def test_paged_attention_matches_naive(case, monkeypatch):
         "prefill_only": ([0, 0], [7, 13]),
         # A long chunk among decodes and short prefills, attended in 3 groups.
         "split_groups": ([0, 9, 3, 14, 0, 2], [6, 1, 40, 1, 2, 1]),
+        # Equal query lengths: the group reads and writes its tokens as views.
+        "equal_decodes": ([5, 5, 5, 5], [1, 1, 1, 1]),
+        "equal_chunks": ([3, 0], [5, 5]),
     }[case]
     if case == "split_groups":
         monkeypatch.setattr(attention, "_PADDING_SLACK", 0)
@@ -58,6 +64,9 @@ def test_paged_attention_matches_naive(case, monkeypatch):
     k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
     scale = HEAD_DIM**-0.5
+    if case.startswith("equal"):
+        (group,) = build_plan(md, t).groups
+        assert group.token_slice == slice(0, t)
     out = paged_attention(q, k, v, cache, md, scale)
     assert out.shape == (t, NUM_HEADS * HEAD_DIM)
 
@@ -102,15 +111,21 @@ def test_padding_tokens_beyond_actual_are_ignored():
     torch.testing.assert_close(out[:4], ref)
 
 
-def test_no_cache_prefill_matches_naive():
+@pytest.mark.parametrize("lens", [[3, 8, 1], [4, 4]])
+def test_no_cache_prefill_matches_naive(lens):
     g = torch.Generator().manual_seed(2)
-    md, _ = build_attn_metadata([0, 0, 0], [3, 8, 1], [[0], [1, 2], [3]], BLOCK_SIZE)
-    q = torch.randn(12, NUM_HEADS, HEAD_DIM, generator=g)
-    k = torch.randn(12, NUM_KV_HEADS, HEAD_DIM, generator=g)
-    v = torch.randn(12, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    tables = [[i] * 2 for i in range(len(lens))]
+    md, _ = build_attn_metadata([0] * len(lens), lens, tables, BLOCK_SIZE)
+    t = sum(lens)
+    q = torch.randn(t, NUM_HEADS, HEAD_DIM, generator=g)
+    k = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(t, NUM_KV_HEADS, HEAD_DIM, generator=g)
     out = paged_attention(q, k, v, None, md, 0.5)
-    for sl in (slice(0, 3), slice(3, 11), slice(11, 12)):
+    off = 0
+    for n in lens:
+        sl = slice(off, off + n)
         torch.testing.assert_close(out[sl], _naive(q[sl], k[sl], v[sl], 0.5))
+        off += n
 
 
 @pytest.mark.parametrize(
@@ -189,7 +204,8 @@ def test_one_long_context_does_not_pad_the_short_decodes():
     md, _ = build_attn_metadata(computed, [1] * 8, tables, bs)
     plan = build_plan(md, 8)
     real = sum(md.seq_lens_cpu)
-    gathered = sum(g.context_slots.numel() for g in plan.groups)
+    # Whole blocks are gathered: the short rows round up to 2 blocks each.
+    gathered = sum(g.num_context_slots for g in plan.groups)
     assert real == 7 * 20 + 4001
     assert gathered <= 2 * real, (gathered, real)
     # K and V bytes gathered per layer, as the issue states the bound.

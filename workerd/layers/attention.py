@@ -3,8 +3,8 @@
 Per layer the cache is one tensor [2, num_blocks, block_size, num_kv_heads,
 head_dim] (K then V). A forward pass (1) scatters the new tokens' K/V into
 their slots (attn_metadata.slot_mapping), then (2) for every request gathers
-its whole context (seq_lens[i] tokens) through its block table and lets its
-queries attend to it causally.
+its whole context (seq_lens[i] tokens, rounded up to whole blocks) through its
+block table and lets its queries attend to it causally.
 
 Requests are attended in groups, one scaled_dot_product_attention call per
 group over [rows, max_query_len] queries x [rows, max_seq_len] keys with a
@@ -12,9 +12,16 @@ boolean mask. Decodes and prefill chunks are grouped apart, and rows join a
 group only while its padding stays within a small factor of the real work:
 one long chunk must not pad hundreds of decodes to its length, nor one long
 context the short ones beside it (the keys gathered per layer stay within
-that factor of the real context, plus a little slack for tiny requests). The index tensors depend
-only on the metadata, so the model builds one PagedAttentionPlan per forward
-and every layer reuses it.
+that factor of the real context, plus a little slack for tiny requests). The
+index tensors depend only on the metadata, so the model builds one
+PagedAttentionPlan per forward and every layer reuses it.
+
+Decode is the hot path, so it avoids copies that only cost time there: K and
+V are gathered in one index_select of whole blocks (one contiguous copy per
+block instead of one per token), a group whose queries are a contiguous run
+of tokens is read and written through views rather than gathers and scatters,
+and decode queries sharing a KV head are attended as that head's query rows
+(GQA folded into the query length) rather than broadcast per head.
 """
 
 from __future__ import annotations
@@ -37,11 +44,24 @@ class _Group:
     # flattened [rows * max_query_len] padded output.
     token_index: torch.Tensor
     unpad_index: torch.Tensor
-    # [rows, max_seq_len] cache slot of each context position.
-    context_slots: torch.Tensor
-    # [rows, 1, max_query_len, max_seq_len] True where a query may attend.
+    # [rows * blocks_per_row] block ids of each row's context, row by row
+    # (rows past their own table repeat its last block; masked anyway).
+    context_blocks: torch.Tensor
+    # [rows, 1, max_query_len, blocks_per_row * block_size] True where a query may attend.
     mask: torch.Tensor
     max_query_len: int
+    # The group's padded queries are exactly tokens[start:stop] (consecutive
+    # requests, all of max_query_len tokens): read and written through views.
+    token_slice: slice | None
+
+    @property
+    def num_rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def num_context_slots(self) -> int:
+        """Cache slots (per K and per V) gathered for the group each layer."""
+        return self.mask.shape[0] * self.mask.shape[3]
 
 
 @dataclass
@@ -94,7 +114,9 @@ def build_plan(md: AttentionMetadata, num_tokens: int) -> PagedAttentionPlan:
     for n in q_lens:
         starts.append(starts[-1] + n)
     groups = [
-        _build_group(md, rows, starts, q_lens, seq_lens)
+        # Which rows share a call is what bounds the padding; their order
+        # within it is free, and batch order lets a group be a slice of tokens.
+        _build_group(md, sorted(rows), starts, q_lens, seq_lens)
         for rows in _group_rows(q_lens[: md.num_reqs], seq_lens[: md.num_reqs])
     ]
     return PagedAttentionPlan(groups=groups, num_actual_tokens=md.num_actual_tokens)
@@ -108,6 +130,9 @@ def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Grou
     for i, r in enumerate(rows):
         token_index.extend(range(starts[r], starts[r] + q_lens[r]))
         unpad.extend(range(i * max_q, i * max_q + q_lens[r]))
+    token_slice = None
+    if rows == list(range(rows[0], rows[-1] + 1)) and all(q_lens[r] == max_q for r in rows):
+        token_slice = slice(starts[rows[0]], starts[rows[-1] + 1])
     rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
     q_start = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
     q_len = torch.tensor([q_lens[r] for r in rows], dtype=torch.int64, device=device)
@@ -115,23 +140,23 @@ def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Grou
     qi = torch.arange(max_q, device=device)
     query_index = (q_start[:, None] + qi).clamp(max=max(md.num_actual_tokens - 1, 0))
 
-    # Absolute position of each (padded) query; key j is visible iff j <= it.
-    q_pos = (s_len - q_len)[:, None] + qi
-    kj = torch.arange(max_s, device=device)
-    mask = (kj[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
-
-    # Context position j of request r lives in block_table[r, j // bs] at offset j % bs.
-    # Columns past a request's table are clamped; those keys are masked anyway.
+    # Whole blocks are gathered, so keys run to a block boundary; key j is
+    # visible iff j <= the query's absolute position (never past seq_len).
     bs = md.block_size
     table = md.block_table[rows_t]
-    cols = (kj // bs).clamp(max=table.shape[1] - 1)
+    num_blocks = -(-max_s // bs)
+    cols = torch.arange(num_blocks, device=device).clamp(max=table.shape[1] - 1)
+    q_pos = (s_len - q_len)[:, None] + qi
+    kj = torch.arange(num_blocks * bs, device=device)
+    mask = (kj[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
     return _Group(
         query_index=query_index,
         token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
         unpad_index=torch.tensor(unpad, dtype=torch.int64, device=device),
-        context_slots=table[:, cols] * bs + kj % bs,
+        context_blocks=table[:, cols].reshape(-1),
         mask=mask,
         max_query_len=max_q,
+        token_slice=token_slice,
     )
 
 
@@ -166,33 +191,70 @@ def paged_attention(
     must be a whole prompt (seq_len == query_len) and attends only to the batch's
     own keys."""
     num_tokens, num_heads, head_dim = q.shape
-    out = q.new_zeros(num_tokens, num_heads * head_dim)
     if md.num_reqs == 0:
-        return out
+        return q.new_zeros(num_tokens, num_heads * head_dim)
     if plan is None:
         plan = build_plan(md, num_tokens)
     with_cache = kv_cache is not None and kv_cache.numel() > 0
     if with_cache:
         write_kv_cache(k, v, kv_cache, md.slot_mapping, plan.num_actual_tokens)
-        flat = kv_cache.flatten(1, 2)  # [2, num_slots, num_kv_heads, head_dim]
+    out = None
     for g in plan.groups:
-        if with_cache:
-            keys, values = flat[0][g.context_slots], flat[1][g.context_slots]
-            mask = g.mask
+        grouped = _attend_group(g, q, k, v, kv_cache if with_cache else None, scale)
+        if g.token_slice is not None and g.token_slice == slice(0, num_tokens):
+            return grouped  # the only group, covering every token in order
+        if out is None:
+            out = q.new_zeros(num_tokens, num_heads * head_dim)
+        if g.token_slice is not None:
+            out[g.token_slice] = grouped
         else:
-            # Keys laid out exactly like the padded queries: context = this step only.
-            keys, values = k[g.query_index], v[g.query_index]
-            mask = g.mask[..., : g.max_query_len]
-        # [rows, heads, len, head_dim] for SDPA; GQA broadcast is done by SDPA itself.
-        grouped = F.scaled_dot_product_attention(
-            q[g.query_index].transpose(1, 2),
-            keys.transpose(1, 2).to(q.dtype),
-            values.transpose(1, 2).to(q.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=keys.shape[2] != num_heads,
-        )
-        out[g.token_index] = grouped.transpose(1, 2).reshape(-1, num_heads * head_dim)[
-            g.unpad_index
-        ]
+            out[g.token_index] = grouped[g.unpad_index]
     return out
+
+
+def _attend_group(
+    g: _Group,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """One group's SDPA; [rows * max_query_len, num_heads * head_dim] padded
+    output (exactly the group's tokens when token_slice is set)."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rows, max_q = g.num_rows, g.max_query_len
+    if g.token_slice is not None:
+        queries = q[g.token_slice].view(rows, max_q, num_heads, head_dim)
+    else:
+        queries = q[g.query_index]
+    if kv_cache is not None:
+        kv = kv_cache.index_select(1, g.context_blocks)  # K and V blocks in one copy
+        kv = kv.view(2, rows, -1, num_kv_heads, head_dim).to(q.dtype)
+        keys, values = kv[0], kv[1]
+        mask = g.mask
+    else:
+        # Keys laid out exactly like the padded queries: context = this step only.
+        if g.token_slice is not None:
+            keys = k[g.token_slice].view(rows, max_q, num_kv_heads, head_dim)
+            values = v[g.token_slice].view(rows, max_q, num_kv_heads, head_dim)
+        else:
+            keys, values = k[g.query_index], v[g.query_index]
+        mask = g.mask[..., :max_q]
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    if max_q == 1:
+        # Decode: the query heads of one KV head are consecutive (HF's
+        # repeat_kv order), so they attend as that head's rows: one
+        # [group, context] problem per KV head instead of one per query head.
+        grouped = F.scaled_dot_product_attention(
+            queries.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim),
+            keys, values, attn_mask=mask, scale=scale,
+        )
+        return grouped.reshape(rows, num_heads * head_dim)
+    # [rows, heads, len, head_dim] for SDPA; GQA broadcast is done by SDPA itself.
+    grouped = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )
+    return grouped.transpose(1, 2).reshape(rows * max_q, num_heads * head_dim)

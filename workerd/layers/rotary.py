@@ -1,7 +1,9 @@
 """Rotary position embedding (NeoX / HF Llama layout: the two halves of each
 head are rotated as a pair). cos/sin are computed once per forward from the
 actual token positions, which in a paged batch are arbitrary (each request
-resumes at its own num_computed_tokens).
+resumes at its own num_computed_tokens), and turned once into RotaryTables
+in the model's dtype that every layer shares: a layer then rotates its q and
+k heads in four elementwise ops, with no per-layer casts or table copies.
 
 Supports rope_type "default", "linear" and "llama3" (Llama 3.1 frequency
 smoothing); other scalings are refused rather than silently mis-positioned.
@@ -10,6 +12,7 @@ smoothing); other scalings are refused rather than silently mis-positioned.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -73,13 +76,36 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class RotaryTables(NamedTuple):
+    """One step's rotation, shared by all layers; [n, 1, head_dim] each, in the
+    dtype of the activations they rotate."""
+
+    cos: torch.Tensor
+    # sin with its first half negated: rotate_half(x) * sin ==
+    # swap_halves(x) * signed_sin exactly (negation is exact), one op fewer.
+    signed_sin: torch.Tensor
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+    """cos/sin [n, head_dim] float32 (RotaryEmbedding's output) -> tables in
+    `dtype`. Cast after computing in float32, as HF does, so values match."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return RotaryTables(cos.to(dtype).unsqueeze(1), signed.to(dtype).unsqueeze(1))
+
+
+def apply_rotary_tables(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """x [n, heads, head_dim] (may be a strided view, e.g. q and k heads of a
+    fused qkv output) -> a new rotated tensor, bitwise equal to HF's
+    x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * tables.cos
+    out += swapped.mul_(tables.signed_sin)
+    return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [n, num_heads, head_dim]; cos/sin [n, head_dim]."""
-    cos = cos.to(x.dtype).unsqueeze(1)
-    sin = sin.to(x.dtype).unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    """x [n, num_heads, head_dim]; cos/sin [n, head_dim]. One-off form of
+    apply_rotary_tables (the model builds the tables once per step)."""
+    return apply_rotary_tables(x, rotary_tables(cos, sin, x.dtype))

@@ -19,7 +19,13 @@ from workerd.distributed import IntermediateTensors, ParallelState
 from workerd.layers.attention import PagedAttentionPlan, build_plan, paged_attention
 from workerd.layers.layernorm import RMSNorm
 from workerd.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from workerd.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from workerd.layers.rotary import (
+    RotaryEmbedding,
+    RotaryTables,
+    apply_rotary_tables,
+    rope_parameters,
+    rotary_tables,
+)
 from workerd.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -92,18 +98,20 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryTables,
         kv_cache: torch.Tensor | None,
         md: AttentionMetadata,
         plan: PagedAttentionPlan,
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(hidden_states)
+        num_qk = self.num_heads + self.num_kv_heads
+        # q and k are adjacent columns of the fused output: rotate both in one
+        # pass over a view, then split the rotated heads (views, no copies).
+        qk = apply_rotary_tables(qkv[:, : num_qk * self.head_dim].view(n, num_qk, self.head_dim),
+                                 rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, num_qk * self.head_dim :].view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, md, self.scale, plan)
         return self.o_proj(out)
 
@@ -132,13 +140,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states, residual, cos, sin, kv_cache, md, plan):
+    def forward(self, hidden_states, residual, rope, kv_cache, md, plan):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, md, plan)
+        hidden_states = self.self_attn(hidden_states, rope, kv_cache, md, plan)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -191,12 +199,14 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
+        # Everything that depends only on the step, not the layer, is built
+        # once here: the attention plan and the rotary tables.
         plan = build_plan(attn_metadata, positions.shape[0])
-        cos, sin = self.rotary_emb(positions)
+        rope = rotary_tables(*self.rotary_emb(positions), hidden_states.dtype)
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
             hidden_states, residual = layer(
-                hidden_states, residual, cos, sin, kv_cache, attn_metadata, plan
+                hidden_states, residual, rope, kv_cache, attn_metadata, plan
             )
         if not self.ps.is_last_pp_rank:
             return IntermediateTensors(hidden_states=hidden_states, residual=residual)

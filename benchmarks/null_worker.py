@@ -58,7 +58,8 @@ class RequestMirror:
     diffs alone as a worker keeps it, so a step's sampling requests are known:
     those whose context is complete after the step (num_computed_tokens +
     num_scheduled_tokens == prompt + output length). A partial prefill
-    samples nothing."""
+    samples nothing; a request that samples grows by one token, as every
+    worker rank appends it itself (protocol 3)."""
 
     def __init__(self) -> None:
         self.num_tokens: dict[str, int] = {}
@@ -81,14 +82,13 @@ class RequestMirror:
             if new.num_computed_tokens + new.num_scheduled_tokens == n:
                 sampling.append(new.req_id)
         cached = so.scheduled_cached_reqs
-        for req_id, computed, scheduled, added in zip(
-            cached.req_ids, cached.num_computed_tokens, cached.num_scheduled_tokens,
-            cached.num_new_token_ids, strict=True,
+        for req_id, computed, scheduled in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.num_scheduled_tokens, strict=True,
         ):
-            n = num_tokens[req_id] + added
-            num_tokens[req_id] = n
-            if computed + scheduled == n:
+            if computed + scheduled == num_tokens[req_id]:
                 sampling.append(req_id)
+        for req_id in sampling:
+            num_tokens[req_id] += 1
         return sampling
 
 

@@ -54,6 +54,10 @@ class SchedulerConfig:
         0, "most prefill tokens one request may take in a step; 0 = no cap", ge=0)
     policy: str = option("fcfs", "which waiting request goes first; priority: smaller "
                          "value first", flag="--scheduling-policy", choices=("fcfs", "priority"))
+    async_scheduling: bool = option(
+        True, "schedule and send the next step while the workers run this one (PP=1: "
+        "two steps in flight; PP>1: one micro-batch per stage); --no-async-scheduling "
+        "runs one step at a time")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,14 @@ Drains the input queue (new requests, aborts, worker-group events), blocking
 only when there is nothing to run, then steps: schedule -> executor broadcast
 -> update_from_output -> hand outputs to the client streams, together with a
 StepRecord (timestamps and counts only; metrics are observed on the loop).
+
+Pipelined steps (--async-scheduling, the default): the next step is
+scheduled and broadcast before the previous one's output is in, so the
+workers never wait for the controlplane. At PP=1 two steps are in flight and
+the second already covers the tokens the first is sampling (placeholders);
+at PP>1 up to PP steps with disjoint requests are in flight (vLLM's batch
+queue), one per pipeline stage. Outputs are applied in step order. With
+--no-async-scheduling one step runs at a time (schedule, wait, update).
 The scheduler is created when the worker group reports its KV capacity.
 When the group fails, its requests are held (recovery.py): reset to
 preempted-for-recompute with every streamed token kept, their streams open,
@@ -33,6 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import (
@@ -70,6 +79,16 @@ class _Kind(enum.Enum):
     DRAIN = 5
 
 
+@dataclass(slots=True)
+class _InFlightStep:
+    scheduler_output: SchedulerOutput
+    collect: Callable[[], ModelRunnerOutput]
+    t_start: float
+    t_scheduled: float
+    # (req_id, arrival_time) of requests sent to the workers for the first time.
+    admitted: list[tuple[str, float]]
+
+
 class EngineCore:
     def __init__(
         self,
@@ -80,10 +99,22 @@ class EngineCore:
         *,
         recovery_timeout_s: float = 0.0,
         on_recovery: Callable[[RecoveryRecord], None] | None = None,
+        submit_model: Callable[[SchedulerOutput], Callable[[], ModelRunnerOutput]] | None = None,
+        pipeline_parallel_size: int = 1,
     ):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self._execute_model = execute_model
+        # Broadcast a step now; the returned callable waits for its output.
+        # Without one (in-process executors) a step runs when submitted.
+        self._submit_model = submit_model or self._submit_inline
+        self.pipeline_parallel_size = pipeline_parallel_size
+        if not scheduler_config.async_scheduling:
+            self.max_steps_in_flight = 1
+        else:
+            self.max_steps_in_flight = pipeline_parallel_size if pipeline_parallel_size > 1 else 2
+        # Steps broadcast and not yet applied, oldest first.
+        self._in_flight: deque[_InFlightStep] = deque()
         self._emit = emit
         self.input_queue: queue.Queue = queue.Queue()
         self.scheduler: Scheduler | None = None
@@ -171,6 +202,7 @@ class EngineCore:
             sched.has_unfinished_requests()
             or sched.has_finished_requests()
             or bool(self._flush_req_ids)
+            or bool(self._in_flight)
         )
 
     def _process_input_queue(self) -> None:
@@ -265,65 +297,107 @@ class EngineCore:
             self._emit(outputs, None)
 
     def _new_scheduler(self, num_gpu_blocks: int) -> None:
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_gpu_blocks)
+        # Steps in flight belong to the old scheduler: their outputs are void.
+        self._in_flight.clear()
+        pipelined = self.max_steps_in_flight > 1
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.cache_config, num_gpu_blocks,
+            placeholders=pipelined and self.pipeline_parallel_size == 1,
+            num_micro_batches=self.pipeline_parallel_size if pipelined else 1,
+        )
         self.generation += 1
         self.last_stats = self.scheduler.make_stats()
 
     def step(self) -> None:
+        """Schedule and broadcast a step while fewer than max_steps_in_flight
+        are out; apply the oldest step's output when the queue is full or
+        there is nothing more to schedule."""
         assert self.scheduler is not None
+        queue = self._in_flight
+        if len(queue) < self.max_steps_in_flight:
+            submitted = self._schedule_and_submit()
+            if submitted is None:
+                return  # the group failed while sending
+            if submitted and len(queue) < self.max_steps_in_flight:
+                return  # room for another step before waiting on this one
+            if not queue:
+                # Nothing fits right now (e.g. waiting on blocks); don't spin hot.
+                time.sleep(0.001)
+                return
+        self._apply_oldest()
+
+    def _schedule_and_submit(self) -> bool | None:
+        """True: a step with tokens went out; False: nothing to send; None:
+        the group failed (handled)."""
+        sched = self.scheduler
+        assert sched is not None
         t_start = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = sched.schedule()
         if self._flush_req_ids:
             scheduler_output.finished_req_ids |= self._flush_req_ids
         t_scheduled = time.monotonic()
         if scheduler_output.is_empty() and not (
             scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
         ):
-            # Nothing fits right now (e.g. waiting on blocks); don't spin hot.
-            time.sleep(0.001)
-            return
+            return False
         new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        requests = sched.requests
+        admitted = [(r, requests[r].arrival_time) for r in new_ids]
         self._worker_req_ids |= new_ids  # from now on the workers may hold them
         try:
-            model_output = self._execute_model(scheduler_output)
+            collect = self._submit_model(scheduler_output)
         except WorkerGroupFailed as exc:
             # The executor reports the group failed too, with the kind.
             self._group_down(str(exc), None)
-            return
-        t_executed = time.monotonic()
+            return None
         # Workers drop finished ids before they add new ones, so an id both
-        # finished and new (a client reusing it) is held again.
+        # finished and new (a client reusing it) is held again. Steps run in
+        # order on every rank, so once sent the drop is as good as done.
         self._worker_req_ids -= scheduler_output.finished_req_ids - new_ids
         self._flush_req_ids.clear()
-        # Before update_from_output, which drops requests that finish this step.
-        requests = self.scheduler.requests
-        admitted = [
-            (n.req_id, requests[n.req_id].arrival_time)
-            for n in scheduler_output.scheduled_new_reqs
-            if n.req_id in requests
-        ]
+        self._in_flight.append(
+            _InFlightStep(scheduler_output, collect, t_start, t_scheduled, admitted))
+        return not scheduler_output.is_empty()
+
+    def _apply_oldest(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        step = self._in_flight.popleft()
+        try:
+            model_output = step.collect()
+        except WorkerGroupFailed as exc:
+            self._group_down(str(exc), None)
+            return
+        t_executed = time.monotonic()
+        scheduler_output = step.scheduler_output
         # If what follows raises, these must still hear of it: the ones that
         # finish leave the scheduler before their outputs are emitted.
-        self._step_requests = {r: requests[r] for r in scheduler_output.num_scheduled_tokens
-                               if r in requests}
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self._step_requests = {r: q for r, q in scheduler_output.scheduled_requests.items()
+                               if sched.requests.get(r) is q}
+        outputs = sched.update_from_output(scheduler_output, model_output)
         self.num_steps += 1
-        self.last_stats = stats = self.scheduler.make_stats()
+        self.last_stats = stats = sched.make_stats()
         t_end = time.monotonic()
         # Only timestamps and counts here; histograms are observed on the loop.
         record = StepRecord(
-            self.generation, t_start, t_scheduled, t_executed, t_end,
-            scheduler_output.total_num_scheduled_tokens, admitted,
+            self.generation, step.t_start, step.t_scheduled, t_executed, t_end,
+            scheduler_output.total_num_scheduled_tokens, step.admitted,
             model_output.forward_time_s, stats,
         )
         self._emit(outputs, record)
         self._step_requests = {}
 
+    def _submit_inline(self, scheduler_output: SchedulerOutput):
+        output = self._execute_model(scheduler_output)
+        return lambda: output
+
     # ---- the worker group failing and coming back --------------------------
 
     def _group_down(self, reason: str, kind: str | None) -> None:
         """The worker group failed: hold its requests (or, fail-fast, end them)."""
-        # The next group starts with no request state.
+        # Steps in flight on it will never answer; the next group starts with
+        # no request state.
+        self._in_flight.clear()
         self._worker_req_ids = set()
         self._flush_req_ids = set()
         sched = self.scheduler
@@ -349,6 +423,7 @@ class EngineCore:
         too_big = sched.replace_kv_pool(num_gpu_blocks) if num_gpu_blocks != old_blocks else []
         # Ids finished while holding belong to the old group; this one holds none.
         sched.finished_req_ids = set()
+        self._in_flight.clear()
         self._worker_req_ids = set()
         self._flush_req_ids = set()
         self.recovery.resumed(sched.requests.values())
@@ -366,6 +441,7 @@ class EngineCore:
         self._unavailable_reason = self.recovery.reason
         error = self.recovery.give_up(len(live))
         self.scheduler = None
+        self._in_flight.clear()
         if live:
             self._emit([self._error_output(r, error) for r in live], None)
 
@@ -376,6 +452,7 @@ class EngineCore:
         live = self.scheduler.requests.values() if self.scheduler is not None else ()
         outputs = [self._error_output(r, reason) for r in live]
         self.scheduler = None
+        self._in_flight.clear()
         # The next group starts with no request state.
         self._worker_req_ids = set()
         self._flush_req_ids = set()

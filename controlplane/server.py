@@ -94,6 +94,8 @@ class ControlPlane:
             config.scheduler, config.cache, execute_model=self._execute_model, emit=self._emit,
             recovery_timeout_s=config.workers.engine_recovery_timeout_s,
             on_recovery=self._on_recovery,
+            submit_model=self._submit_model,
+            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
         )
         self.executor = Executor(
             config.parallel,
@@ -125,6 +127,9 @@ class ControlPlane:
     # Called on the engine thread.
     def _execute_model(self, scheduler_output):
         return self.executor.execute_model(scheduler_output)
+
+    def _submit_model(self, scheduler_output):
+        return self.executor.submit(scheduler_output)
 
     def _emit(self, outputs, record=None) -> None:
         assert self._loop is not None

@@ -12,8 +12,11 @@ protobuf by workerd.wire) to execute_model, which
      (plus every prompt position of requests that asked for prompt logprobs)
      and, on the output rank only, samples one token each and takes the
      logprobs that were asked for (workerd.logprobs).
-Sampled tokens are not appended here: they come back through the next
-diff's new_token_ids on every rank, which keeps all ranks' state identical.
+  5. appends one token per sampling request on every rank
+     (workerd.sampled_tokens): the output rank its sampled ids, the first PP
+     stage the same ids received from it, every other rank a placeholder.
+The diff does not carry sampled tokens (the controlplane may schedule the next
+step before it has seen them), so this is how all ranks stay identical.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from workerd.logprobs import (
     prompt_target,
 )
 from workerd.model_loader import load_model
+from workerd.sampled_tokens import SampledTokens
 from workerd.sampler import Sampler, SamplingMetadata
 from workerd.sched_output import ModelRunnerOutput, SchedulerOutput
 
@@ -100,6 +104,7 @@ class ModelRunner:
         self.block_size = 0
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch()
+        self.sampled_tokens = SampledTokens(ps)
 
     # ---- start-up -------------------------------------------------------
 
@@ -135,6 +140,7 @@ class ModelRunner:
         mean nothing to the next group's scheduler); the weights stay."""
         self.requests = {}
         self.input_batch = InputBatch()
+        self.sampled_tokens.reset()
         self.kv_caches = []
         self.block_size = 0
 
@@ -146,6 +152,8 @@ class ModelRunner:
             return ModelRunnerOutput([], []) if self.ps.is_output_rank else None
         if not self.kv_caches:
             raise RuntimeError("execute_model before init_kv_cache")
+        if self.sampled_tokens.receives:
+            self.sampled_tokens.resolve(self.input_batch.req_id_to_index)
         inputs = self._prepare_inputs(scheduler_output)
         # Every rank advances the same way, so all agree on next step's rows.
         for target in inputs.prompt_targets:
@@ -155,6 +163,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self._forward(inputs)
             if hidden is None:
+                self.sampled_tokens.append(inputs.sample_states, None)
                 return None
             num_sample = len(inputs.sample_states)
             if num_sample == 0 and not inputs.prompt_targets:
@@ -169,8 +178,10 @@ class ModelRunner:
                 # compute_logits may gather vocab shards: every last-stage TP rank calls it.
                 logits = self.model.compute_logits(hidden[indices])
                 if not self.ps.is_output_rank:
+                    self.sampled_tokens.append(inputs.sample_states, None)
                     return None
                 out = self._sample(logits[:num_sample], inputs.sample_states)
+                self.sampled_tokens.append(inputs.sample_states, out.sampled_token_ids)
                 if inputs.prompt_targets:
                     out.prompt_logprobs = prompt_logprobs(
                         logits[num_sample:], inputs.prompt_targets
@@ -255,7 +266,6 @@ class ModelRunner:
             state = self.requests.get(req_id)
             if state is None:
                 raise KeyError(f"cached request {req_id!r} is unknown to this worker")
-            state.append_token_ids(cached.new_token_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             resumed = cached.resumed_from_preemption[i]

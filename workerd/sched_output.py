@@ -52,8 +52,6 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     # True: new_block_ids replaces the block list instead of extending it.
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    # Tokens appended since this worker last saw the request.
-    new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 

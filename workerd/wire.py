@@ -68,7 +68,6 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         pc.resumed_from_preemption,
         pc.num_computed_tokens,
         pc.num_scheduled_tokens,
-        pc.num_new_token_ids,
         pc.num_new_block_ids,
     )
     if any(len(col) != len(req_ids) for col in columns):
@@ -76,7 +75,6 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
     cached = CachedRequestData(
         req_ids=req_ids,
         resumed_from_preemption=list(pc.resumed_from_preemption),
-        new_token_ids=_split(pc.new_token_ids, pc.num_new_token_ids),
         new_block_ids=_split(pc.new_block_ids, pc.num_new_block_ids),
         num_computed_tokens=list(pc.num_computed_tokens),
     )

@@ -40,8 +40,6 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     # True: new_block_ids replaces the request's block list (back from preemption).
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    # Tokens appended since the workers last saw the request (the sampled ones).
-    new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
@@ -79,6 +77,9 @@ class SchedulerOutput:
     sampling_reqs: dict[str, int | None] = field(default_factory=dict)
     # Requests that asked for prompt logprobs and compute prompt positions.
     prompt_logprobs_windows: dict[str, PromptLogprobsWindow] = field(default_factory=dict)
+    # Not sent: the Request objects scheduled. Its output may come back after
+    # the request ended and a new one took its id (steps in flight).
+    scheduled_requests: dict = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

@@ -102,8 +102,12 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache when first scheduled.
     num_cached_tokens: int = -1
-    # How many of all_token_ids the workers have been sent (drives the diff).
-    num_tokens_sent: int = 0
+    # The workers hold its state (sent as new since the group formed): a
+    # resume from preemption sends only the block list.
+    sent_to_workers: bool = False
+    # Tokens sampled by steps in flight that have not come back yet (async
+    # scheduling): the next step already computes their positions.
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     # Worker group failures this request was held across (the engine caps it:
     # a request that crashes its workers every time must not cycle forever).

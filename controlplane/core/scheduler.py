@@ -12,6 +12,18 @@ policy order. When the block pool runs dry a running request is preempted by
 recompute: its blocks are freed and it goes back to the head of the waiting
 queue, to be recomputed later (mostly from the prefix cache).
 
+Pipelined steps (the engine keeps more than one step in flight): with
+placeholders on (async scheduling at PP=1, as vLLM's AsyncScheduler) a
+request is scheduled for its next token before the previous step's token is
+known; num_output_placeholders counts its sampled-but-unseen tokens and the
+workers fill them in themselves. With num_micro_batches > 1 (the PP batch
+queue) a step takes at most 1/num_micro_batches of the active requests, so
+consecutive steps hold disjoint requests and pipeline stages overlap; a
+request with a step in flight has nothing left to schedule until its output
+is in. Outputs always arrive in step order; a step's output may reach a
+request that was preempted after the step was scheduled (its token is kept,
+as the workers kept it).
+
 Priority convention (as vLLM): a SMALLER Request.priority value is served
 first; ties go to the earlier arrival. The preemption victim is the request
 with the largest (priority, arrival_time), i.e. the least important and newest.
@@ -50,8 +62,16 @@ _LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_gpu_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+        *,
+        placeholders: bool = False,
+        num_micro_batches: int = 1,
     ) -> None:
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
         if scheduler_config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {scheduler_config.policy!r}")
         self.scheduler_config = scheduler_config
@@ -69,6 +89,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preemptions = 0
+        self.placeholders = placeholders
+        self.num_micro_batches = num_micro_batches
 
     # -- request lifecycle ----------------------------------------------
 
@@ -161,11 +183,16 @@ class Scheduler:
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
         preempted: set[str] = set()
-        budget = self.scheduler_config.max_num_batched_tokens
-        budget = self._schedule_running(budget, cached, num_scheduled, preempted)
+        cfg = self.scheduler_config
+        budget = cfg.max_num_batched_tokens
+        max_reqs = cfg.max_num_seqs
+        if self.num_micro_batches > 1:
+            active = min(len(self.running) + len(self.waiting), max_reqs)
+            max_reqs = max(1, -(-active // self.num_micro_batches))
+        budget = self._schedule_running(budget, max_reqs, cached, num_scheduled, preempted)
         # As vLLM: admitting while preempting would just thrash the pool.
         if not preempted:
-            self._schedule_waiting(budget, new_reqs, cached, num_scheduled)
+            self._schedule_waiting(budget, max_reqs, new_reqs, cached, num_scheduled)
         self.step_id += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
@@ -178,15 +205,22 @@ class Scheduler:
     def _record_expected_reply(self, so: SchedulerOutput) -> None:
         """What the output rank must answer, for the executor's reply check: a
         request samples when this step completes its context (as the worker
-        decides), and prompt logprobs come only from the positions it computes."""
+        decides), and prompt logprobs come only from the positions it computes.
+        A request that samples gets a placeholder (async scheduling) here,
+        after every preemption of the step is settled."""
         requests = self.requests
         sampling = so.sampling_reqs
+        scheduled_requests = so.scheduled_requests
+        placeholders = self.placeholders
         for req_id, num_new in so.num_scheduled_tokens.items():
             request = requests[req_id]
+            scheduled_requests[req_id] = request
             params = request.sampling_params
             num_computed = request.num_computed_tokens  # already advanced by num_new
-            if num_computed == len(request.all_token_ids):
+            if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
                 sampling[req_id] = params.logprobs
+                if placeholders:
+                    request.num_output_placeholders += 1
             # A request that sampled once has had its whole prompt's logprobs.
             if params.prompt_logprobs is not None and not request.output_token_ids:
                 start = num_computed - num_new + 1
@@ -199,6 +233,7 @@ class Scheduler:
     def _schedule_running(
         self,
         budget: int,
+        max_reqs: int,
         cached: CachedRequestData,
         num_scheduled: dict[str, int],
         preempted: set[str],
@@ -210,16 +245,19 @@ class Scheduler:
         threshold = self.scheduler_config.long_prefill_token_threshold
         c_ids = cached.req_ids
         c_resumed = cached.resumed_from_preemption
-        c_tokens = cached.new_token_ids
         c_blocks = cached.new_block_ids
         c_computed = cached.num_computed_tokens
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(num_scheduled) < max_reqs:
             request = running[i]
             num_computed = request.num_computed_tokens
-            all_ids = request.all_token_ids
-            num_all = len(all_ids)
-            num_new = num_all - num_computed
+            pending = request.num_output_placeholders
+            if pending and request.num_output_tokens + pending >= request.max_tokens:
+                # Its last token is already being sampled: one more step
+                # would compute a token no one can ever be sent.
+                i += 1
+                continue
+            num_new = len(request.all_token_ids) + pending - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -237,10 +275,8 @@ class Scheduler:
             req_id = request.request_id
             c_ids.append(req_id)
             c_resumed.append(False)
-            c_tokens.append(all_ids[request.num_tokens_sent :])
             c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
             c_computed.append(num_computed)
-            request.num_tokens_sent = num_all
             request.num_computed_tokens = num_computed + num_new
             num_scheduled[req_id] = num_new
             budget -= num_new
@@ -275,6 +311,7 @@ class Scheduler:
     def _schedule_waiting(
         self,
         budget: int,
+        max_reqs: int,
         new_reqs: list[NewRequestData],
         cached: CachedRequestData,
         num_scheduled: dict[str, int],
@@ -284,8 +321,13 @@ class Scheduler:
         waiting = self.waiting
         running = self.running
         threshold = cfg.long_prefill_token_threshold
-        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+        while (waiting and budget > 0 and len(running) < cfg.max_num_seqs
+               and len(num_scheduled) < max_reqs):
             request = waiting.peek()
+            if request.num_output_placeholders:
+                # Preempted with its last step still in flight: it resumes
+                # once that step's token is in (the engine's next update).
+                break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
@@ -314,12 +356,11 @@ class Scheduler:
         cached: CachedRequestData,
     ) -> None:
         """Full data for workers that never saw the request; for one back from
-        preemption (workers kept its state) the unsent tokens and the
-        replacement block list."""
+        preemption (workers kept its state, tokens included) the replacement
+        block list."""
         req_id = request.request_id
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
-        all_ids = request.all_token_ids
-        if request.num_tokens_sent == 0:
+        if not request.sent_to_workers:
             new_reqs.append(
                 NewRequestData(
                     req_id,
@@ -334,10 +375,9 @@ class Scheduler:
         else:
             cached.req_ids.append(req_id)
             cached.resumed_from_preemption.append(True)
-            cached.new_token_ids.append(all_ids[request.num_tokens_sent :])
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_computed)
-        request.num_tokens_sent = len(all_ids)
+        request.sent_to_workers = True
 
     def _pop_victim(self) -> tuple[Request, int]:
         running = self.running
@@ -356,12 +396,10 @@ class Scheduler:
         its progress, and any block it registered for tokens now never computed."""
         req_id = request.request_id
         j = cached.req_ids.index(req_id)
-        request.num_tokens_sent -= len(cached.new_token_ids[j])
         num_computed = cached.num_computed_tokens[j]
         for column in (
             cached.req_ids,
             cached.resumed_from_preemption,
-            cached.new_token_ids,
             cached.new_block_ids,
             cached.num_computed_tokens,
         ):
@@ -387,18 +425,23 @@ class Scheduler:
         nothing (partial prefill chunks) produce no output."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
-        scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = scheduler_output.scheduled_requests
         # Trimmed while every request is still here (finishing frees them).
         prompt_chunks = unsent_prompt_logprobs(model_runner_output.prompt_logprobs, requests)
         any_finished = False
+        preempted_finished: set[str] = set()
         logprobs = model_runner_output.logprobs
         for i, (req_id, token_id) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
         ):
             request = requests.get(req_id)
-            # Aborted or preempted after this output was scheduled: drop the token.
-            if request is None or request.status is not _RUNNING or req_id not in scheduled:
+            # Ended after this step was scheduled (maybe a new request now
+            # holds the id): drop the token. One preempted meanwhile keeps it:
+            # the workers kept it too.
+            if request is None or scheduled.get(req_id) is not request:
                 continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token_ids(token_id)
             num_output = len(request.output_token_ids)
             params = request.sampling_params
@@ -416,6 +459,8 @@ class Scheduler:
                 status = _LENGTH
             finish_reason = None
             if status is not None:
+                if request.status is not _RUNNING:
+                    preempted_finished.add(req_id)
                 request.status = status
                 request.stop_token_id = stop_token_id
                 finish_reason = finish_reason_of(status)
@@ -435,6 +480,8 @@ class Scheduler:
             outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if preempted_finished:
+            self.waiting.remove_ids(preempted_finished)
         if prompt_chunks:
             attach_prompt_logprobs(prompt_chunks, outputs, requests)
         return outputs
@@ -449,10 +496,14 @@ class Scheduler:
             kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
-            request.num_tokens_sent = 0
+            request.sent_to_workers = False
             request.num_preemptions += 1
         for request in self.waiting:
-            request.num_tokens_sent = 0
+            request.sent_to_workers = False
+            request.num_computed_tokens = 0
+        for request in self.requests.values():
+            # Steps in flight on the failed group never answer.
+            request.num_output_placeholders = 0
         self.waiting.prepend_many(self.running)
         self.running = []
         kv.reset_prefix_cache()

@@ -120,11 +120,11 @@ class Executor:
         self._failed_starts = 0
         self._watchdog: asyncio.Task | None = None
         self._startup_task: asyncio.Task | None = None
-        # Readiness: when a step or canary last completed, and whether a step
-        # is on the wire right now (a long step is progress, not silence).
+        # Readiness: when a step or canary last completed, and how many steps
+        # are on the wire right now (a long step is progress, not silence).
         # Single values the engine thread writes too, so outside the lock.
         self._last_success = 0.0
-        self._step_in_flight = False
+        self._steps_in_flight = 0
         # Per-step counters for metrics and benchmarks, read on the engine
         # thread right after execute_model returns.
         self.last_step_bytes = 0
@@ -160,7 +160,7 @@ class Executor:
                 failure_reason=self._failure_reason,
                 failure_counts=MappingProxyType(dict(self._failure_counts)),
                 last_success=self._last_success,
-                step_in_flight=self._step_in_flight,
+                step_in_flight=self._steps_in_flight > 0,
                 num_gpu_blocks=self._num_gpu_blocks,
             )
 
@@ -490,20 +490,40 @@ class Executor:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcast one step and wait for the output rank's reply (engine thread)."""
+        return self.submit(so)()
+
+    def submit(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Hand one step to the worker plane's loop and return at once; the
+        returned callable waits for the output rank's checked reply (engine
+        thread). Steps are sent in submission order (the loop runs its
+        callbacks FIFO), and every rank runs them in that order."""
         if self._state is not GroupState.READY or self._loop is None:
             raise WorkerGroupFailed(self.status().describe())
         command = worker_pb2.ControlMessage(execute_model=scheduler_output_to_proto(so))
-        self._step_in_flight = True
+        t_send = time.perf_counter()
+        self._steps_in_flight += 1
         try:
-            t_send = time.perf_counter()
-            call = self._send_from_engine_thread(command)
-            # Set here, on the engine thread: a canary sent from the loop
-            # meanwhile must not be counted as this step's broadcast.
-            self.last_step_bytes = call.nbytes
-            reply = self._wait_for_output_rank(call)
-            self.last_round_trip_s = time.perf_counter() - t_send
-        finally:
-            self._step_in_flight = False
+            sent = self._post_from_engine_thread(command)
+        except BaseException:
+            self._steps_in_flight -= 1
+            raise
+
+        def collect() -> ModelRunnerOutput:
+            try:
+                call = self._await_sent(sent)
+                # Set here, on the engine thread: a canary sent from the loop
+                # meanwhile must not be counted as this step's broadcast.
+                self.last_step_bytes = call.nbytes
+                reply = self._wait_for_output_rank(call)
+                self.last_round_trip_s = time.perf_counter() - t_send
+            finally:
+                self._steps_in_flight -= 1
+            return self._check_reply(reply, so)
+
+        return collect
+
+    def _check_reply(self, reply: worker_pb2.WorkerMessage, so: SchedulerOutput
+                     ) -> ModelRunnerOutput:
         rank = self.parallel.output_rank
         try:
             out = check_step_reply(reply.model_runner_output, so, self._vocab_size, rank)
@@ -519,14 +539,18 @@ class Executor:
         self._last_success = time.monotonic()
         return out
 
-    def _send_from_engine_thread(self, command: worker_pb2.ControlMessage) -> PendingCall:
-        """Hand the command to the loop, which owns the streams; return its pending call."""
+    def _post_from_engine_thread(
+        self, command: worker_pb2.ControlMessage
+    ) -> concurrent.futures.Future:
+        """Hand the command to the loop, which owns the streams; the future
+        gets its pending call once sent. Not waited for here: the engine
+        goes on scheduling while the loop sends."""
         assert self._loop is not None
         sent: concurrent.futures.Future = concurrent.futures.Future()
 
         def send() -> None:
             if not sent.set_running_or_notify_cancel():
-                return  # the engine thread gave up waiting (below)
+                return  # the engine thread gave up waiting (_await_sent)
             try:
                 if self._state is not GroupState.READY:
                     raise WorkerGroupFailed(self.status().describe())
@@ -540,6 +564,9 @@ class Executor:
             self._loop.call_soon_threadsafe(send)
         except RuntimeError:  # the worker plane's loop is closed
             raise WorkerGroupFailed("controlplane is shutting down") from None
+        return sent
+
+    def _await_sent(self, sent: concurrent.futures.Future) -> PendingCall:
         try:
             return sent.result(timeout=self.cfg.step_timeout_s)
         except concurrent.futures.TimeoutError:

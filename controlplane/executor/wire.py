@@ -69,8 +69,6 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         out.resumed_from_preemption.extend(cached.resumed_from_preemption)
         out.num_computed_tokens.extend(cached.num_computed_tokens)
         out.num_scheduled_tokens.extend([num_scheduled[r] for r in cached.req_ids])
-        out.num_new_token_ids.extend([len(t) for t in cached.new_token_ids])
-        out.new_token_ids.extend([t for toks in cached.new_token_ids for t in toks])
         out.num_new_block_ids.extend([len(b) for b in cached.new_block_ids])
         out.new_block_ids.extend([b for blocks in cached.new_block_ids for b in blocks])
     return msg

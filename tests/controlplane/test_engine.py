@@ -317,12 +317,15 @@ def test_an_idle_engine_blocks_instead_of_spinning(tiny_model_dir):
     client.wait_finished("a")
     probe.wait_blocked()  # not blocked from taking "a" until idle again
     # One step per token (the prompt fits one step), then one that only tells
-    # the workers "a" finished, so they drop its state; none while idle.
-    assert len(steps) == engine.num_steps == 5
+    # the workers "a" finished, so they drop its state; none while idle. A
+    # pipelined engine also has passes that only apply a step in flight.
+    assert engine.num_steps == 5
+    num_calls = len(steps)
+    assert 5 <= num_calls <= 5 + engine.max_steps_in_flight - 1
     assert "a" not in executor.runner.requests
     engine.shutdown()
     assert not engine._thread.is_alive()
-    assert len(steps) == 5
+    assert len(steps) == num_calls
     executor.close()
 
 

@@ -39,6 +39,7 @@ from tests.integration.reference import hf_greedy
 from workerd import distributed, kv_cache
 from workerd.distributed import IntermediateTensors, ParallelState, single_process_state
 from workerd.model_runner import ModelRunner
+from workerd.sampled_tokens import PLACEHOLDER
 from workerd.sched_output import (
     CachedRequestData,
     NewRequestData,
@@ -61,11 +62,10 @@ def new_req(req_id, prompt, block_ids, computed=0, outputs=(), params=GREEDY):
 
 
 def cached(*entries):
-    """entries: (req_id, new_token_ids, new_block_ids, num_computed_tokens, resumed)."""
+    """entries: (req_id, new_block_ids, num_computed_tokens, resumed)."""
     data = CachedRequestData()
-    for req_id, tokens, blocks, computed, resumed in entries:
+    for req_id, blocks, computed, resumed in entries:
         data.req_ids.append(req_id)
-        data.new_token_ids.append(list(tokens))
         data.new_block_ids.append(list(blocks))
         data.num_computed_tokens.append(computed)
         data.resumed_from_preemption.append(resumed)
@@ -140,12 +140,15 @@ def test_update_states_follows_hand_written_diffs():
     assert set(r.requests) == {"a", "b"} and r.input_batch.req_ids == ["a", "b"]
     assert batch_blocks(r) == {"a": [3, 7], "b": [1]}
 
-    # Cached deltas: sampled tokens appended, blocks extended, progress set.
+    # Cached deltas: blocks extended, progress set; tokens are the worker's
+    # own business (execute_model appends what it samples).
+    r.requests["a"].all_token_ids.append(100)
+    r.requests["b"].all_token_ids.append(200)
     r._update_states(
         step(
             2,
             {"a": 1, "b": 1},
-            cached_reqs=cached(("a", [100], [], 5, False), ("b", [200], [9], 3, False)),
+            cached_reqs=cached(("a", [], 5, False), ("b", [9], 3, False)),
         )
     )
     a, b = r.requests["a"], r.requests["b"]
@@ -153,22 +156,21 @@ def test_update_states_follows_hand_written_diffs():
     assert b.all_token_ids == [9, 9, 9, 200] and b.block_ids == [1, 9]
     assert batch_blocks(r) == {"a": [3, 7], "b": [1, 9]}
 
-    # b preempted: out of the batch, state kept; a scheduled alone.
+    # b preempted: out of the batch, state (tokens included) kept; a alone.
     r._update_states(
-        step(3, {"a": 1}, cached_reqs=cached(("a", [101], [], 6, False)), preempted=["b"])
+        step(3, {"a": 1}, cached_reqs=cached(("a", [], 6, False)), preempted=["b"])
     )
     assert r.input_batch.req_ids == ["a"] and "b" in r.requests
     assert r.requests["b"].all_token_ids == [9, 9, 9, 200]
 
-    # a finished; b resumed: the block list is replaced, recompute from 0,
-    # and the token sampled before preemption arrives now.
+    # a finished; b resumed: the block list is replaced, recompute from 0.
     r._update_states(
-        step(4, {"b": 5}, cached_reqs=cached(("b", [201], [8, 2], 0, True)), finished=["a"])
+        step(4, {"b": 4}, cached_reqs=cached(("b", [8, 2], 0, True)), finished=["a"])
     )
     assert set(r.requests) == {"b"} and r.input_batch.req_ids == ["b"]
     b = r.requests["b"]
     assert b.block_ids == [8, 2] and b.num_computed_tokens == 0
-    assert b.all_token_ids == [9, 9, 9, 200, 201]
+    assert b.all_token_ids == [9, 9, 9, 200]
     assert batch_blocks(r) == {"b": [8, 2]}
 
 
@@ -177,19 +179,20 @@ def test_running_request_not_scheduled_leaves_batch_and_returns():
     r._update_states(
         step(1, {"a": 2, "b": 2}, new=[new_req("a", [1, 2], [0]), new_req("b", [3, 4], [1])])
     )
-    r._update_states(step(2, {"b": 1}, cached_reqs=cached(("b", [5], [], 2, False))))
+    r.requests["b"].all_token_ids.append(5)
+    r._update_states(step(2, {"b": 1}, cached_reqs=cached(("b", [], 2, False))))
     assert r.input_batch.req_ids == ["b"]
     r._update_states(
         step(
             3,
             {"a": 1, "b": 1},
-            cached_reqs=cached(("a", [6], [], 2, False), ("b", [7], [2], 3, False)),
+            cached_reqs=cached(("a", [], 2, False), ("b", [2], 3, False)),
         )
     )
     assert sorted(r.input_batch.req_ids) == ["a", "b"]
     assert batch_blocks(r) == {"a": [0], "b": [1, 2]}
     with pytest.raises(KeyError, match="unknown"):
-        r._update_states(step(4, {"zz": 1}, cached_reqs=cached(("zz", [], [], 0, False))))
+        r._update_states(step(4, {"zz": 1}, cached_reqs=cached(("zz", [], 0, False))))
 
 
 def test_prepare_inputs_layout_slots_and_sampling_rows():
@@ -252,13 +255,14 @@ def test_execute_model_samples_only_complete_contexts():
     assert out.req_ids == ["b"] and out.sampled_token_ids == [22]
     # The forward is timed, and within the call (not a timestamp, not left at 0).
     assert 0 < out.forward_time_s <= wall_s
-    # Sampled tokens are not appended locally: they come back in the diff.
-    assert r.requests["b"].all_token_ids == [20, 21]
+    # The sampled token is appended here (protocol 3: the diff carries none).
+    assert r.requests["b"].all_token_ids == [20, 21, 22]
+    assert r.requests["a"].all_token_ids == [10, 11, 12, 13, 14]
     out = r.execute_model(
         step(
             2,
             {"a": 2, "b": 1},
-            cached_reqs=cached(("a", [], [], 3, False), ("b", [22], [], 2, False)),
+            cached_reqs=cached(("a", [], 3, False), ("b", [], 2, False)),
         )
     )
     assert out.req_ids == ["a", "b"] and out.sampled_token_ids == [15, 23]
@@ -275,12 +279,43 @@ def test_partial_prefill_only_step_returns_empty_output():
     assert out.req_ids == [] and out.sampled_token_ids == []
 
 
+def fake_p2p(monkeypatch):
+    """torch.distributed's isend/irecv for ranks that live in one process:
+    a send lands in its destination's mailbox; a receive (every one in these
+    tests is rank 0's) takes the oldest when waited on."""
+    from collections import defaultdict, deque
+
+    from workerd import sampled_tokens
+
+    boxes: dict = defaultdict(deque)
+
+    class Done:
+        def __init__(self, fill=None):
+            self.fill = fill
+
+        def wait(self):
+            if self.fill is not None:
+                self.fill()
+
+    def isend(t, dst, tag):
+        boxes[dst].append(t.clone())
+        return Done()
+
+    def irecv(t, src, tag):
+        return Done(lambda: t.copy_(boxes[0].popleft()))
+
+    monkeypatch.setattr(sampled_tokens.dist, "isend", isend)
+    monkeypatch.setattr(sampled_tokens.dist, "irecv", irecv)
+    return boxes
+
+
 def _ps(tp_rank, pp_rank, tp_size=2, pp_size=2):
     return layout_state(tp_size, pp_size, tp_rank, pp_rank)
 
 
 def test_pipeline_stages_send_receive_and_only_output_rank_answers(monkeypatch):
     sent, received = [], []
+    fake_p2p(monkeypatch)
 
     def fake_send(t, ps):
         sent.append(t.hidden_states.clone())
@@ -309,6 +344,14 @@ def test_pipeline_stages_send_receive_and_only_output_rank_answers(monkeypatch):
     # The last stage ran on the received hidden states, not on input ids.
     assert output_rank.model.calls[0][0] is None
     assert out.req_ids == ["a"] and out.sampled_token_ids == [43]
+    # Every rank appended a token for "a": the output rank the one it
+    # sampled, the first stage a placeholder that the output rank's message
+    # fills in before "a" runs again, the rest a placeholder for good.
+    assert output_rank.requests["a"].all_token_ids == [7, 8, 43]
+    assert last_tp1.requests["a"].all_token_ids == [7, 8, PLACEHOLDER]
+    assert first.requests["a"].all_token_ids == [7, 8, PLACEHOLDER]
+    first.sampled_tokens.resolve({"a"})
+    assert first.requests["a"].all_token_ids == [7, 8, 43]
     # Empty steps: only the output rank answers, nobody communicates.
     assert first.execute_model(step(2, {}, finished=["a"])) is None
     assert output_rank.execute_model(step(2, {}, finished=["a"])).req_ids == []

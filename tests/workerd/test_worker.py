@@ -120,7 +120,6 @@ def test_handshake_then_steps_and_a_failing_step_is_an_error_reply(tiny_model_di
     c.resumed_from_preemption.append(False)
     c.num_computed_tokens.append(3)
     c.num_scheduled_tokens.append(1)
-    c.num_new_token_ids.append(0)
     c.num_new_block_ids.append(0)
     reply = _send(worker, 6, execute_model=unknown)
     assert reply.call_id == 6

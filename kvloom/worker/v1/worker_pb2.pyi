@@ -11,9 +11,11 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
+PROTOCOL_VERSION_2: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
@@ -159,24 +161,20 @@ class NewRequestData(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[RequestSamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
-    __slots__ = ("req_ids", "resumed_from_preemption", "num_computed_tokens", "num_scheduled_tokens", "new_token_ids", "num_new_token_ids", "new_block_ids", "num_new_block_ids")
+    __slots__ = ("req_ids", "resumed_from_preemption", "num_computed_tokens", "num_scheduled_tokens", "new_block_ids", "num_new_block_ids")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_PREEMPTION_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     resumed_from_preemption: _containers.RepeatedScalarFieldContainer[bool]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
-    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., resumed_from_preemption: _Optional[_Iterable[bool]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., resumed_from_preemption: _Optional[_Iterable[bool]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
     __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids")

@@ -74,17 +74,19 @@ class ScriptedModel:
 
     def token(self, request: Request) -> int:
         seed = request.sampling_params.seed or 0
-        return self.words[(request.num_output_tokens + seed) % len(self.words)]
+        # With async scheduling this step's token is already a placeholder,
+        # and earlier steps' may be too.
+        k = request.num_output_tokens + max(request.num_output_placeholders - 1, 0)
+        return self.words[(k + seed) % len(self.words)]
 
     def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._pass_gate()
         self.num_steps += 1
         scheduler = self.engine.scheduler
         req_ids, sampled = [], []
-        for req_id in so.num_scheduled_tokens:
+        for req_id in so.sampling_reqs:
             req = scheduler.get_request(req_id)
-            # schedule() has advanced num_computed_tokens: a finished prefill samples.
-            if req is not None and req.num_computed_tokens >= req.num_tokens:
+            if req is not None:
                 req_ids.append(req_id)
                 sampled.append(self.token(req))
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

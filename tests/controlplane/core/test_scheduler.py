@@ -61,13 +61,13 @@ def test_new_then_cached_request_diff():
     so, _ = step(sched, {"a": 12})  # position 6 still fits block 1
     c = so.scheduled_cached_reqs
     assert so.scheduled_new_reqs == []
-    assert c.req_ids == ["a"] and c.new_token_ids == [[11]] and c.new_block_ids == [[]]
+    # No tokens in the diff: every worker rank appended 11 itself (protocol 3).
+    assert c.req_ids == ["a"] and c.new_block_ids == [[]]
     assert c.num_computed_tokens == [6] and c.resumed_from_preemption == [False]
     so, _ = step(sched, {"a": 13})  # position 7 fills block 1
     assert so.scheduled_cached_reqs.new_block_ids == [[]]
     so, _ = step(sched)  # position 8 opens block 2
     assert so.scheduled_cached_reqs.new_block_ids == [[2]]
-    assert so.scheduled_cached_reqs.new_token_ids == [[13]]
     assert so.scheduled_cached_reqs.num_computed_tokens == [8]
 
 
@@ -196,9 +196,8 @@ def test_fcfs_preempts_the_last_running_request_and_resumes_it_first():
     i = cached.req_ids.index("c")
     assert cached.resumed_from_preemption[i]
     assert cached.new_block_ids[i] == sched.kv_cache_manager.get_block_ids("c")
-    # Workers kept its prompt while preempted; only the token sampled just
-    # before the preemption is new to them.
-    assert cached.new_token_ids[i] == [7]
+    # Workers kept its state, with the token sampled just before the
+    # preemption (they appended it themselves): only blocks are sent.
     assert so.num_scheduled_tokens["c"] == 5  # prompt + its sampled token recomputed
 
 

@@ -14,7 +14,6 @@ def decode_step(req_ids: list[str]) -> SchedulerOutput:
         scheduled_cached_reqs=CachedRequestData(
             req_ids=list(req_ids),
             resumed_from_preemption=[False] * n,
-            new_token_ids=[[1]] * n,
             new_block_ids=[[]] * n,
             num_computed_tokens=[5] * n,
         ),

@@ -35,9 +35,9 @@ def decode_step_bytes(prompt_len: int, num_decode_steps: int = 40) -> list[int]:
         so = step()
         assert so.total_num_scheduled_tokens == NUM_REQS and not so.scheduled_new_reqs
         sizes.append(executor.last_step_bytes)
-    # The worker followed: every request holds its prompt and all but the last output.
+    # The worker followed: it appended every sampled token itself.
     assert all(
-        executor.runner.requests[r.request_id].all_token_ids == r.all_token_ids[:-1]
+        executor.runner.requests[r.request_id].all_token_ids == r.all_token_ids
         for r in reqs
     )
     return sizes

@@ -34,7 +34,6 @@ def _step(num_computed: int) -> CpOutput:
         scheduled_cached_reqs=CpCached(
             req_ids=["old-b", "old-c"],
             resumed_from_preemption=[False, True],
-            new_token_ids=[[42], [1, 2]],
             new_block_ids=[[], [9, 4, 8]],
             num_computed_tokens=[num_computed, 0],
         ),
@@ -58,7 +57,6 @@ def test_scheduler_output_roundtrip():
     c = so.scheduled_cached_reqs
     assert c.req_ids == ["old-b", "old-c"]
     assert c.resumed_from_preemption == [False, True]
-    assert c.new_token_ids == [[42], [1, 2]]
     assert c.new_block_ids == [[], [9, 4, 8]]
     assert c.num_computed_tokens == [100, 0]
     assert so.num_scheduled_tokens == {"new-a": 3, "old-b": 1, "old-c": 35}
@@ -76,7 +74,7 @@ def test_unseeded_request_stays_unseeded():
 
 def test_inconsistent_columns_are_rejected():
     msg = scheduler_output_to_proto(_step(1))
-    msg.scheduled_cached_reqs.num_new_token_ids[0] = 5  # claims more tokens than sent
+    msg.scheduled_cached_reqs.num_new_block_ids[1] = 5  # claims more blocks than sent
     with pytest.raises(ValueError, match="column counts"):
         scheduler_output_from_proto(msg)
 
@@ -89,7 +87,6 @@ def _decode_only(num_computed: int) -> CpOutput:
         scheduled_cached_reqs=CpCached(
             req_ids=ids,
             resumed_from_preemption=[False] * 64,
-            new_token_ids=[[49_000]] * 64,
             new_block_ids=[[]] * 64,
             num_computed_tokens=[num_computed] * 64,
         ),

@@ -33,17 +33,20 @@ from tests.inprocess import InProcessExecutor, SlotProbeModel
 def check_worker_view(
     executor: InProcessExecutor, sched: Scheduler, so: SchedulerOutput, out: ModelRunnerOutput
 ) -> None:
-    """After the worker ran so, before update_from_output appends its tokens."""
+    """After the worker ran so, before update_from_output appends its tokens
+    (the worker has appended them already: protocol 3)."""
     runner = executor.runner
     bs = sched.block_size
     kv = runner.kv_caches[0].view(-1)
     assert sorted(runner.input_batch.req_ids) == sorted(so.num_scheduled_tokens)
+    sampled = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
     complete = set()
     for req_id, n in so.num_scheduled_tokens.items():
         req, state = sched.get_request(req_id), runner.requests[req_id]
         block_ids = sched.kv_cache_manager.get_block_ids(req_id)
         assert state.block_ids == block_ids, req_id
-        assert state.all_token_ids == req.all_token_ids, req_id
+        own = [sampled[req_id]] if req_id in sampled else []
+        assert state.all_token_ids == req.all_token_ids + own, req_id
         assert state.num_computed_tokens + n == req.num_computed_tokens, req_id
         computed = req.num_computed_tokens
         slots = [block_ids[p // bs] * bs + p % bs for p in range(computed)]

@@ -26,7 +26,7 @@ and decode queries sharing a KV head are attended as that head's query rows
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,18 @@ class _Group:
     # The group's padded queries are exactly tokens[start:stop] (consecutive
     # requests, all of max_query_len tokens): read and written through views.
     token_slice: slice | None
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """mask as SDPA turns a boolean one into (0 where visible, -inf elsewhere;
+        bitwise the same results), built once per step instead of inside every
+        layer's call."""
+        mask = self._additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            mask.masked_fill_(~self.mask, float("-inf"))
+            self._additive[dtype] = mask
+        return mask
 
     @property
     def num_rows(self) -> int:
@@ -233,7 +245,7 @@ def _attend_group(
         kv = kv_cache.index_select(1, g.context_blocks)  # K and V blocks in one copy
         kv = kv.view(2, rows, -1, num_kv_heads, head_dim).to(q.dtype)
         keys, values = kv[0], kv[1]
-        mask = g.mask
+        mask = g.additive_mask(q.dtype)
     else:
         # Keys laid out exactly like the padded queries: context = this step only.
         if g.token_slice is not None:
@@ -241,7 +253,7 @@ def _attend_group(
             values = v[g.token_slice].view(rows, max_q, num_kv_heads, head_dim)
         else:
             keys, values = k[g.query_index], v[g.query_index]
-        mask = g.mask[..., :max_q]
+        mask = g.additive_mask(q.dtype)[..., :max_q]
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     if max_q == 1:
         # Decode: the query heads of one KV head are consecutive (HF's

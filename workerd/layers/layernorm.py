@@ -14,11 +14,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 like HF's LlamaRMSNorm, so bf16/fp16 match it too.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # Statistics in float32 like HF's LlamaRMSNorm, so bf16/fp16 match it
+        # too. Same ops in the same order as HF (bitwise equal); the
+        # intermediates are ours, so they are updated in place, and the
+        # normalised product is written straight into x's dtype (the same
+        # rounding as HF's multiply-then-cast) instead of cast by a second copy.
+        xf = x if x.dtype == torch.float32 else x.float()
+        scale = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        out = torch.empty_like(x)
+        torch.mul(xf, scale, out=out)
+        return out.mul_(self.weight) if self.weight.dtype == x.dtype else self.weight * out
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

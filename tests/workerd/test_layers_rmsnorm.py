@@ -1,0 +1,40 @@
+"""RMSNorm's in-place, cast-on-write form is bitwise HF's LlamaRMSNorm in
+every dtype workerd runs, and never writes into its inputs (the residual
+stream and the sublayer output are read after it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workerd.layers.layernorm import RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rmsnorm_is_bitwise_hf_and_leaves_inputs_alone(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    ours, hf = RMSNorm(96, 1e-5).to(dtype), LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        w = torch.randn(96, generator=g).to(dtype)
+        ours.weight.copy_(w)
+        hf.weight.copy_(w)
+    x = (torch.randn(7, 96, generator=g) * 5).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    assert torch.equal(ours(x), hf(x))
+    normed, new_res = ours(x, res)
+    assert torch.equal(new_res, x0 + res0)
+    assert torch.equal(normed, hf(x0 + res0))
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+
+
+def test_float32_weight_on_bf16_activations_promotes_like_hf():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ours, hf = RMSNorm(32), LlamaRMSNorm(32, eps=1e-6)
+    x = torch.randn(3, 32).bfloat16()
+    out = ours(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, hf(x))

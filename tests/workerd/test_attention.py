@@ -197,7 +197,7 @@ def test_rmsnorm_fused_residual_matches_hf():
 
 def test_one_long_context_does_not_pad_the_short_decodes():
     # 7 decodes with 20-token contexts beside one decode at 4,000 tokens:
-    # padded to the longest they would gather 8 x 4,001 slots for 4,147 real.
+    # padded to the longest they would gather 8 x 4,001 slots for 4,141 real.
     bs = 16
     computed = [19] * 7 + [4000]
     tables = [[i] * 2 for i in range(7)] + [[7 + j for j in range(251)]]

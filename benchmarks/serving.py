@@ -7,13 +7,20 @@ Against a running cluster:
 Or launching local clusters one layout (TPxPP) after another and printing one
 combined table:
     python benchmarks/serving.py --launch --layouts 1x1,2x1,1x2 --num-requests 32
+--scheduling async,serial runs every layout twice, with async scheduling (the
+default) and with --no-async-scheduling, side by side.
 
 Prompts are random token ids below the served vocab size (from GetModelInfo),
 seeded, EOS ids excluded, or the lines of --dataset sent as text. Requests
 use ignore_eos by default so every one produces exactly --max-tokens tokens
 and layouts are compared on equal work. Reported: duration, request and
 output-token throughput, TTFT, TPOT (per output token after the first) and
-inter-token latency (gaps between streamed messages), median and p99.
+inter-token latency (gaps between streamed messages), median and p99; for
+launched clusters also, over the timed requests only (from /metrics): steps,
+wall ms per step, the output rank's forward ms per step, the broadcast ->
+reply round trip per step, the output rank's busy share (forward time over
+the wall time) and, for serial runs, the unhidden control overhead per step
+(round trip - forward).
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ async def run_request(client, prompt, max_tokens: int, args, record: RequestReco
     record.end = time.perf_counter()
 
 
-async def benchmark(server: str, args) -> dict:
+async def benchmark(server: str, args, before_timed=None) -> dict:
+    """before_timed(): called after the warm-up, right before the timed requests."""
     async with AsyncKvloomClient(server) as client:
         prompts = await make_prompts(client, args)
         max_tokens = output_lengths(args)
@@ -80,6 +88,8 @@ async def benchmark(server: str, args) -> dict:
             async with limit:
                 await run_request(client, prompt, n, args, record)
 
+        if before_timed is not None:
+            before_timed()
         started = time.perf_counter()
         await asyncio.gather(*(one(p, n, r) for p, n, r in
                                zip(prompts, max_tokens, records, strict=True)))
@@ -171,6 +181,12 @@ TABLE_ROWS = [
     ("ITL p99 (ms)", lambda m: f"{m['itl_ms_p99']:.1f}"),
     ("steps", lambda m: str(m.get("steps", "-"))),
     ("bytes/step/rank", lambda m: f"{m.get('bytes_per_step_per_rank', 0):.0f}"),
+    ("wall ms/step", lambda m: f"{m.get('wall_ms_per_step', 0):.2f}"),
+    ("forward ms/step", lambda m: f"{m.get('forward_ms_per_step', 0):.2f}"),
+    ("round trip ms/step", lambda m: f"{m.get('round_trip_ms_per_step', 0):.2f}"),
+    ("output rank busy %", lambda m: f"{100 * m.get('output_rank_busy', 0):.0f}"),
+    ("control ms/step (serial)", lambda m: f"{m['control_ms_per_step']:.2f}"
+     if "control_ms_per_step" in m else "-"),
 ]
 
 
@@ -190,23 +206,59 @@ def format_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def step_bytes(metrics_url: str) -> dict:
-    """Steps run and SchedulerOutput bytes per step, from the controlplane's
-    /metrics. Every rank receives the same bytes: the step is serialized once
-    and written to each worker stream."""
+_STEP_SERIES = (
+    "kvloom_step_broadcast_bytes_sum", "kvloom_step_broadcast_bytes_count",
+    "kvloom_output_rank_forward_time_seconds_sum", "kvloom_step_round_trip_seconds_sum",
+)
+
+
+def step_series(metrics_url: str) -> dict[str, float]:
+    """The controlplane's cumulative step series, from its /metrics."""
     import urllib.request
 
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         text = resp.read().decode()
-    values = {}
+    values = dict.fromkeys(_STEP_SERIES, 0.0)
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         base = name.split("{", 1)[0]
-        if base in ("kvloom_step_broadcast_bytes_sum", "kvloom_step_broadcast_bytes_count"):
+        if base in values:
             values[base] = float(value)
-    steps = values.get("kvloom_step_broadcast_bytes_count", 0.0)
-    total = values.get("kvloom_step_broadcast_bytes_sum", 0.0)
-    return {"steps": int(steps), "bytes_per_step_per_rank": total / steps if steps else 0.0}
+    return values
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], duration_s: float,
+                   serial: bool) -> dict:
+    """Per-step figures of the timed window. Every rank receives the same
+    bytes: the step is serialized once and written to each worker stream.
+    The round trip of a pipelined step includes its wait behind the step
+    before it, so the control overhead (round trip - forward) is reported
+    for serial runs only."""
+    d = {k: after[k] - before[k] for k in _STEP_SERIES}
+    steps = d["kvloom_step_broadcast_bytes_count"]
+    if not steps:
+        return {"steps": 0}
+    forward = d["kvloom_output_rank_forward_time_seconds_sum"]
+    round_trip = d["kvloom_step_round_trip_seconds_sum"]
+    out = {
+        "steps": int(steps),
+        "bytes_per_step_per_rank": d["kvloom_step_broadcast_bytes_sum"] / steps,
+        "wall_ms_per_step": 1000 * duration_s / steps,
+        "forward_ms_per_step": 1000 * forward / steps,
+        "round_trip_ms_per_step": 1000 * round_trip / steps,
+        "output_rank_busy": forward / duration_s if duration_s else 0.0,
+    }
+    if serial:
+        out["control_ms_per_step"] = 1000 * (round_trip - forward) / steps
+    return out
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("async", "serial")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"bad --scheduling {text!r}: use async, serial or both")
+    return modes
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -233,25 +285,33 @@ def run_launched(args) -> list[dict]:
 
         args.model = default_model_dir()
     runs = []
-    for tp, pp in args.layouts:
+    for (tp, pp), mode in [(layout, m) for layout in args.layouts for m in args.scheduling]:
+        serial = mode == "serial"
         spec = launcher.ClusterSpec(
             model=args.model,
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             worker_threads=args.worker_threads,
-            controlplane_args=tuple(args.controlplane_args),
+            controlplane_args=tuple(args.controlplane_args)
+            + (("--no-async-scheduling",) if serial else ()),
         )
         sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
         cluster = launcher.Cluster(spec, log_sink=sink)
-        print(f"== layout tp={tp} pp={pp}: starting", file=sys.stderr)
+        print(f"== layout tp={tp} pp={pp} {mode}: starting", file=sys.stderr)
         try:
             cluster.start()
             cluster.wait_ready(args.ready_timeout)
-            result = asyncio.run(benchmark(cluster.api_address, args))
-            result["metrics"].update(step_bytes(cluster.metrics_address))
+            before: dict[str, float] = {}
+            result = asyncio.run(benchmark(
+                cluster.api_address, args,
+                before_timed=lambda c=cluster, b=before: b.update(step_series(c.metrics_address))))
+            result["metrics"].update(step_breakdown(
+                before, step_series(cluster.metrics_address),
+                result["metrics"]["duration_s"], serial))
         finally:
             cluster.stop()
-        runs.append({"name": f"tp{tp} pp{pp}", "tp": tp, "pp": pp, **result})
+        name = f"tp{tp} pp{pp}" + (" serial" if serial else "")
+        runs.append({"name": name, "tp": tp, "pp": pp, "scheduling": mode, **result})
     if args.hf_baseline:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script, not a package
         import hf_baseline
@@ -286,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--tp", type=int, default=1)
     launch.add_argument("--pp", type=int, default=1)
     launch.add_argument("--layouts", type=parse_layouts, help="e.g. 1x1,2x1,1x2 (TPxPP)")
+    launch.add_argument("--scheduling", type=parse_modes, default=["async"],
+                        help="async, serial (--no-async-scheduling) or both: async,serial")
     launch.add_argument("--ready-timeout", type=float, default=600.0)
     launch.add_argument("--logs", action="store_true", help="show the daemons' logs")
     launch.add_argument("--worker-threads", type=int, default=None,

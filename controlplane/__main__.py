@@ -219,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
               f"PP={par.pipeline_parallel_size} and the ports are usable")
         return
     from controlplane.server import run
+    from kvloom.server.gil import shorten_gil_switch_interval
 
+    shorten_gil_switch_interval()
     try:
         run(config, info, api_keys=keys)
     except PortInUse as exc:  # taken between the check and the bind

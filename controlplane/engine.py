@@ -7,8 +7,8 @@ StepRecord (timestamps and counts only; metrics are observed on the loop).
 
 Pipelined steps (--async-scheduling, the default): the next step is
 scheduled and broadcast before the previous one's output is in, so the
-workers never wait for the controlplane. At PP=1 two steps are in flight and
-the second already covers the tokens the first is sampling (placeholders);
+workers never wait for the controlplane. At PP=1 up to three steps are in
+flight and each covers the tokens the earlier ones are sampling (placeholders);
 at PP>1 up to PP steps with disjoint requests are in flight (vLLM's batch
 queue), one per pipeline stage. Outputs are applied in step order. With
 --no-async-scheduling one step runs at a time (schedule, wait, update).
@@ -68,6 +68,13 @@ MAX_FAILURES = 5
 FAILURE_WINDOW_S = 60.0
 # EX_SOFTWARE (sysexits.h): an internal error, not a usage or config error.
 FATAL_EXIT_CODE = 70
+# Steps in flight with async scheduling at PP=1. Two (vLLM's choice) is not
+# enough across a network boundary: the reply -> next step path (gRPC, a
+# thread hop in each daemon) takes about one step of a small model, and with
+# two in flight the worker idled a third of the time (benchmarks/serving.py
+# on the tiny model, README). A request that finishes costs at most the
+# steps already out, which are never applied to it.
+ASYNC_STEPS_IN_FLIGHT = 3
 
 
 class _Kind(enum.Enum):
@@ -111,8 +118,10 @@ class EngineCore:
         self.pipeline_parallel_size = pipeline_parallel_size
         if not scheduler_config.async_scheduling:
             self.max_steps_in_flight = 1
+        elif pipeline_parallel_size > 1:
+            self.max_steps_in_flight = pipeline_parallel_size
         else:
-            self.max_steps_in_flight = pipeline_parallel_size if pipeline_parallel_size > 1 else 2
+            self.max_steps_in_flight = ASYNC_STEPS_IN_FLIGHT
         # Steps broadcast and not yet applied, oldest first.
         self._in_flight: deque[_InFlightStep] = deque()
         self._emit = emit

@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    from kvloom.server.gil import shorten_gil_switch_interval
+
+    shorten_gil_switch_interval()
     sys.exit(run(args))
 
 

@@ -6,6 +6,7 @@ the controlplane's phase means from /metrics, and CPU per step by thread group.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,9 +65,12 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def analyze(ranks: list[dict], window: Window, running: int, world_size: int) -> dict:
     output = next(r for r in ranks if r["output"])
-    steady = [s for s in output["steps"]
-              if window.t_open <= s[1] <= window.t_close and s[3] == running]
     in_window = [s for s in output["steps"] if window.t_open <= s[1] <= window.t_close]
+    # Steady steps carry the usual batch: all `running` requests, or one
+    # micro-batch of them under the PP batch queue (async scheduling).
+    sizes_seen = Counter(s[3] for s in in_window)
+    batch = sizes_seen.most_common(1)[0][0] if sizes_seen else running
+    steady = [s for s in in_window if s[3] == batch]
     arrivals = [s[1] for s in steady]
     periods = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     # Only consecutive steps (no step of another kind in between).
@@ -96,6 +100,7 @@ def analyze(ranks: list[dict], window: Window, running: int, world_size: int) ->
     return {
         "running": running,
         "steady_steps": len(steady),
+        "reqs_per_step": batch,
         "window_steps": len(in_window),
         "ms_per_step_median": _median(periods) * 1e3,
         "ms_per_step_mean": ms_mean,
@@ -131,6 +136,7 @@ COLUMNS = [
     ("ranks", lambda r: str(r["ranks"])),
     ("running", lambda r: str(r["running"])),
     ("steps", lambda r: str(r["steady_steps"])),
+    ("reqs/step", lambda r: str(r.get("reqs_per_step", r["running"]))),
     ("ms/step", lambda r: f"{r['ms_per_step_median']:.2f}"),
     ("mean", lambda r: f"{r['ms_per_step_mean']:.2f}"),
     ("p10", lambda r: f"{r['ms_per_step_p10']:.2f}"),

@@ -292,7 +292,8 @@ def run_launched(args) -> list[dict]:
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             worker_threads=args.worker_threads,
-            controlplane_args=tuple(args.controlplane_args)
+            # The same dtype as the --hf-baseline run; flags after -- still win.
+            controlplane_args=("--dtype", args.dtype, *args.controlplane_args)
             + (("--no-async-scheduling",) if serial else ()),
         )
         sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115

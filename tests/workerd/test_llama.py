@@ -10,7 +10,7 @@ from tests.factories import build_attn_metadata, make_tiny_llama, paged_step
 from workerd.distributed import single_process_state
 from workerd.model_loader import load_model
 from workerd.models import get_model_class
-from workerd.models.llama import pp_layer_range
+from workerd.models.llama import lm_head_layers, pp_layer_range
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -175,6 +175,24 @@ def test_pp_layer_split_follows_vllm():
     assert [pp_layer_range(5, 2, r, (1, 4)) for r in range(2)] == [(0, 1), (1, 5)]
     with pytest.raises(ValueError, match="summing to num_hidden_layers=5"):
         pp_layer_range(5, 2, 0, (2, 2))
+
+
+def test_default_pp_split_balances_the_lm_head():
+    from types import SimpleNamespace
+
+    # SmolLM2-135M: its tied LM head (49,152 x 576) weighs 8 decoder layers.
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                              intermediate_size=1536, vocab_size=49152, head_dim=64)
+    head = lm_head_layers(smollm2)
+    assert head == pytest.approx(8.0, abs=0.01)
+    # 38 layers' worth over 2 stages: the last takes 11 layers + the head.
+    assert [pp_layer_range(30, 2, r, (), head) for r in range(2)] == [(0, 19), (19, 30)]
+    assert [pp_layer_range(30, 3, r, (), head) for r in range(3)] == [
+        (0, 12), (12, 25), (25, 30)]
+    # Every stage keeps at least one layer, however heavy the head.
+    assert [pp_layer_range(4, 2, r, (), 100.0) for r in range(2)] == [(0, 3), (3, 4)]
+    # An explicit partition wins.
+    assert [pp_layer_range(30, 2, r, (15, 15), head) for r in range(2)] == [(0, 15), (15, 30)]
 
 
 def test_unsupported_architecture_is_refused():

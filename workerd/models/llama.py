@@ -30,11 +30,22 @@ from workerd.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 def pp_layer_range(
-    num_layers: int, pp_size: int, pp_rank: int, partition: tuple[int, ...] = ()
+    num_layers: int,
+    pp_size: int,
+    pp_rank: int,
+    partition: tuple[int, ...] = (),
+    lm_head_layers: float = 0.0,
 ) -> tuple[int, int]:
-    """[start, end) layers of one PP stage. Default split follows vLLM: even, with
-    the remainder given one layer each to the stages just before the last (the
-    last stage already carries the final norm + LM head)."""
+    """[start, end) layers of one PP stage.
+
+    The default split balances the stages' weights: the last stage also
+    carries the LM head, worth lm_head_layers decoder layers (vocab x hidden
+    over one layer's parameters; SmolLM2-135M's is 8 of its 30 layers). A
+    decode step reads and multiplies every weight once per token, so the
+    stages' parameter counts are what the pipeline's period depends on; an
+    even split left SmolLM2's last stage with 60 % of the work. With
+    lm_head_layers 0 the split is vLLM's: even, the remainder given one layer
+    each to the stages just before the last."""
     if partition:
         if len(partition) != pp_size or sum(partition) != num_layers or min(partition) < 1:
             raise ValueError(
@@ -45,11 +56,26 @@ def pp_layer_range(
     else:
         if num_layers < pp_size:
             raise ValueError(f"num_hidden_layers {num_layers} < pp_size {pp_size}")
-        sizes = [num_layers // pp_size] * pp_size
-        for i in range(1, num_layers % pp_size + 1):
+        last = num_layers // pp_size
+        if pp_size > 1 and lm_head_layers > 0:
+            target = (num_layers + lm_head_layers) / pp_size
+            last = max(1, min(num_layers - (pp_size - 1), round(target - lm_head_layers)))
+        rest = num_layers - last
+        sizes = [rest // (pp_size - 1) if pp_size > 1 else 0] * (pp_size - 1) + [last]
+        for i in range(1, num_layers - sum(sizes) + 1):
             sizes[-i - 1] += 1
     start = sum(sizes[:pp_rank])
     return start, start + sizes[pp_rank]
+
+
+def lm_head_layers(config) -> float:
+    """The LM head's parameters in units of one decoder layer's."""
+    hidden = config.hidden_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    layer = (hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+             + 3 * hidden * config.intermediate_size)
+    return config.vocab_size * hidden / layer
 
 
 def tp_head_layout(
@@ -159,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
         self.start_layer, self.end_layer = pp_layer_range(
-            config.num_hidden_layers, ps.pp_size, ps.pp_rank, tuple(pp_layer_partition)
+            config.num_hidden_layers, ps.pp_size, ps.pp_rank, tuple(pp_layer_partition),
+            lm_head_layers(config),
         )
         self.num_local_layers = self.end_layer - self.start_layer
         self.layers = nn.ModuleList(

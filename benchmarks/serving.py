@@ -357,8 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run transformers' generate on the same requests "
                              "(benchmarks/hf_baseline.py) and report the ratio")
     launch.add_argument("--dtype", default="float32",
-                        help="dtype of the --hf-baseline model (pass the same to the "
-                             "controlplane after --)")
+                        help="dtype of the launched clusters and the --hf-baseline model")
     launch.add_argument("controlplane_args", nargs="*", help="after --: controlplane flags")
     return parser
 

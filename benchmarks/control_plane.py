@@ -418,7 +418,8 @@ def run_layout(layout: Layout, args, model: str, tmp: Path) -> list[dict]:
     results: list[dict] = []
     with ExitStack() as stack:
         cp = start_controlplane(model, layout, ports, max(args.running), blocks,
-                                tmp / f"controlplane-{layout.name}.log")
+                                tmp / f"controlplane-{layout.name}.log",
+                                () if args.async_scheduling else ("--no-async-scheduling",))
         stack.callback(cp.stop)
         nulls = start_null_workers(f"127.0.0.1:{ports.worker}", layout, tmp)
         for proc, _ in nulls:
@@ -471,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-tokenizer", action="store_true",
                    help="a word-level tokenizer instead of --model's")
     p.add_argument("--keep", action="store_true", help="keep the temporary dir (logs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="the controlplane's --async-scheduling (PP>1: one micro-batch of "
+                        "running/PP requests per step)")
     p.add_argument("--out", "--json", type=Path, help="write the results here (JSON)")
     return p
 

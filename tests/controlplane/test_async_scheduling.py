@@ -204,3 +204,55 @@ def test_a_reused_request_id_never_gets_the_old_requests_token(runs, tiny_model_
                   for t in o.new_token_ids]
     assert new_tokens == hf_greedy(tiny_model_dir, second, 5)
     run.assert_clean()
+
+
+def test_the_flag_and_its_variable(monkeypatch):
+    from controlplane.__main__ import build_parser
+
+    assert build_parser().parse_args([]).async_scheduling is True
+    assert build_parser().parse_args(["--no-async-scheduling"]).async_scheduling is False
+    monkeypatch.setenv("KVLOOM_ASYNC_SCHEDULING", "false")
+    assert build_parser().parse_args([]).async_scheduling is False
+    monkeypatch.setenv("KVLOOM_ASYNC_SCHEDULING", "maybe")
+    with pytest.raises(SystemExit, match="KVLOOM_ASYNC_SCHEDULING='maybe': expected true/false"):
+        build_parser().parse_args([])
+
+
+@pytest.mark.parametrize(("pp", "async_scheduling", "depth", "placeholders", "micro"), [
+    (1, True, ASYNC_STEPS_IN_FLIGHT, True, 1),
+    (1, False, 1, False, 1),
+    (2, True, 2, False, 2),
+    (4, True, 4, False, 4),
+    (4, False, 1, False, 1),
+])
+def test_steps_in_flight_by_layout(pp, async_scheduling, depth, placeholders, micro):
+    from controlplane.config import CacheConfig, SchedulerConfig
+    from controlplane.engine import EngineCore
+
+    engine = EngineCore(SchedulerConfig(async_scheduling=async_scheduling), CacheConfig(),
+                        lambda so: None, lambda outputs, record: None,
+                        pipeline_parallel_size=pp)
+    engine._new_scheduler(64)
+    assert engine.max_steps_in_flight == depth
+    assert engine.scheduler.placeholders is placeholders
+    assert engine.scheduler.num_micro_batches == micro
+
+
+def test_micro_batches_split_the_running_requests_and_stay_disjoint():
+    """PP=2 batch queue, by hand: the second step holds the other half, and
+    nothing is left to schedule until an output is in."""
+    from controlplane.config import CacheConfig, SchedulerConfig
+    from controlplane.core.scheduler import Scheduler
+    from tests.controlplane.core.helpers import model_output
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512), CacheConfig(block_size=4),
+                      256, num_micro_batches=2)
+    for i in range(6):
+        sched.add_request(make_request(5, max_tokens=8, req_id=f"m{i}"))
+    first, second = sched.schedule(), sched.schedule()
+    assert len(first.num_scheduled_tokens) == len(second.num_scheduled_tokens) == 3
+    assert not set(first.num_scheduled_tokens) & set(second.num_scheduled_tokens)
+    assert sched.schedule().total_num_scheduled_tokens == 0  # all in flight
+    sched.update_from_output(first, model_output(sched, first))
+    third = sched.schedule()
+    assert set(third.num_scheduled_tokens) == set(first.num_scheduled_tokens)

@@ -39,6 +39,7 @@ from workerd.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
+from workerd.layers.attention_backend import make_attention_backend
 from workerd.limits import WorkerLimits
 from workerd.logprobs import (
     PromptLogprobsTarget,
@@ -86,6 +87,7 @@ class ModelRunner:
         pp_layer_partition: tuple[int, ...] | list[int] = (),
         *,
         limits: WorkerLimits,
+        attention_backend: str = "torch",
     ) -> None:
         self.ps = ps
         self.model_path = model_path
@@ -94,6 +96,8 @@ class ModelRunner:
         # The scheduler's limits: the profile run's worst case.
         self.limits = limits
         self.device = torch.device(ps.device)
+        # Already resolved (torch or flashinfer) by the worker's load_model.
+        self.attention_backend = attention_backend
         # A private generator keeps unseeded sampling reproducible from
         # LoadModel.seed without touching torch's global RNG.
         self.generator = torch.Generator(device=self.device)
@@ -110,6 +114,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
+        self.model.set_attention_backend(
+            make_attention_backend(self.attention_backend, self.device))
 
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

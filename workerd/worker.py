@@ -24,6 +24,7 @@ import torch
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import free_port
 from workerd.devices import claim_device, resolve_device
+from workerd.layers.attention_backend import resolve_attention_backend
 from workerd.limits import WorkerLimits
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
@@ -116,7 +117,16 @@ class Worker:
             limits = WorkerLimits.from_proto(cmd.limits)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition))
+        try:
+            # Resolved here, against this rank's device and packages: ranks
+            # of one group agree on the request, not necessarily on auto.
+            backend = resolve_attention_backend(
+                cmd.attention_backend, torch.device(self.ps.device), _DTYPES[cmd.dtype])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        # The model object carries its attention backend, so a different one
+        # is a different model (the same weights, loaded again).
+        key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition), backend)
         if self.runner is not None and self._loaded == key:
             self.runner.limits = limits  # the weights do not depend on them
             logger.info("reusing the weights loaded from %s (%.1f MiB on this rank)",
@@ -126,13 +136,13 @@ class Worker:
         t0 = time.monotonic()
         runner = ModelRunner(
             self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition),
-            limits=limits,
+            limits=limits, attention_backend=backend,
         )
         runner.load_model()
         self.runner, self._loaded = runner, key
         logger.info(
-            "model loaded from %s: %.1f MiB of weights on this rank in %.1f s",
-            cmd.model_path, runner.weights_bytes() / 2**20, time.monotonic() - t0,
+            "model loaded from %s: %.1f MiB of weights on this rank in %.1f s; %s attention",
+            cmd.model_path, runner.weights_bytes() / 2**20, time.monotonic() - t0, backend,
         )
         return _model_loaded(False, runner.weights_bytes())
 

@@ -10,6 +10,7 @@ import torch
 
 from tests.factories import paged_step
 from workerd.distributed import single_process_state
+from workerd.layers.attention import paged_attention
 from workerd.layers.rotary import (
     RotaryEmbedding,
     apply_rotary_tables,
@@ -57,7 +58,7 @@ def _per_layer_rotary_forward(self, hidden_states, rope, kv_cache, md, plan):
     v = v.reshape(n, self.num_kv_heads, self.head_dim)
     cos, sin = _STEP["rotary"](_STEP["positions"])
     q, k = _hf_rotary(q, cos, sin), _hf_rotary(k, cos, sin)
-    return self.o_proj(llama.paged_attention(q, k, v, kv_cache, md, self.scale, plan))
+    return self.o_proj(paged_attention(q, k, v, kv_cache, md, self.scale, plan))
 
 
 _STEP: dict = {}

@@ -16,7 +16,7 @@ from torch import nn
 
 from workerd.attn_metadata import AttentionMetadata
 from workerd.distributed import IntermediateTensors, ParallelState
-from workerd.layers.attention import PagedAttentionPlan, build_plan, paged_attention
+from workerd.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from workerd.layers.layernorm import RMSNorm
 from workerd.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workerd.layers.rotary import (
@@ -120,6 +120,8 @@ class LlamaAttention(nn.Module):
         ], ps, bias)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, ps, bias)
         self.scale = self.head_dim**-0.5
+        # Set for every layer at once by LlamaForCausalLM.set_attention_backend.
+        self.attn_backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
         self,
@@ -127,7 +129,7 @@ class LlamaAttention(nn.Module):
         rope: RotaryTables,
         kv_cache: torch.Tensor | None,
         md: AttentionMetadata,
-        plan: PagedAttentionPlan,
+        plan,  # the backend's, from its build_plan for this forward
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
@@ -138,7 +140,7 @@ class LlamaAttention(nn.Module):
                                  rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk * self.head_dim :].view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, md, self.scale, plan)
+        out = self.attn_backend.forward(q, k, v, kv_cache, md, self.scale, plan)
         return self.o_proj(out)
 
 
@@ -209,6 +211,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, self.hidden_size, ps)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
+        self.attn_backend: AttentionBackend = TorchAttentionBackend()
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Every layer attends through `backend` (workerd/layers/attention_backend.py);
+        the weights and the KV cache layout do not depend on it."""
+        self.attn_backend = backend
+        for layer in self.layers:
+            layer.self_attn.attn_backend = backend
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -228,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
             residual = intermediate_tensors.residual
         # Everything that depends only on the step, not the layer, is built
         # once here: the attention plan and the rotary tables.
-        plan = build_plan(attn_metadata, positions.shape[0])
+        plan = self.attn_backend.build_plan(attn_metadata, positions.shape[0])
         rope = rotary_tables(*self.rotary_emb(positions), hidden_states.dtype)
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None

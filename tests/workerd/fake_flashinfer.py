@@ -1,0 +1,85 @@
+"""A stand-in `flashinfer` module for CPU tests of the FlashInfer backend's
+wiring: the two paged-KV wrappers with the 0.6 plan/run calling convention
+the backend uses, computing attention naively from exactly what they were
+planned with (page tables, causal, scale, dtypes). What it proves is that
+the backend hands FlashInfer a correct problem; that FlashInfer solves it
+is the gpu-marked test's job."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def _attend(q, k_cache, v_cache, qo_indptr, kv_indptr, indices, last_page_len, causal, scale):
+    """q [nnz, Hq, D]; caches NHD [pages, page_size, Hkv, D]."""
+    page_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    for i in range(len(kv_indptr) - 1):
+        pages = indices[kv_indptr[i]:kv_indptr[i + 1]].long()
+        kv_len = (len(pages) - 1) * page_size + int(last_page_len[i])
+        rep = q.shape[1] // num_kv_heads
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        qs = q[qo_indptr[i]:qo_indptr[i + 1]].float()
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if causal:  # queries aligned to the context's end
+            pos = kv_len - qs.shape[0] + torch.arange(qs.shape[0])
+            scores.masked_fill_(torch.arange(kv_len)[None, :] > pos[:, None], float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        out[qo_indptr[i]:qo_indptr[i + 1]] = o.to(q.dtype)
+    return out
+
+
+class _Wrapper:
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False):
+        assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+        self.plans: list[dict] = []
+        self.runs = 0
+
+    def run(self, q, paged_kv_cache):
+        p = self.plans[-1]
+        k_cache, v_cache = paged_kv_cache
+        assert q.is_contiguous() and q.dtype == p["q_data_type"]
+        assert k_cache.dtype == v_cache.dtype == p["kv_data_type"]
+        assert q.shape[1:] == (p["num_qo_heads"], p["head_dim"])
+        assert k_cache.shape[1:] == (p["page_size"], p["num_kv_heads"], p["head_dim"])
+        assert q.shape[0] == int(p["qo_indptr"][-1])
+        self.runs += 1
+        return _attend(q, k_cache, v_cache, p["qo_indptr"], p["kv_indptr"], p["indices"],
+                       p["last_page_len"], p["causal"], p["sm_scale"])
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
+             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16",
+             kv_data_type=None):
+        assert pos_encoding_mode == "NONE"  # rotary is applied before attention
+        self.plans.append(dict(
+            qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
+            last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim_qk, page_size=page_size,
+            causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
+            kv_data_type=kv_data_type))
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, *, pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16",
+             kv_data_type=None):
+        assert pos_encoding_mode == "NONE"
+        self.plans.append(dict(
+            qo_indptr=torch.arange(len(indptr), dtype=torch.int32), kv_indptr=indptr,
+            indices=indices, last_page_len=last_page_len, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=False,
+            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type))
+
+
+def module() -> types.ModuleType:
+    fake = types.ModuleType("flashinfer")
+    fake.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    fake.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    return fake

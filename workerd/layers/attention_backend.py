@@ -1,0 +1,123 @@
+"""Which attention implementation a worker runs, behind one small interface.
+
+vLLM's `--attention-backend` names the kernel family; kvloom has two:
+
+* `torch`: workerd/layers/attention.py, plain PyTorch (SDPA over gathered
+  blocks). Runs everywhere and is the reference the other is checked against.
+* `flashinfer`: workerd/layers/flashinfer_backend.py, FlashInfer's paged-KV
+  kernels. CUDA only, float16/bfloat16 only, and the package is optional,
+  so it is imported only once selected.
+
+`auto` picks flashinfer where it can run (a CUDA device, the package imports,
+a dtype its kernels take) and torch everywhere else. An explicit request that
+cannot be honoured is refused rather than quietly downgraded: whoever asked
+for flashinfer is measuring it.
+
+A backend builds one plan per forward from the step's AttentionMetadata
+(build_plan) and every layer runs with it (forward); both backends read and
+write the same KV cache layout, model.kv_cache_shape's
+[2, num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from workerd.attn_metadata import AttentionMetadata
+from workerd.layers.attention import build_plan, paged_attention
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+# What FlashInfer's kernels take for q and the cache.
+_FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build_plan(self, md: AttentionMetadata, num_tokens: int) -> Any: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        md: AttentionMetadata,
+        scale: float,
+        plan: Any,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """The plain-PyTorch paged attention; stateless."""
+
+    name = "torch"
+
+    def build_plan(self, md: AttentionMetadata, num_tokens: int):
+        return build_plan(md, num_tokens)
+
+    def forward(self, q, k, v, kv_cache, md, scale, plan):
+        return paged_attention(q, k, v, kv_cache, md, scale, plan)
+
+
+def flashinfer_import_error() -> str | None:
+    """None when `import flashinfer` works here, else why not (for the error
+    that explains a refused request)."""
+    try:
+        import flashinfer  # noqa: F401 (availability probe)
+    except Exception as exc:  # a broken build raises more than ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend this worker runs for a LoadModel's attention_backend: torch
+    or flashinfer. ValueError, naming what to change, when the request is not
+    one of ATTENTION_BACKENDS or asks for flashinfer where it cannot run.
+    Empty means auto (a controlplane from before the field)."""
+    requested = requested or "auto"
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {requested!r}; use one of {', '.join(ATTENTION_BACKENDS)}"
+        )
+    if requested == "torch":
+        return "torch"
+    explicit = requested == "flashinfer"
+    if device.type != "cuda":
+        if explicit:
+            raise ValueError(
+                f"attention backend 'flashinfer' needs a CUDA device but this worker runs on "
+                f"{device}; start the controlplane with --attention-backend torch (or auto)"
+            )
+        return "torch"
+    if dtype not in _FLASHINFER_DTYPES:
+        if explicit:
+            raise ValueError(
+                f"attention backend 'flashinfer' takes float16 or bfloat16, not "
+                f"{str(dtype).removeprefix('torch.')}; use --dtype bfloat16 or "
+                f"--attention-backend torch"
+            )
+        return "torch"
+    error = flashinfer_import_error()
+    if error is not None:
+        if explicit:
+            raise ValueError(
+                f"attention backend 'flashinfer' requested but the flashinfer package does not "
+                f"import on this worker ({error}); install flashinfer-python built for this "
+                f"torch and CUDA (pip install flashinfer-python), or use --attention-backend torch"
+            )
+        return "torch"
+    return "flashinfer"
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend object for a resolved name (resolve_attention_backend's)."""
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "flashinfer":
+        from workerd.layers.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device)
+    raise ValueError(f"no attention backend {name!r}; resolve_attention_backend names one")

@@ -1,0 +1,142 @@
+"""Paged attention through FlashInfer's kernels (`--attention-backend flashinfer`).
+
+Written against flashinfer-python 0.6.x (the API of the repository's 0.6.18
+tag): BatchPrefillWithPagedKVCacheWrapper / BatchDecodeWithPagedKVCacheWrapper,
+plan(...) with keyword options (0.6 deprecates passing them positionally),
+run(q, paged_kv_cache). NOT YET RUN ON A GPU: tests/workerd/
+test_flashinfer_backend.py's gpu-marked parity test against the torch backend
+is what proves it.
+
+Per step (one plan object per forward, every layer reuses it):
+* a step whose every request decodes one token runs the decode wrapper, any
+  multi-token query (prefill chunk) makes it the prefill wrapper, causal;
+  FlashInfer aligns each request's queries to the end of its context, which
+  is kvloom's layout (a request's queries are its last query_len positions);
+* the wrapper is planned once, on the first layer that attends, per layer
+  shape (heads, KV heads, head_dim, scale, dtypes), from the page tables of
+  flashinfer_index.paged_kv_index;
+* each layer writes its new K/V with attention.write_kv_cache and runs.
+
+The cache is the torch backend's [2, num_blocks, block_size, num_kv_heads,
+head_dim]: cache[0] and cache[1] are each a contiguous FlashInfer "NHD" page
+pool [num_pages, page_size, num_kv_heads, head_dim], passed as the (k, v)
+tuple the wrappers accept, so both backends share one layout and allocator.
+
+The memory-profiling forward (no cache yet) runs the torch path: FlashInfer's
+paged kernels need pages, and the torch path's activations are the larger of
+the two, so the profile stays an upper bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workerd.attn_metadata import AttentionMetadata
+from workerd.layers.attention import build_plan, paged_attention, write_kv_cache
+from workerd.layers.flashinfer_index import PagedKVIndex, paged_kv_index
+
+# FlashInfer's recommended float workspace (split-KV partial results); one
+# buffer shared by both wrappers, since a step runs only one of them.
+_WORKSPACE_BYTES = 128 << 20
+# vLLM's rule for the decode kernel: tensor cores pay off once enough query
+# heads share a KV head.
+_TENSOR_CORE_GQA_GROUP = 4
+
+
+class FlashInferPlan:
+    """One forward's page tables plus the wrapper planned for each layer shape."""
+
+    def __init__(self, md: AttentionMetadata, num_tokens: int) -> None:
+        self.md = md
+        self.num_tokens = num_tokens
+        n = md.num_reqs
+        self.decode_only = all(q == 1 for q in md.query_lens_cpu[:n])
+        self.index: PagedKVIndex | None = paged_kv_index(md) if n else None
+        self.wrappers: dict[tuple, object] = {}
+        self.torch_plan = None  # only the cache-less profiling forward builds it
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer  # only here: the package is optional and CUDA-only
+
+        self._fi = flashinfer
+        self._device = device
+        # "Must be initialized to 0 for its first use" (FlashInfer's docs).
+        self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = None
+        self._decode: dict[bool, object] = {}
+
+    def build_plan(self, md: AttentionMetadata, num_tokens: int) -> FlashInferPlan:
+        return FlashInferPlan(md, num_tokens)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        md: AttentionMetadata,
+        scale: float,
+        plan: FlashInferPlan,
+    ) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim]; k/v [num_tokens, num_kv_heads,
+        head_dim]. Returns [num_tokens, num_heads * head_dim]; padding tokens
+        past num_actual_tokens get zeros, as in the torch backend."""
+        num_tokens, num_heads, head_dim = q.shape
+        if md.num_reqs == 0:
+            return q.new_zeros(num_tokens, num_heads * head_dim)
+        if kv_cache is None or kv_cache.numel() == 0:
+            if plan.torch_plan is None:
+                plan.torch_plan = build_plan(md, num_tokens)
+            return paged_attention(q, k, v, None, md, scale, plan.torch_plan)
+        n = md.num_actual_tokens
+        write_kv_cache(k, v, kv_cache, md.slot_mapping, n)
+        wrapper = self._planned(plan, num_heads, k.shape[1], head_dim, kv_cache, scale, q.dtype)
+        # q is a strided view of the fused qkv output; the kernels get a
+        # dense one rather than relying on every version taking strides.
+        out = wrapper.run(q[:n].contiguous(), (kv_cache[0], kv_cache[1]))
+        out = out.reshape(n, num_heads * head_dim)
+        if n == num_tokens:
+            return out
+        padded = q.new_zeros(num_tokens, num_heads * head_dim)
+        padded[:n] = out
+        return padded
+
+    def _planned(self, plan, num_heads, num_kv_heads, head_dim, kv_cache, scale, dtype):
+        key = (num_heads, num_kv_heads, head_dim, scale, dtype, kv_cache.dtype)
+        wrapper = plan.wrappers.get(key)
+        if wrapper is not None:
+            return wrapper
+        if plan.wrappers:
+            # A second layer shape in one step: the shared wrapper would be
+            # re-planned under the first shape's feet.
+            raise NotImplementedError("FlashInfer backend: one attention shape per model")
+        idx, page_size = plan.index, kv_cache.shape[2]
+        common = dict(sm_scale=scale, q_data_type=dtype, kv_data_type=kv_cache.dtype)
+        if plan.decode_only:
+            tensor_cores = num_heads // num_kv_heads > _TENSOR_CORE_GQA_GROUP
+            wrapper = self._decode.get(tensor_cores)
+            if wrapper is None:
+                wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=tensor_cores)
+                self._decode[tensor_cores] = wrapper
+            wrapper.plan(
+                idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len,
+                num_heads, num_kv_heads, head_dim, page_size,
+                pos_encoding_mode="NONE", **common,
+            )
+        else:
+            if self._prefill is None:
+                self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, "NHD")
+            wrapper = self._prefill
+            wrapper.plan(
+                idx.qo_indptr, idx.paged_kv_indptr, idx.paged_kv_indices,
+                idx.paged_kv_last_page_len, num_heads, num_kv_heads, head_dim, page_size,
+                causal=True, pos_encoding_mode="NONE", **common,
+            )
+        plan.wrappers[key] = wrapper
+        return wrapper

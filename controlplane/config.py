@@ -25,6 +25,13 @@ class ModelConfig:
     dtype: str = option("float32", "weights and activations", choices=(
         "float32", "bfloat16", "float16"))
     seed: int = option(0, "seed of the workers' default generator", ge=0)
+    # Resolved by each worker (auto: flashinfer on a CUDA device where the
+    # package imports and the dtype is 16-bit, else torch); see
+    # workerd/layers/attention_backend.py.
+    attention_backend: str = option(
+        "auto", "workers' attention kernels: auto, torch (plain PyTorch, the reference) or "
+        "flashinfer (CUDA, float16/bfloat16, needs flashinfer-python)",
+        choices=("auto", "torch", "flashinfer"))
 
 
 @dataclass(frozen=True)

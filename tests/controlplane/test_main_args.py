@@ -42,6 +42,8 @@ DEPLOYED_FLAGS = [
     "--api-key-file=/run/secrets/kvloom-api-keys", "--api-key-file=",
     "--prefix-cache-scope=key", "--prefix-cache-scope=global",
     "--max-requests-per-key=0", "--max-requests-per-key=64",
+    # Issue 14: the workers' attention kernels.
+    "--attention-backend=auto", "--attention-backend=torch", "--attention-backend=flashinfer",
 ]
 
 
@@ -120,6 +122,8 @@ def test_flags_land_in_their_fields():
         (["--max-requests-per-key", "-1"], "--max-requests-per-key"),
         (["--max-requests-per-key", "1.5"], "--max-requests-per-key"),
         (["--max-requests-per-key", "nan"], "--max-requests-per-key"),
+        (["--attention-backend", "FLASH_ATTN"], "--attention-backend"),
+        (["--attention-backend", ""], "--attention-backend"),
     ],
 )
 def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):

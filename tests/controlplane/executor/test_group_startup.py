@@ -70,6 +70,18 @@ def test_handshake_order_and_minimum_pool():
     assert calls.sent[3][1][1].init_kv_cache.num_blocks == 25
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "flashinfer"])
+def test_load_model_carries_the_attention_backend(backend):
+    """--attention-backend reaches every rank as given; resolving auto is the
+    worker's business (its device, its packages)."""
+    calls = FakeCalls({0: 40, 1: 25})
+    model = ModelConfig(model="/m", served_model_name="m", worker_model_path="/w",
+                        attention_backend=backend)
+    startup = GroupStartup(calls, PARALLEL, WorkerGroupConfig(), model, CacheConfig(), SCHEDULER)
+    asyncio.run(startup.run("h", 1))
+    assert {c.load_model.attention_backend for c in calls.sent[1][1].values()} == {backend}
+
+
 def test_override_replaces_the_profiled_pool():
     calls = FakeCalls({0: 40, 1: 25})
     cache = CacheConfig(num_gpu_blocks_override=7)

@@ -123,6 +123,29 @@ def test_padding_gets_zeros_and_the_profile_run_is_the_torch_path(stand_in):
     assert len(stand_in._prefill.plans) == 1 and not plan.wrappers  # nothing planned
 
 
+def test_the_runner_builds_it_and_profiles_through_it(tiny_model_dir, stand_in):
+    """ModelRunner(attention_backend="flashinfer") hands the model the backend;
+    the memory profile's forward (a cache of its own) runs its prefill."""
+    from controlplane.config import SchedulerConfig
+    from tests.inprocess import runner_limits
+    from workerd.layers.flashinfer_backend import FlashInferBackend
+    from workerd.model_runner import ModelRunner
+
+    limits = runner_limits(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4,
+                                           max_model_len=64))
+    runner = ModelRunner(single_process_state(), tiny_model_dir, torch.float32, 0,
+                         limits=limits, attention_backend="flashinfer")
+    runner.load_model()
+    backend = runner.model.attn_backend
+    assert isinstance(backend, FlashInferBackend)
+    assert all(layer.self_attn.attn_backend is backend for layer in runner.model.layers)
+    runner._profile_run(block_size=4)
+    (planned,) = backend._prefill.plans
+    assert planned["qo_indptr"].tolist() == [0, 24]
+    assert planned["last_page_len"].tolist() == [4]
+    assert backend._prefill.runs == runner.model.num_local_layers
+
+
 # ---- on a GPU ------------------------------------------------------------
 
 # (prompt, steps): each step schedules that many tokens of the request, the

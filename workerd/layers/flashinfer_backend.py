@@ -22,9 +22,10 @@ head_dim]: cache[0] and cache[1] are each a contiguous FlashInfer "NHD" page
 pool [num_pages, page_size, num_kv_heads, head_dim], passed as the (k, v)
 tuple the wrappers accept, so both backends share one layout and allocator.
 
-The memory-profiling forward (no cache yet) runs the torch path: FlashInfer's
-paged kernels need pages, and the torch path's activations are the larger of
-the two, so the profile stays an upper bound.
+A forward without a cache (kv_caches empty: the model run before
+init_kv_cache) runs the torch path, which attends to the batch's own keys;
+FlashInfer's paged kernels need pages. The memory profile is not such a
+forward: it runs with a cache of its own, so through FlashInfer.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 from workerd.attn_metadata import AttentionMetadata
 from workerd.layers.attention import build_plan, paged_attention, write_kv_cache
-from workerd.layers.flashinfer_index import PagedKVIndex, paged_kv_index
+from workerd.layers.flashinfer_index import paged_kv_index
 
 # FlashInfer's recommended float workspace (split-KV partial results); one
 # buffer shared by both wrappers, since a step runs only one of them.
@@ -49,11 +50,9 @@ class FlashInferPlan:
     def __init__(self, md: AttentionMetadata, num_tokens: int) -> None:
         self.md = md
         self.num_tokens = num_tokens
-        n = md.num_reqs
-        self.decode_only = all(q == 1 for q in md.query_lens_cpu[:n])
-        self.index: PagedKVIndex | None = paged_kv_index(md) if n else None
+        self.decode_only = all(q == 1 for q in md.query_lens_cpu[: md.num_reqs])
         self.wrappers: dict[tuple, object] = {}
-        self.torch_plan = None  # only the cache-less profiling forward builds it
+        self.torch_plan = None  # only a forward without a cache builds it
 
 
 class FlashInferBackend:
@@ -62,12 +61,16 @@ class FlashInferBackend:
     def __init__(self, device: torch.device) -> None:
         import flashinfer  # only here: the package is optional and CUDA-only
 
-        self._fi = flashinfer
-        self._device = device
         # "Must be initialized to 0 for its first use" (FlashInfer's docs).
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = None
-        self._decode: dict[bool, object] = {}
+        # Built now, not at the first step: each allocates its own integer
+        # workspace, which the memory profile (run next) must see.
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode = {
+            tensor_cores: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=tensor_cores)
+            for tensor_cores in (False, True)
+        }
 
     def build_plan(self, md: AttentionMetadata, num_tokens: int) -> FlashInferPlan:
         return FlashInferPlan(md, num_tokens)
@@ -114,24 +117,16 @@ class FlashInferBackend:
             # A second layer shape in one step: the shared wrapper would be
             # re-planned under the first shape's feet.
             raise NotImplementedError("FlashInfer backend: one attention shape per model")
-        idx, page_size = plan.index, kv_cache.shape[2]
+        idx, page_size = paged_kv_index(plan.md), kv_cache.shape[2]
         common = dict(sm_scale=scale, q_data_type=dtype, kv_data_type=kv_cache.dtype)
         if plan.decode_only:
-            tensor_cores = num_heads // num_kv_heads > _TENSOR_CORE_GQA_GROUP
-            wrapper = self._decode.get(tensor_cores)
-            if wrapper is None:
-                wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_tensor_cores=tensor_cores)
-                self._decode[tensor_cores] = wrapper
+            wrapper = self._decode[num_heads // num_kv_heads > _TENSOR_CORE_GQA_GROUP]
             wrapper.plan(
                 idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len,
                 num_heads, num_kv_heads, head_dim, page_size,
                 pos_encoding_mode="NONE", **common,
             )
         else:
-            if self._prefill is None:
-                self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace, "NHD")
             wrapper = self._prefill
             wrapper.plan(
                 idx.qo_indptr, idx.paged_kv_indptr, idx.paged_kv_indices,

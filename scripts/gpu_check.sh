@@ -2,10 +2,14 @@
 # The first thing to run on a CUDA machine: does kvloom's CUDA/NCCL path work,
 # and how fast is it? Writes a results folder (default results/gpu_check):
 #   env.txt                     nvidia-smi, torch/CUDA versions, GPUs
-#   parity_1x1_bfloat16.json    TP=1 greedy parity vs transformers in bf16
+#   parity_1x1_bfloat16_torch.json       TP=1 greedy parity vs transformers in bf16
+#   parity_1x1_bfloat16_flashinfer.json  the same through FlashInfer's kernels
+#                               (when flashinfer-python installs and imports)
 #   parity_2x1_/1x2_*.json      TP=2 and PP=2 over NCCL (when >= 2 GPUs)
 #   serving_*.json              benchmarks/serving.py on SmolLM2 (and --big-model)
 #   summary.txt                 one line per step, ok/FAILED
+# Every step but the flashinfer one runs the plain-PyTorch attention (the
+# reference, comparable with earlier runs) whatever auto would pick.
 #
 # Usage: scripts/gpu_check.sh [--dry-run] [--out DIR] [--big-model DIR]
 #   --dry-run   CPU only, float32, the tiny test model, tiny benchmark: checks
@@ -63,7 +67,10 @@ else
     echo "== installing the CUDA build of torch 2.13.0"
     python -m pip install --quiet "torch==2.13.0" --index-url https://download.pytorch.org/whl/cu128
   fi
+  # Best effort: without it the FlashInfer parity step is skipped, not failed.
   python -m pip install --quiet flashinfer-python || echo "flashinfer-python: not installed"
+  python -c 'import flashinfer; print("flashinfer", flashinfer.__version__)' >> "$out/env.txt" 2>&1 \
+    || echo "flashinfer: does not import" >> "$out/env.txt"
   device=cuda; dtype=bfloat16
   gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
   model=$(python -c 'from kvloom.server.default_model import default_model_dir; print(default_model_dir())')
@@ -71,20 +78,30 @@ else
 fi
 
 step "TP=1 parity ($dtype)" python scripts/gpu_parity.py --model "$model" --dtype "$dtype" \
-  --device "$device" --layout 1x1 --out "$out"
+  --device "$device" --layout 1x1 --out "$out" --attention-backend torch
+if [[ $dry_run == 0 ]]; then
+  if python -c 'import flashinfer' 2>/dev/null; then
+    step "TP=1 parity ($dtype, flashinfer attention)" python scripts/gpu_parity.py \
+      --model "$model" --dtype "$dtype" --device "$device" --layout 1x1 --out "$out" \
+      --attention-backend flashinfer
+  else
+    echo "skipped TP=1 parity ($dtype, flashinfer attention): flashinfer does not import" \
+      >> "$summary"
+  fi
+fi
 if [[ $gpus -ge 2 ]]; then
   step "TP=2 parity over NCCL" python scripts/gpu_parity.py --model "$model" --dtype "$dtype" \
-    --device "$device" --layout 2x1 --out "$out"
+    --device "$device" --layout 2x1 --out "$out" --attention-backend torch
   step "PP=2 parity over NCCL" python scripts/gpu_parity.py --model "$model" --dtype "$dtype" \
-    --device "$device" --layout 1x2 --out "$out"
+    --device "$device" --layout 1x2 --out "$out" --attention-backend torch
 fi
 step "serving benchmark ($(basename "$model"))" python benchmarks/serving.py --launch \
   --model "$model" --layouts 1x1 "${bench_args[@]}" --json "$out/serving_$(basename "$model").json" \
-  -- --dtype "$dtype"
+  -- --dtype "$dtype" --attention-backend torch
 if [[ -n $big_model ]]; then
   step "serving benchmark ($(basename "$big_model"))" python benchmarks/serving.py --launch \
     --model "$big_model" --layouts 1x1 "${bench_args[@]}" \
-    --json "$out/serving_$(basename "$big_model").json" -- --dtype "$dtype"
+    --json "$out/serving_$(basename "$big_model").json" -- --dtype "$dtype" --attention-backend torch
 fi
 
 echo "== summary ($summary)"

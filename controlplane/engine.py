@@ -86,10 +86,27 @@ class _Kind(enum.Enum):
     DRAIN = 5
 
 
+class ReadyOutput:
+    """A step's output that is already in (an executor that runs the step
+    when it is submitted); the gRPC executor's pending step has the same
+    two methods."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def __call__(self) -> ModelRunnerOutput:
+        return self._output
+
+    def ready(self) -> bool:
+        return True
+
+
 @dataclass(slots=True)
 class _InFlightStep:
     scheduler_output: SchedulerOutput
-    collect: Callable[[], ModelRunnerOutput]
+    # Waits for the output (or raises WorkerGroupFailed); .ready() says
+    # whether it is in without waiting.
+    collect: ReadyOutput
     t_start: float
     t_scheduled: float
     # (req_id, arrival_time) of requests sent to the workers for the first time.
@@ -106,7 +123,7 @@ class EngineCore:
         *,
         recovery_timeout_s: float = 0.0,
         on_recovery: Callable[[RecoveryRecord], None] | None = None,
-        submit_model: Callable[[SchedulerOutput], Callable[[], ModelRunnerOutput]] | None = None,
+        submit_model: Callable[[SchedulerOutput], ReadyOutput] | None = None,
         pipeline_parallel_size: int = 1,
     ):
         self.scheduler_config = scheduler_config
@@ -369,14 +386,32 @@ class EngineCore:
         return not scheduler_output.is_empty()
 
     def _apply_oldest(self) -> None:
-        sched = self.scheduler
-        assert sched is not None
         step = self._in_flight.popleft()
         try:
             model_output = step.collect()
         except WorkerGroupFailed as exc:
+            # Later steps' outputs, even if in, would skip this one's tokens.
+            self._in_flight.clear()
             self._group_down(str(exc), None)
             return
+        self._apply(step, model_output)
+
+    def _apply_ready(self) -> None:
+        """The group failed: outputs that came back before it did are applied
+        first, in order (their tokens are real; a serial loop would have
+        streamed them already). The first step without an output stops it."""
+        while self._in_flight and self._in_flight[0].collect.ready():
+            step = self._in_flight[0]
+            try:
+                model_output = step.collect()
+            except WorkerGroupFailed:
+                return
+            self._in_flight.popleft()
+            self._apply(step, model_output)
+
+    def _apply(self, step: _InFlightStep, model_output: ModelRunnerOutput) -> None:
+        sched = self.scheduler
+        assert sched is not None
         t_executed = time.monotonic()
         scheduler_output = step.scheduler_output
         # If what follows raises, these must still hear of it: the ones that
@@ -397,15 +432,20 @@ class EngineCore:
         self._step_requests = {}
 
     def _submit_inline(self, scheduler_output: SchedulerOutput):
-        output = self._execute_model(scheduler_output)
-        return lambda: output
+        return ReadyOutput(self._execute_model(scheduler_output))
 
     # ---- the worker group failing and coming back --------------------------
 
     def _group_down(self, reason: str, kind: str | None) -> None:
         """The worker group failed: hold its requests (or, fail-fast, end them)."""
-        # Steps in flight on it will never answer; the next group starts with
-        # no request state.
+        if self.scheduler is not None and self._in_flight:
+            try:
+                self._apply_ready()
+            except Exception:  # noqa: BLE001 - the failure must still be handled
+                logger.exception("applying the outputs that came back before the worker group "
+                                 "failed raised; dropping them")
+        # The other steps in flight on it will never answer; the next group
+        # starts with no request state.
         self._in_flight.clear()
         self._worker_req_ids = set()
         self._flush_req_ids = set()

@@ -298,8 +298,11 @@ class Scheduler:
         while True:
             victim, victim_idx = self._pop_victim()
             if victim_idx < i:
-                # Priority mode may pick a request scheduled earlier this step.
-                budget += self._unschedule(victim, cached, num_scheduled)
+                # Priority mode may pick a request earlier in the running list:
+                # scheduled this step (take it back), or skipped (its step is
+                # still in flight, or its last token is being sampled).
+                if victim.request_id in num_scheduled:
+                    budget += self._unschedule(victim, cached, num_scheduled)
                 i -= 1
             self._preempt(victim, preempted)
             if victim is request:

@@ -75,6 +75,27 @@ MAX_RESTART_BACKOFF_S = 30.0
 MAX_PORT = 65535
 
 
+class PendingStep:
+    """A step handed to the worker plane: call it to wait for the output
+    rank's checked reply; ready() says whether that reply is in (and no
+    error) without waiting."""
+
+    def __init__(self, sent: concurrent.futures.Future,
+                 collect: Callable[[], ModelRunnerOutput]) -> None:
+        self._sent = sent
+        self._collect = collect
+
+    def __call__(self) -> ModelRunnerOutput:
+        return self._collect()
+
+    def ready(self) -> bool:
+        sent = self._sent
+        if not sent.done() or sent.cancelled() or sent.exception() is not None:
+            return False
+        future = sent.result().future
+        return future.done() and future.exception() is None
+
+
 class Executor:
     def __init__(
         self,
@@ -492,7 +513,7 @@ class Executor:
         """Broadcast one step and wait for the output rank's reply (engine thread)."""
         return self.submit(so)()
 
-    def submit(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+    def submit(self, so: SchedulerOutput) -> PendingStep:
         """Hand one step to the worker plane's loop and return at once; the
         returned callable waits for the output rank's checked reply (engine
         thread). Steps are sent in submission order (the loop runs its
@@ -520,7 +541,7 @@ class Executor:
                 self._steps_in_flight -= 1
             return self._check_reply(reply, so)
 
-        return collect
+        return PendingStep(sent, collect)
 
     def _check_reply(self, reply: worker_pb2.WorkerMessage, so: SchedulerOutput
                      ) -> ModelRunnerOutput:

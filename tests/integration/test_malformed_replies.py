@@ -125,6 +125,11 @@ def controlplane(tiny_model_dir, tmp_path_factory):
             # Fail-fast: the client's UNAVAILABLE is what is checked here (with
             # recovery on, the request would wait for a worker that behaves).
             "--engine-recovery-timeout", "0",
+            # One step at a time: "step 1's token arrived, nothing of the bad
+            # step 2" is then exact. Pipelined, step 1's output may still be
+            # on its way when step 2's bad reply fails the group (applied
+            # only if already in: tests/controlplane/test_engine_recovery.py).
+            "--no-async-scheduling",
         ),
     )
     ports = Ports(*pick_free_ports(3))

@@ -41,7 +41,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import (
@@ -55,6 +54,7 @@ from controlplane.core.scheduler import Scheduler
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.records import RecoveryRecord, StepRecord
 from controlplane.recovery import Recovery
+from controlplane.step_queue import InFlightStep, ReadyOutput
 from kvloom.server.logs import flush_log_handlers
 
 logger = logging.getLogger(__name__)
@@ -86,33 +86,6 @@ class _Kind(enum.Enum):
     DRAIN = 5
 
 
-class ReadyOutput:
-    """A step's output that is already in (an executor that runs the step
-    when it is submitted); the gRPC executor's pending step has the same
-    two methods."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self._output = output
-
-    def __call__(self) -> ModelRunnerOutput:
-        return self._output
-
-    def ready(self) -> bool:
-        return True
-
-
-@dataclass(slots=True)
-class _InFlightStep:
-    scheduler_output: SchedulerOutput
-    # Waits for the output (or raises WorkerGroupFailed); .ready() says
-    # whether it is in without waiting.
-    collect: ReadyOutput
-    t_start: float
-    t_scheduled: float
-    # (req_id, arrival_time) of requests sent to the workers for the first time.
-    admitted: list[tuple[str, float]]
-
-
 class EngineCore:
     def __init__(
         self,
@@ -140,7 +113,7 @@ class EngineCore:
         else:
             self.max_steps_in_flight = ASYNC_STEPS_IN_FLIGHT
         # Steps broadcast and not yet applied, oldest first.
-        self._in_flight: deque[_InFlightStep] = deque()
+        self._in_flight: deque[InFlightStep] = deque()
         self._emit = emit
         self.input_queue: queue.Queue = queue.Queue()
         self.scheduler: Scheduler | None = None
@@ -382,7 +355,7 @@ class EngineCore:
         self._worker_req_ids -= scheduler_output.finished_req_ids - new_ids
         self._flush_req_ids.clear()
         self._in_flight.append(
-            _InFlightStep(scheduler_output, collect, t_start, t_scheduled, admitted))
+            InFlightStep(scheduler_output, collect, t_start, t_scheduled, admitted))
         return not scheduler_output.is_empty()
 
     def _apply_oldest(self) -> None:
@@ -409,7 +382,7 @@ class EngineCore:
             self._in_flight.popleft()
             self._apply(step, model_output)
 
-    def _apply(self, step: _InFlightStep, model_output: ModelRunnerOutput) -> None:
+    def _apply(self, step: InFlightStep, model_output: ModelRunnerOutput) -> None:
         sched = self.scheduler
         assert sched is not None
         t_executed = time.monotonic()

@@ -64,7 +64,7 @@ from controlplane.executor.reply_check import (
 )
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.executor.wire import scheduler_output_to_proto
-from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
+from controlplane.executor.worker_calls import PendingCall, PendingStep, WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -73,27 +73,6 @@ logger = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 0.5
 MAX_RESTART_BACKOFF_S = 30.0
 MAX_PORT = 65535
-
-
-class PendingStep:
-    """A step handed to the worker plane: call it to wait for the output
-    rank's checked reply; ready() says whether that reply is in (and no
-    error) without waiting."""
-
-    def __init__(self, sent: concurrent.futures.Future,
-                 collect: Callable[[], ModelRunnerOutput]) -> None:
-        self._sent = sent
-        self._collect = collect
-
-    def __call__(self) -> ModelRunnerOutput:
-        return self._collect()
-
-    def ready(self) -> bool:
-        sent = self._sent
-        if not sent.done() or sent.cancelled() or sent.exception() is not None:
-            return False
-        future = sent.result().future
-        return future.done() and future.exception() is None
 
 
 class Executor:

@@ -9,7 +9,9 @@ engine thread (steps) can wait on it.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 
+from controlplane.core.outputs import ModelRunnerOutput
 from kvloom.worker.v1 import worker_pb2
 
 
@@ -53,3 +55,24 @@ class PendingCall:
     def fail(self, exc: Exception) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
+
+
+class PendingStep:
+    """A step handed to the worker plane: call it to wait for the output
+    rank's checked reply; ready() says whether that reply is in (and no
+    error) without waiting."""
+
+    def __init__(self, sent: concurrent.futures.Future,
+                 collect: Callable[[], ModelRunnerOutput]) -> None:
+        self._sent = sent
+        self._collect = collect
+
+    def __call__(self) -> ModelRunnerOutput:
+        return self._collect()
+
+    def ready(self) -> bool:
+        sent = self._sent
+        if not sent.done() or sent.cancelled() or sent.exception() is not None:
+            return False
+        future = sent.result().future
+        return future.done() and future.exception() is None

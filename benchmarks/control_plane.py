@@ -75,6 +75,7 @@ from benchmarks.control_plane_report import (  # noqa: E402
     analyze,
     format_table,
 )
+from benchmarks.proc_cpu import CLOCK_TICKS, process_cpu_s, stat_cpu_s  # noqa: E402
 from kvloom.cli.launcher import (  # noqa: E402
     ClusterSpec,
     Ports,
@@ -92,7 +93,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "generation_config.json")
 SYNTHETIC_VOCAB = 1024
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 
@@ -175,11 +175,7 @@ class Proc:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds so far (its threads included)."""
-        try:
-            fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return process_cpu_s(self.popen.pid)
 
     def thread_cpu_s(self) -> dict[str, float]:
         """CPU seconds so far by THREAD_GROUPS (the rest under "other"); threads
@@ -195,8 +191,7 @@ class Proc:
             except OSError:
                 continue
             comm = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat.rsplit(")", 1)[1].split()
-            cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+            cpu = stat_cpu_s(stat)
             group = next((name for name, parts in THREAD_GROUPS
                           if any(part in comm for part in parts)), "other")
             out[group] += cpu

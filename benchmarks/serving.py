@@ -19,8 +19,10 @@ inter-token latency (gaps between streamed messages), median and p99; for
 launched clusters also, over the timed requests only (from /metrics): steps,
 wall ms per step, the output rank's forward ms per step, the broadcast ->
 reply round trip per step, the output rank's busy share (forward time over
-the wall time) and, for serial runs, the unhidden control overhead per step
-(round trip - forward).
+the wall time), for serial runs the unhidden control overhead per step
+(round trip - forward), and the CPU each process spent per step: the
+controlplane, all ranks together and this client (on a machine with fewer
+cores than processes a step cannot be shorter than their sum over the cores).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvloom.cli import launcher
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError, default_server
 
 
@@ -187,7 +192,31 @@ TABLE_ROWS = [
     ("output rank busy %", lambda m: f"{100 * m.get('output_rank_busy', 0):.0f}"),
     ("control ms/step (serial)", lambda m: f"{m['control_ms_per_step']:.2f}"
      if "control_ms_per_step" in m else "-"),
+    ("CPU ms/step controlplane", lambda m: _cpu_cell(m, "controlplane")),
+    ("CPU ms/step ranks (sum)", lambda m: _cpu_cell(m, "ranks")),
+    ("CPU ms/step busiest rank", lambda m: _cpu_cell(m, "busiest rank")),
+    ("CPU ms/step client", lambda m: _cpu_cell(m, "client")),
 ]
+
+
+def _cpu_cell(m: dict, who: str) -> str:
+    cpu = m.get("cpu_ms_per_step")
+    return f"{cpu[who]:.2f}" if cpu else "-"
+
+
+def cluster_cpu_s(cluster) -> dict[str, float]:
+    """CPU seconds so far of the controlplane, of all ranks together, and of
+    this process (the client). On a box with fewer cores than processes they
+    compete: a step cannot be shorter than their sum over the core count."""
+    ranks = {f"rank {p.rank}": process_cpu_s(p.popen.pid)
+             for p in cluster.processes if p.rank is not None}
+    control = [p for p in cluster.processes if p.rank is None]
+    return {
+        "controlplane": sum(process_cpu_s(p.popen.pid) for p in control),
+        "ranks": sum(ranks.values()),
+        **ranks,
+        "client": time.process_time(),
+    }
 
 
 def format_table(runs: list[dict]) -> str:
@@ -212,7 +241,7 @@ _STEP_SERIES = (
 )
 
 
-def step_series(metrics_url: str) -> dict[str, float]:
+def step_series(metrics_url: str, cluster=None) -> dict[str, float]:
     """The controlplane's cumulative step series, from its /metrics."""
     import urllib.request
 
@@ -224,6 +253,8 @@ def step_series(metrics_url: str) -> dict[str, float]:
         base = name.split("{", 1)[0]
         if base in values:
             values[base] = float(value)
+    if cluster is not None:
+        values.update({f"cpu:{k}": v for k, v in cluster_cpu_s(cluster).items()})
     return values
 
 
@@ -250,6 +281,12 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], duration_s
     }
     if serial:
         out["control_ms_per_step"] = 1000 * (round_trip - forward) / steps
+    cpu = {k[4:]: 1000 * (after[k] - before[k]) / steps for k in after
+           if k.startswith("cpu:") and k in before}
+    if cpu:
+        ranks = [v for k, v in cpu.items() if k.startswith("rank ")]
+        cpu["busiest rank"] = max(ranks, default=0.0)
+        out["cpu_ms_per_step"] = cpu
     return out
 
 
@@ -305,9 +342,10 @@ def run_launched(args) -> list[dict]:
             before: dict[str, float] = {}
             result = asyncio.run(benchmark(
                 cluster.api_address, args,
-                before_timed=lambda c=cluster, b=before: b.update(step_series(c.metrics_address))))
+                before_timed=lambda c=cluster, b=before: b.update(
+                    step_series(c.metrics_address, c))))
             result["metrics"].update(step_breakdown(
-                before, step_series(cluster.metrics_address),
+                before, step_series(cluster.metrics_address, cluster),
                 result["metrics"]["duration_s"], serial))
         finally:
             cluster.stop()

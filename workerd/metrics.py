@@ -63,6 +63,12 @@ class WorkerMetrics:
             "This rank's execute_model time per step (inputs, forward, sampling).",
             ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
         )
+        self._pipeline_wait = Histogram(
+            "kvloom_workerd_pipeline_recv_wait_seconds",
+            "Time this rank's step was blocked receiving the previous pipeline stage's hidden "
+            "states (later PP stages only): the stage's bubble, not its work.",
+            ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
+        )
         # reused="true": a survivor of a group failure kept its weights.
         self._loads = Counter(
             "kvloom_workerd_model_loads",
@@ -89,6 +95,9 @@ class WorkerMetrics:
         if kind == "execute_model":
             self._forward.labels(self.model_name, str(self.rank)).observe(
                 worker.last_forward_time_s)
+            if worker.ps is not None and not worker.ps.is_first_pp_rank:
+                self._pipeline_wait.labels(self.model_name, str(self.rank)).observe(
+                    worker.runner.last_recv_wait_s)
         elif kind == "init_distributed" and worker.ps is not None:
             self.rank = worker.ps.rank
             self.device = worker.ps.device

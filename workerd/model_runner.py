@@ -109,6 +109,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch()
         self.sampled_tokens = SampledTokens(ps)
+        # Seconds the last step spent blocked receiving the previous stage's
+        # hidden states (0 on the first stage). Not work: a stage waiting on
+        # the one before it is a pipeline bubble, so it is kept out of
+        # forward_time_s and reported on its own.
+        self.last_recv_wait_s = 0.0
 
     # ---- start-up -------------------------------------------------------
 
@@ -153,6 +158,7 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.last_recv_wait_s = 0.0
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], []) if self.ps.is_output_rank else None
@@ -193,7 +199,7 @@ class ModelRunner:
                         logits[num_sample:], inputs.prompt_targets
                     )
         if out is not None:
-            out.forward_time_s = time.perf_counter() - start
+            out.forward_time_s = time.perf_counter() - start - self.last_recv_wait_s
         return out
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
@@ -233,9 +239,11 @@ class ModelRunner:
         ps = self.ps
         intermediate = None
         if not ps.is_first_pp_rank:
+            t0 = time.perf_counter()
             intermediate = distributed.recv_intermediate(
                 inputs.positions.numel(), self.model.hidden_size, self.dtype, ps
             )
+            self.last_recv_wait_s = time.perf_counter() - t0
         out = self.model.forward(
             inputs.input_ids if ps.is_first_pp_rank else None,
             inputs.positions,

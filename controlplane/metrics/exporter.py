@@ -185,7 +185,8 @@ class ControlPlaneMetrics:
                                "step (the same bytes go to every rank).", BYTES_BUCKETS).labels(m)
         self.output_forward = hist(
             "kvloom_output_rank_forward_time_seconds", "Forward pass + sampling per step as "
-            "reported by the output rank.", STEP_BUCKETS, ("rank",)
+            "reported by the output rank (its wait for the previous pipeline stage excluded).",
+            STEP_BUCKETS, ("rank",)
         ).labels(m, str(config.parallel.output_rank))
         self.loop_wakeup_lag = hist(
             "kvloom_event_loop_wakeup_lag_seconds", "How late each wake-up of the loop's lag "

@@ -358,6 +358,27 @@ def test_pipeline_stages_send_receive_and_only_output_rank_answers(monkeypatch):
     assert len(sent) == 1 and len(received) == 2
 
 
+def test_output_rank_forward_time_leaves_out_the_wait_for_the_previous_stage(monkeypatch):
+    # A later stage blocked receiving hidden states is a pipeline bubble: the
+    # output rank's forward_time_s (the busy-share metric) must not count it,
+    # last_recv_wait_s reports it instead, and a step without a receive resets it.
+    fake_p2p(monkeypatch)
+    wait_s = 0.2
+
+    def slow_recv(num_tokens, hidden_size, dtype, ps):
+        time.sleep(wait_s)
+        h = torch.tensor([[41.0, 0.0], [42.0, 1.0]])
+        return IntermediateTensors(h, torch.zeros_like(h))
+
+    monkeypatch.setattr(distributed, "recv_intermediate", slow_recv)
+    output_rank = fake_runner(_ps(tp_rank=0, pp_rank=1))
+    out = output_rank.execute_model(step(1, {"a": 2}, new=[new_req("a", [7, 8], [0])]))
+    assert output_rank.last_recv_wait_s >= wait_s
+    assert 0 <= out.forward_time_s < wait_s / 2
+    output_rank.execute_model(step(2, {}, finished=["a"]))
+    assert output_rank.last_recv_wait_s == 0.0
+
+
 def test_cpu_kv_budget_is_a_capped_share_of_available_memory(monkeypatch):
     monkeypatch.setattr(kv_cache, "available_system_memory", lambda: 8 << 30)
     assert kv_cache.cpu_kv_cache_budget() == 2 << 30

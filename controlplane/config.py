@@ -32,6 +32,11 @@ class ModelConfig:
         "auto", "workers' attention kernels: auto, torch (plain PyTorch, the reference) or "
         "flashinfer (CUDA, float16/bfloat16, needs flashinfer-python)",
         choices=("auto", "torch", "flashinfer"))
+    # vLLM's flag. Graphs are captured only where they apply (a CUDA worker,
+    # the flashinfer backend, TP=1, PP=1; workerd/cuda_graphs.py).
+    enforce_eager: bool = option(
+        False, "run every step eagerly: no CUDA graphs for decode steps (which a CUDA worker "
+        "with the flashinfer backend at TP=1, PP=1 otherwise captures)")
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@
 #   env.txt                     nvidia-smi, torch/CUDA versions, GPUs
 #   parity_1x1_bfloat16_torch.json       TP=1 greedy parity vs transformers in bf16
 #   parity_1x1_bfloat16_flashinfer.json  the same through FlashInfer's kernels
-#                               (when flashinfer-python installs and imports)
+#                               (when flashinfer-python installs and imports),
+#                               decode steps as CUDA graphs (workerd/cuda_graphs.py)
+#   parity_1x1_bfloat16_flashinfer_eager.json  the same with --enforce-eager
 #   parity_2x1_/1x2_*.json      TP=2 and PP=2 over NCCL (when >= 2 GPUs)
-#   serving_*.json              benchmarks/serving.py on SmolLM2 (and --big-model)
+#   serving_*.json              benchmarks/serving.py on SmolLM2 (and --big-model);
+#                               serving_*_flashinfer{,_eager}.json: CUDA graphs vs eager
 #   summary.txt                 one line per step, ok/FAILED
 # Every step but the flashinfer one runs the plain-PyTorch attention (the
 # reference, comparable with earlier runs) whatever auto would pick.
@@ -81,9 +84,20 @@ step "TP=1 parity ($dtype)" python scripts/gpu_parity.py --model "$model" --dtyp
   --device "$device" --layout 1x1 --out "$out" --attention-backend torch
 if [[ $dry_run == 0 ]]; then
   if python -c 'import flashinfer' 2>/dev/null; then
-    step "TP=1 parity ($dtype, flashinfer attention)" python scripts/gpu_parity.py \
+    step "TP=1 parity ($dtype, flashinfer attention, CUDA graphs)" python scripts/gpu_parity.py \
       --model "$model" --dtype "$dtype" --device "$device" --layout 1x1 --out "$out" \
       --attention-backend flashinfer
+    step "TP=1 parity ($dtype, flashinfer attention, eager)" python scripts/gpu_parity.py \
+      --model "$model" --dtype "$dtype" --device "$device" --layout 1x1 --out "$out" \
+      --attention-backend flashinfer --enforce-eager
+    step "decode CUDA graphs vs eager, token by token (pytest -m gpu)" python -m pytest -q \
+      -m gpu tests/workerd/test_cuda_graphs.py tests/workerd/test_flashinfer_backend.py
+    for eager in "" --enforce-eager; do
+      step "serving benchmark ($(basename "$model"), flashinfer${eager:+, eager})" \
+        python benchmarks/serving.py --launch --model "$model" --layouts 1x1 "${bench_args[@]}" \
+        --json "$out/serving_$(basename "$model")_flashinfer${eager:+_eager}.json" \
+        -- --dtype "$dtype" --attention-backend flashinfer $eager
+    done
   else
     echo "skipped TP=1 parity ($dtype, flashinfer attention): flashinfer does not import" \
       >> "$summary"

@@ -45,11 +45,13 @@ def hf_greedy(model_dir: str, dtype: str, device: str, max_tokens: int) -> list[
 
 
 def kvloom_greedy(model_dir: str, dtype: str, tp: int, pp: int, max_tokens: int,
-                  kv_cache_mib: int, attention_backend: str) -> list[list[int]]:
+                  kv_cache_mib: int, attention_backend: str,
+                  enforce_eager: bool = False) -> list[list[int]]:
     spec = launcher.ClusterSpec(
         model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, worker_threads=1,
         controlplane_args=("--dtype", dtype, "--kv-cache-memory-bytes", str(kv_cache_mib << 20),
-                           "--attention-backend", attention_backend),
+                           "--attention-backend", attention_backend)
+        + (("--enforce-eager",) if enforce_eager else ()),
     )
     with launcher.Cluster(spec) as cluster:
         cluster.wait_ready(900)
@@ -77,25 +79,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"),
                    help="the workers' attention kernels (controlplane --attention-backend)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (they apply with flashinfer at TP=1, PP=1)")
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
     tp, pp = (int(x) for x in args.layout.lower().split("x"))
     ours = kvloom_greedy(args.model, args.dtype, tp, pp, args.max_tokens, args.kv_cache_mib,
-                         args.attention_backend)
+                         args.attention_backend, args.enforce_eager)
     ref = hf_greedy(args.model, args.dtype, args.device, args.max_tokens)
     need = args.max_tokens if args.dtype == "float32" else min(args.min_prefix, args.max_tokens)
     rows = [{"prompt": pr, "kvloom": a, "transformers": b, "matching_prefix": matching_prefix(a, b)}
             for pr, a, b in zip(PROMPTS, ours, ref, strict=True)]
     ok = all(r["matching_prefix"] >= need for r in rows)
     result = {"model": args.model, "dtype": args.dtype, "layout": args.layout,
-              "attention_backend": args.attention_backend,
+              "attention_backend": args.attention_backend, "enforce_eager": args.enforce_eager,
               "max_tokens": args.max_tokens, "required_prefix": need, "ok": ok, "prompts": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     # auto keeps the file name gpu_check.sh's earlier runs used.
     suffix = "" if args.attention_backend == "auto" else f"_{args.attention_backend}"
+    suffix += "_eager" if args.enforce_eager else ""
     path = args.out / f"parity_{args.layout}_{args.dtype}{suffix}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"parity {args.layout} {args.dtype} {args.attention_backend}: matching prefixes "
+    mode = " eager" if args.enforce_eager else ""
+    print(f"parity {args.layout} {args.dtype} {args.attention_backend}{mode}: matching prefixes "
           f"{[r['matching_prefix'] for r in rows]} of {args.max_tokens} (need {need}) -> "
           f"{'ok' if ok else 'FAILED'}; {path}")
     return 0 if ok else 1

@@ -21,6 +21,7 @@ step before it has seen them), so this is how all ranks stay identical.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ import torch
 
 from workerd import distributed
 from workerd.attn_metadata import AttentionMetadata
+from workerd.cuda_graphs import (
+    DecodeGraphs,
+    capture_sizes,
+    graphs_memory_bytes,
+    graphs_unavailable,
+)
 from workerd.distributed import IntermediateTensors, ParallelState
 from workerd.input_batch import CachedRequestState, InputBatch
 from workerd.kv_cache import (
@@ -51,6 +58,8 @@ from workerd.model_loader import load_model
 from workerd.sampled_tokens import SampledTokens
 from workerd.sampler import Sampler, SamplingMetadata
 from workerd.sched_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,6 +97,7 @@ class ModelRunner:
         *,
         limits: WorkerLimits,
         attention_backend: str = "torch",
+        enforce_eager: bool = False,
     ) -> None:
         self.ps = ps
         self.model_path = model_path
@@ -98,6 +108,12 @@ class ModelRunner:
         self.device = torch.device(ps.device)
         # Already resolved (torch or flashinfer) by the worker's load_model.
         self.attention_backend = attention_backend
+        # --enforce-eager: no CUDA graphs (workerd/cuda_graphs.py) even where
+        # they apply. Read at init_kv_cache, which captures them.
+        self.enforce_eager = enforce_eager
+        self.graphs: DecodeGraphs | None = None
+        # How graphs are captured (None: torch.cuda.graph); tests stand in.
+        self.graph_capture = None
         # A private generator keeps unseeded sampling reproducible from
         # LoadModel.seed without touching torch's global RNG.
         self.generator = torch.Generator(device=self.device)
@@ -136,15 +152,33 @@ class ModelRunner:
             budget = cuda_kv_cache_budget(
                 self.device, gpu_memory_utilization, lambda: self._profile_run(block_size)
             )
+            if self._graphs_unavailable() is None:
+                # init_kv_cache captures them after the cache is allocated.
+                budget -= graphs_memory_bytes(self.limits.max_num_seqs)
         else:
             budget = cpu_kv_cache_budget()
         return num_blocks_for_budget(budget, block_bytes), block_bytes
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.graphs = None  # captured against the old cache, if any
+        reason = self._graphs_unavailable()
+        # Graphs pad decode batches; the padding's K/V goes to one extra
+        # block past the controlplane's pool, which no request ever owns.
+        extra = 1 if reason is None else 0
         self.kv_caches = allocate_kv_caches(
-            self.model, num_blocks, block_size, self.dtype, self.device
+            self.model, num_blocks + extra, block_size, self.dtype, self.device
         )
         self.block_size = block_size
+        if reason is None:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, block_size, self.dtype, self.device,
+                capture_sizes(self.limits.max_num_seqs), graph=self.graph_capture)
+        else:
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
+
+    def _graphs_unavailable(self) -> str | None:
+        return graphs_unavailable(self.device, self.attention_backend, self.ps.world_size,
+                                  self.enforce_eager)
 
     def reset_state(self) -> None:
         """The group failed: forget every request and the KV cache (its blocks
@@ -153,6 +187,7 @@ class ModelRunner:
         self.input_batch = InputBatch()
         self.sampled_tokens.reset()
         self.kv_caches = []
+        self.graphs = None
         self.block_size = 0
 
     # ---- one step -------------------------------------------------------
@@ -237,6 +272,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Runs this stage; returns the last stage's hidden states, None elsewhere."""
         ps = self.ps
+        if self.graphs is not None and self.graphs.can_run(inputs.attn_metadata):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         intermediate = None
         if not ps.is_first_pp_rank:
             t0 = time.perf_counter()

@@ -129,6 +129,7 @@ class Worker:
         key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition), backend)
         if self.runner is not None and self._loaded == key:
             self.runner.limits = limits  # the weights do not depend on them
+            self.runner.enforce_eager = cmd.enforce_eager  # read at init_kv_cache
             logger.info("reusing the weights loaded from %s (%.1f MiB on this rank)",
                         cmd.model_path, self.runner.weights_bytes() / 2**20)
             return _model_loaded(True, self.runner.weights_bytes())
@@ -136,7 +137,7 @@ class Worker:
         t0 = time.monotonic()
         runner = ModelRunner(
             self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition),
-            limits=limits, attention_backend=backend,
+            limits=limits, attention_backend=backend, enforce_eager=cmd.enforce_eager,
         )
         runner.load_model()
         self.runner, self._loaded = runner, key

@@ -78,6 +78,7 @@ class GroupStartup:
                 pp_layer_partition=list(par.pp_layer_partition),
                 seed=self.model.seed,
                 attention_backend=self.model.attention_backend,
+                enforce_eager=self.model.enforce_eager,
                 limits=worker_pb2.WorkerLimits(
                     max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                     max_num_seqs=self.scheduler.max_num_seqs,

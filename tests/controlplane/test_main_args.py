@@ -44,6 +44,7 @@ DEPLOYED_FLAGS = [
     "--max-requests-per-key=0", "--max-requests-per-key=64",
     # Issue 14: the workers' attention kernels.
     "--attention-backend=auto", "--attention-backend=torch", "--attention-backend=flashinfer",
+    "--enforce-eager", "--no-enforce-eager",
 ]
 
 
@@ -136,6 +137,19 @@ def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):
 def test_hostile_env_value_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("KVLOOM_BLOCK_SIZE", "0")
     with pytest.raises(SystemExit, match="KVLOOM_BLOCK_SIZE='0': must be >= 1"):
+        build_parser().parse_args([])
+
+
+def test_enforce_eager_flag_and_variable(monkeypatch, capsys):
+    assert build_parser().parse_args([]).enforce_eager is False
+    assert build_parser().parse_args(["--enforce-eager"]).enforce_eager is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--enforce-eager=1"])  # a switch, not a value
+    assert "--enforce-eager" in capsys.readouterr().err
+    monkeypatch.setenv("KVLOOM_ENFORCE_EAGER", "true")
+    assert build_parser().parse_args([]).enforce_eager is True
+    monkeypatch.setenv("KVLOOM_ENFORCE_EAGER", "2")
+    with pytest.raises(SystemExit, match="KVLOOM_ENFORCE_EAGER='2': expected true/false"):
         build_parser().parse_args([])
 
 

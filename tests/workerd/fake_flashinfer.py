@@ -66,11 +66,38 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             kv_data_type=kv_data_type))
 
 
+# Set by tests' stand-in CUDA graph while it runs a captured forward: FlashInfer
+# plans on the host, so a plan() there would not be part of any replay.
+CAPTURING = False
+
+
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 use_tensor_cores=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_tensor_cores)
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:  # FlashInfer's own checks of the buffers
+            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+            self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                            paged_kv_last_page_len_buffer)
+
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16",
              kv_data_type=None):
         assert pos_encoding_mode == "NONE"
+        if self.use_cuda_graph:
+            assert not CAPTURING, "plan() inside a captured region"
+            # As FlashInfer in CUDA-graph mode: a fixed batch size, and the
+            # page tables copied into the buffers the captured kernels read;
+            # run() below reads them from there, not from these arguments.
+            indptr_buf, indices_buf, last_buf = self.buffers
+            assert len(last_page_len) == len(last_buf), "batch size fixed at construction"
+            assert len(indices) <= len(indices_buf), "indices exceed the buffer"
+            indptr_buf.copy_(indptr)
+            indices_buf[: len(indices)].copy_(indices)
+            last_buf.copy_(last_page_len)
+            indptr, indices, last_page_len = indptr_buf, indices_buf, last_buf
         self.plans.append(dict(
             qo_indptr=torch.arange(len(indptr), dtype=torch.int32), kv_indptr=indptr,
             indices=indices, last_page_len=last_page_len, num_qo_heads=num_qo_heads,

@@ -153,6 +153,7 @@ def test_reset_keeps_the_weights_and_the_next_group_reuses_them(tiny_model_dir):
 
     first = start(1)
     assert first.model_loaded.reused is False
+    assert worker.runner.enforce_eager is False
     assert first.model_loaded.weights_bytes == worker.runner.weights_bytes() > 0
     runner, weights = worker.runner, next(worker.runner.model.parameters())
     before = _send(worker, 4, execute_model=_step_for([5, 6, 7], "a", 1))
@@ -162,8 +163,9 @@ def test_reset_keeps_the_weights_and_the_next_group_reuses_them(tiny_model_dir):
     assert worker.runner.requests == {} and worker.runner.kv_caches == []
     assert worker.ps.tp_group is None and not worker.ps.owns_process_group
 
+    load.enforce_eager = True  # read at init_kv_cache: it reaches a reused runner too
     again = start(6)
-    assert again.model_loaded.reused is True
+    assert again.model_loaded.reused is True and worker.runner.enforce_eager is True
     assert worker.runner is runner and next(worker.runner.model.parameters()) is weights
     # The same request id as before is new to the re-formed group and
     # computes the same token: nothing of the old group's state leaked.

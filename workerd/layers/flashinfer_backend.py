@@ -30,11 +30,13 @@ forward: it runs with a cache of its own, so through FlashInfer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from workerd.attn_metadata import AttentionMetadata
 from workerd.layers.attention import build_plan, paged_attention, write_kv_cache
-from workerd.layers.flashinfer_index import paged_kv_index
+from workerd.layers.flashinfer_index import pad_decode_index, paged_kv_index
 
 # FlashInfer's recommended float workspace (split-KV partial results); one
 # buffer shared by both wrappers, since a step runs only one of them.
@@ -53,6 +55,22 @@ class FlashInferPlan:
         self.decode_only = all(q == 1 for q in md.query_lens_cpu[: md.num_reqs])
         self.wrappers: dict[tuple, object] = {}
         self.torch_plan = None  # only a forward without a cache builds it
+        # Set on the plan a CUDA graph was captured with (graph_decode_plan).
+        self.graph: GraphDecode | None = None
+
+
+@dataclass
+class GraphDecode:
+    """What re-planning a captured decode graph's wrapper needs."""
+
+    wrapper: object
+    batch_size: int
+    pad_block: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    common: dict
 
 
 class FlashInferBackend:
@@ -74,6 +92,48 @@ class FlashInferBackend:
 
     def build_plan(self, md: AttentionMetadata, num_tokens: int) -> FlashInferPlan:
         return FlashInferPlan(md, num_tokens)
+
+    # ---- CUDA graphs (workerd/cuda_graphs.py) -------------------------------
+
+    def graph_decode_plan(
+        self, md: AttentionMetadata, pad_block: int, buffers, *, num_heads: int,
+        num_kv_heads: int, head_dim: int, scale: float, dtype: torch.dtype,
+        kv_dtype: torch.dtype, page_size: int,
+    ) -> FlashInferPlan:
+        """The plan a decode graph of md.num_reqs rows is captured with: its
+        own FlashInfer decode wrapper in CUDA-graph mode, whose page tables
+        live in `buffers` (indptr, indices, last_page_len tensors shared by
+        every captured size: one graph runs at a time) so that replan() can
+        point a replay at another step's pages without re-capturing. Planned
+        here for md (every row padding at capture time)."""
+        import flashinfer
+
+        batch_size = md.num_reqs
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=num_heads // num_kv_heads > _TENSOR_CORE_GQA_GROUP,
+            paged_kv_indptr_buffer=buffers.indptr[: batch_size + 1],
+            paged_kv_indices_buffer=buffers.indices,
+            paged_kv_last_page_len_buffer=buffers.last_page_len[:batch_size],
+        )
+        plan = FlashInferPlan(md, batch_size)
+        plan.wrappers[(num_heads, num_kv_heads, head_dim, scale, dtype, kv_dtype)] = wrapper
+        plan.graph = GraphDecode(
+            wrapper, batch_size, pad_block, num_heads, num_kv_heads, head_dim, page_size,
+            dict(sm_scale=scale, q_data_type=dtype, kv_data_type=kv_dtype))
+        self.replan(plan, md)
+        return plan
+
+    def replan(self, plan: FlashInferPlan, md: AttentionMetadata) -> None:
+        """Before a replay, outside the graph: the captured wrapper planned for
+        md's decodes (at most the graph's batch size), padded to it."""
+        g = plan.graph
+        idx = pad_decode_index(paged_kv_index(md), g.batch_size, g.pad_block)
+        g.wrapper.plan(
+            idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len,
+            g.num_heads, g.num_kv_heads, g.head_dim, g.page_size,
+            pos_encoding_mode="NONE", **g.common,
+        )
 
     def forward(
         self,

@@ -66,3 +66,30 @@ def paged_kv_index(md: AttentionMetadata) -> PagedKVIndex:
         paged_kv_last_page_len=torch.tensor(last_page_len, dtype=torch.int32),
         paged_kv_indices=md.block_table[rows_t, cols_t].to(torch.int32),
     )
+
+
+def pad_decode_index(idx: PagedKVIndex, batch_size: int, pad_block: int) -> PagedKVIndex:
+    """A decode batch's page tables padded to batch_size rows, for a CUDA
+    graph captured at that size: every padding row is a one-token context in
+    pad_block (a block no request owns; the padding tokens' K/V is written
+    there too), so the kernels see batch_size well-formed requests and the
+    real rows' results do not depend on the padding."""
+    num_reqs = len(idx.paged_kv_last_page_len)
+    pad = batch_size - num_reqs
+    if pad < 0:
+        raise ValueError(f"{num_reqs} requests do not fit a graph of batch size {batch_size}")
+    if pad == 0:
+        return idx
+    last = int(idx.paged_kv_indptr[-1])
+    device = idx.paged_kv_indices.device
+    return PagedKVIndex(
+        qo_indptr=torch.arange(batch_size + 1, dtype=torch.int32),
+        paged_kv_indptr=torch.cat([
+            idx.paged_kv_indptr,
+            torch.arange(last + 1, last + pad + 1, dtype=torch.int32)]),
+        paged_kv_last_page_len=torch.cat([
+            idx.paged_kv_last_page_len, torch.ones(pad, dtype=torch.int32)]),
+        paged_kv_indices=torch.cat([
+            idx.paged_kv_indices,
+            torch.full((pad,), pad_block, dtype=torch.int32, device=device)]),
+    )

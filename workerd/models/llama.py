@@ -230,7 +230,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        attn_plan=None,
     ) -> torch.Tensor | IntermediateTensors:
+        """attn_plan: the backend's plan for attn_metadata when the caller
+        built it (a CUDA graph captures the forward with a pre-planned one)."""
         if self.ps.is_first_pp_rank:
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
@@ -238,7 +241,9 @@ class LlamaForCausalLM(nn.Module):
             residual = intermediate_tensors.residual
         # Everything that depends only on the step, not the layer, is built
         # once here: the attention plan and the rotary tables.
-        plan = self.attn_backend.build_plan(attn_metadata, positions.shape[0])
+        plan = attn_plan
+        if plan is None:
+            plan = self.attn_backend.build_plan(attn_metadata, positions.shape[0])
         rope = rotary_tables(*self.rotary_emb(positions), hidden_states.dtype)
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvloom/worker/v1/worker.proto\x12\x10kvloom.worker.v1\"\x99\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x11\n\tdist_port\x18\x07 \x01(\rB\x07\n\x05_rank\"1\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\"\xae\x01\n\x0fInitDistributed\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x06 \x01(\r\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"\xa3\x01\n\tLoadModel\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1a\n\x12pp_layer_partition\x18\x03 \x03(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x06limits\x18\x05 \x01(\x0b\x32\x1e.kvloom.worker.v1.WorkerLimits\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\"[\n\x0cWorkerLimits\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"b\n\rProfileMemory\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x1d\n\x15kv_cache_memory_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x03 \x01(\x02\"S\n\rMemoryProfile\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\"5\n\x0bInitKVCache\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xcd\x02\n\x15RequestSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xe4\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12@\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\'.kvloom.worker.v1.RequestSamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"\xe0\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1f\n\x17resumed_from_preemption\x18\x02 \x03(\x08\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x07 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x08 \x03(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\rnew_token_idsR\x11num_new_token_ids\"\xfd\x01\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12<\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32 .kvloom.worker.v1.NewRequestData\x12\x42\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32#.kvloom.worker.v1.CachedRequestData\x12\"\n\x1atotal_num_scheduled_tokens\x18\x04 \x01(\r\x12\x18\n\x10\x66inished_req_ids\x18\x05 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x06 \x03(\t\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"l\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x32\n\tpositions\x18\x03 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\"\xc5\x01\n\x11ModelRunnerOutput\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66orward_time_s\x18\x03 \x01(\x02\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32 .kvloom.worker.v1.PromptLogprobs\"\x06\n\x04Ping\"\x17\n\x05Reset\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\tResetDone\x12\x11\n\tdist_port\x18\x01 \x01(\r\"4\n\x0bModelLoaded\x12\x0e\n\x06reused\x18\x01 \x01(\x08\x12\x15\n\rweights_bytes\x18\x02 \x01(\x04\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x86\x04\n\x0e\x43ontrolMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\nregistered\x18\n \x01(\x0b\x32\x1f.kvloom.worker.v1.RegisterReplyH\x00\x12=\n\x10init_distributed\x18\x0b \x01(\x0b\x32!.kvloom.worker.v1.InitDistributedH\x00\x12\x31\n\nload_model\x18\x0c \x01(\x0b\x32\x1b.kvloom.worker.v1.LoadModelH\x00\x12\x39\n\x0eprofile_memory\x18\r \x01(\x0b\x32\x1f.kvloom.worker.v1.ProfileMemoryH\x00\x12\x36\n\rinit_kv_cache\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.InitKVCacheH\x00\x12:\n\rexecute_model\x18\x0f \x01(\x0b\x32!.kvloom.worker.v1.SchedulerOutputH\x00\x12&\n\x04ping\x18\x10 \x01(\x0b\x32\x16.kvloom.worker.v1.PingH\x00\x12.\n\x08shutdown\x18\x11 \x01(\x0b\x32\x1a.kvloom.worker.v1.ShutdownH\x00\x12(\n\x05reset\x18\x12 \x01(\x0b\x32\x17.kvloom.worker.v1.ResetH\x00\x42\t\n\x07\x63ommand\"\x05\n\x03\x41\x63k\"(\n\tHeartbeat\x12\x1b\n\x13last_forward_time_s\x18\x01 \x01(\x02\",\n\x0bWorkerError\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd3\x03\n\rWorkerMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08register\x18\n \x01(\x0b\x32!.kvloom.worker.v1.RegisterRequestH\x00\x12$\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x15.kvloom.worker.v1.AckH\x00\x12\x39\n\x0ememory_profile\x18\x0c \x01(\x0b\x32\x1f.kvloom.worker.v1.MemoryProfileH\x00\x12\x42\n\x13model_runner_output\x18\r \x01(\x0b\x32#.kvloom.worker.v1.ModelRunnerOutputH\x00\x12.\n\x05\x65rror\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.WorkerErrorH\x00\x12\x30\n\theartbeat\x18\x0f \x01(\x0b\x32\x1b.kvloom.worker.v1.HeartbeatH\x00\x12\x31\n\nreset_done\x18\x10 \x01(\x0b\x32\x1b.kvloom.worker.v1.ResetDoneH\x00\x12\x35\n\x0cmodel_loaded\x18\x11 \x01(\x0b\x32\x1d.kvloom.worker.v1.ModelLoadedH\x00\x42\t\n\x07payload*\x81\x01\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x03\x32\x61\n\rWorkerControl\x12P\n\x07\x43onnect\x12\x1f.kvloom.worker.v1.WorkerMessage\x1a .kvloom.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvloom/worker/v1/worker.proto\x12\x10kvloom.worker.v1\"\x99\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x11\n\tdist_port\x18\x07 \x01(\rB\x07\n\x05_rank\"1\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\"\xae\x01\n\x0fInitDistributed\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x06 \x01(\r\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"\xba\x01\n\tLoadModel\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1a\n\x12pp_layer_partition\x18\x03 \x03(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x06limits\x18\x05 \x01(\x0b\x32\x1e.kvloom.worker.v1.WorkerLimits\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x15\n\renforce_eager\x18\x07 \x01(\x08\"[\n\x0cWorkerLimits\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"b\n\rProfileMemory\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x1d\n\x15kv_cache_memory_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x03 \x01(\x02\"S\n\rMemoryProfile\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\"5\n\x0bInitKVCache\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xcd\x02\n\x15RequestSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xe4\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12@\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\'.kvloom.worker.v1.RequestSamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"\xe0\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1f\n\x17resumed_from_preemption\x18\x02 \x03(\x08\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x07 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x08 \x03(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\rnew_token_idsR\x11num_new_token_ids\"\xfd\x01\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12<\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32 .kvloom.worker.v1.NewRequestData\x12\x42\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32#.kvloom.worker.v1.CachedRequestData\x12\"\n\x1atotal_num_scheduled_tokens\x18\x04 \x01(\r\x12\x18\n\x10\x66inished_req_ids\x18\x05 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x06 \x03(\t\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"l\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x32\n\tpositions\x18\x03 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\"\xc5\x01\n\x11ModelRunnerOutput\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66orward_time_s\x18\x03 \x01(\x02\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32 .kvloom.worker.v1.PromptLogprobs\"\x06\n\x04Ping\"\x17\n\x05Reset\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\tResetDone\x12\x11\n\tdist_port\x18\x01 \x01(\r\"4\n\x0bModelLoaded\x12\x0e\n\x06reused\x18\x01 \x01(\x08\x12\x15\n\rweights_bytes\x18\x02 \x01(\x04\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x86\x04\n\x0e\x43ontrolMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\nregistered\x18\n \x01(\x0b\x32\x1f.kvloom.worker.v1.RegisterReplyH\x00\x12=\n\x10init_distributed\x18\x0b \x01(\x0b\x32!.kvloom.worker.v1.InitDistributedH\x00\x12\x31\n\nload_model\x18\x0c \x01(\x0b\x32\x1b.kvloom.worker.v1.LoadModelH\x00\x12\x39\n\x0eprofile_memory\x18\r \x01(\x0b\x32\x1f.kvloom.worker.v1.ProfileMemoryH\x00\x12\x36\n\rinit_kv_cache\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.InitKVCacheH\x00\x12:\n\rexecute_model\x18\x0f \x01(\x0b\x32!.kvloom.worker.v1.SchedulerOutputH\x00\x12&\n\x04ping\x18\x10 \x01(\x0b\x32\x16.kvloom.worker.v1.PingH\x00\x12.\n\x08shutdown\x18\x11 \x01(\x0b\x32\x1a.kvloom.worker.v1.ShutdownH\x00\x12(\n\x05reset\x18\x12 \x01(\x0b\x32\x17.kvloom.worker.v1.ResetH\x00\x42\t\n\x07\x63ommand\"\x05\n\x03\x41\x63k\"(\n\tHeartbeat\x12\x1b\n\x13last_forward_time_s\x18\x01 \x01(\x02\",\n\x0bWorkerError\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd3\x03\n\rWorkerMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08register\x18\n \x01(\x0b\x32!.kvloom.worker.v1.RegisterRequestH\x00\x12$\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x15.kvloom.worker.v1.AckH\x00\x12\x39\n\x0ememory_profile\x18\x0c \x01(\x0b\x32\x1f.kvloom.worker.v1.MemoryProfileH\x00\x12\x42\n\x13model_runner_output\x18\r \x01(\x0b\x32#.kvloom.worker.v1.ModelRunnerOutputH\x00\x12.\n\x05\x65rror\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.WorkerErrorH\x00\x12\x30\n\theartbeat\x18\x0f \x01(\x0b\x32\x1b.kvloom.worker.v1.HeartbeatH\x00\x12\x31\n\nreset_done\x18\x10 \x01(\x0b\x32\x1b.kvloom.worker.v1.ResetDoneH\x00\x12\x35\n\x0cmodel_loaded\x18\x11 \x01(\x0b\x32\x1d.kvloom.worker.v1.ModelLoadedH\x00\x42\t\n\x07payload*\x81\x01\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x03\x32\x61\n\rWorkerControl\x12P\n\x07\x43onnect\x12\x1f.kvloom.worker.v1.WorkerMessage\x1a .kvloom.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvloom.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=3621
-  _globals['_PROTOCOLVERSION']._serialized_end=3750
+  _globals['_PROTOCOLVERSION']._serialized_start=3644
+  _globals['_PROTOCOLVERSION']._serialized_end=3773
   _globals['_REGISTERREQUEST']._serialized_start=52
   _globals['_REGISTERREQUEST']._serialized_end=205
   _globals['_REGISTERREPLY']._serialized_start=207
@@ -40,49 +40,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITDISTRIBUTED']._serialized_start=259
   _globals['_INITDISTRIBUTED']._serialized_end=433
   _globals['_LOADMODEL']._serialized_start=436
-  _globals['_LOADMODEL']._serialized_end=599
-  _globals['_WORKERLIMITS']._serialized_start=601
-  _globals['_WORKERLIMITS']._serialized_end=692
-  _globals['_PROFILEMEMORY']._serialized_start=694
-  _globals['_PROFILEMEMORY']._serialized_end=792
-  _globals['_MEMORYPROFILE']._serialized_start=794
-  _globals['_MEMORYPROFILE']._serialized_end=877
-  _globals['_INITKVCACHE']._serialized_start=879
-  _globals['_INITKVCACHE']._serialized_end=932
-  _globals['_REQUESTSAMPLINGPARAMS']._serialized_start=935
-  _globals['_REQUESTSAMPLINGPARAMS']._serialized_end=1268
-  _globals['_NEWREQUESTDATA']._serialized_start=1271
-  _globals['_NEWREQUESTDATA']._serialized_end=1499
-  _globals['_CACHEDREQUESTDATA']._serialized_start=1502
-  _globals['_CACHEDREQUESTDATA']._serialized_end=1726
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1729
-  _globals['_SCHEDULEROUTPUT']._serialized_end=1982
-  _globals['_TOKENLOGPROBS']._serialized_start=1984
-  _globals['_TOKENLOGPROBS']._serialized_end=2075
-  _globals['_PROMPTLOGPROBS']._serialized_start=2077
-  _globals['_PROMPTLOGPROBS']._serialized_end=2185
-  _globals['_MODELRUNNEROUTPUT']._serialized_start=2188
-  _globals['_MODELRUNNEROUTPUT']._serialized_end=2385
-  _globals['_PING']._serialized_start=2387
-  _globals['_PING']._serialized_end=2393
-  _globals['_RESET']._serialized_start=2395
-  _globals['_RESET']._serialized_end=2418
-  _globals['_RESETDONE']._serialized_start=2420
-  _globals['_RESETDONE']._serialized_end=2450
-  _globals['_MODELLOADED']._serialized_start=2452
-  _globals['_MODELLOADED']._serialized_end=2504
-  _globals['_SHUTDOWN']._serialized_start=2506
-  _globals['_SHUTDOWN']._serialized_end=2532
-  _globals['_CONTROLMESSAGE']._serialized_start=2535
-  _globals['_CONTROLMESSAGE']._serialized_end=3053
-  _globals['_ACK']._serialized_start=3055
-  _globals['_ACK']._serialized_end=3060
-  _globals['_HEARTBEAT']._serialized_start=3062
-  _globals['_HEARTBEAT']._serialized_end=3102
-  _globals['_WORKERERROR']._serialized_start=3104
-  _globals['_WORKERERROR']._serialized_end=3148
-  _globals['_WORKERMESSAGE']._serialized_start=3151
-  _globals['_WORKERMESSAGE']._serialized_end=3618
-  _globals['_WORKERCONTROL']._serialized_start=3752
-  _globals['_WORKERCONTROL']._serialized_end=3849
+  _globals['_LOADMODEL']._serialized_end=622
+  _globals['_WORKERLIMITS']._serialized_start=624
+  _globals['_WORKERLIMITS']._serialized_end=715
+  _globals['_PROFILEMEMORY']._serialized_start=717
+  _globals['_PROFILEMEMORY']._serialized_end=815
+  _globals['_MEMORYPROFILE']._serialized_start=817
+  _globals['_MEMORYPROFILE']._serialized_end=900
+  _globals['_INITKVCACHE']._serialized_start=902
+  _globals['_INITKVCACHE']._serialized_end=955
+  _globals['_REQUESTSAMPLINGPARAMS']._serialized_start=958
+  _globals['_REQUESTSAMPLINGPARAMS']._serialized_end=1291
+  _globals['_NEWREQUESTDATA']._serialized_start=1294
+  _globals['_NEWREQUESTDATA']._serialized_end=1522
+  _globals['_CACHEDREQUESTDATA']._serialized_start=1525
+  _globals['_CACHEDREQUESTDATA']._serialized_end=1749
+  _globals['_SCHEDULEROUTPUT']._serialized_start=1752
+  _globals['_SCHEDULEROUTPUT']._serialized_end=2005
+  _globals['_TOKENLOGPROBS']._serialized_start=2007
+  _globals['_TOKENLOGPROBS']._serialized_end=2098
+  _globals['_PROMPTLOGPROBS']._serialized_start=2100
+  _globals['_PROMPTLOGPROBS']._serialized_end=2208
+  _globals['_MODELRUNNEROUTPUT']._serialized_start=2211
+  _globals['_MODELRUNNEROUTPUT']._serialized_end=2408
+  _globals['_PING']._serialized_start=2410
+  _globals['_PING']._serialized_end=2416
+  _globals['_RESET']._serialized_start=2418
+  _globals['_RESET']._serialized_end=2441
+  _globals['_RESETDONE']._serialized_start=2443
+  _globals['_RESETDONE']._serialized_end=2473
+  _globals['_MODELLOADED']._serialized_start=2475
+  _globals['_MODELLOADED']._serialized_end=2527
+  _globals['_SHUTDOWN']._serialized_start=2529
+  _globals['_SHUTDOWN']._serialized_end=2555
+  _globals['_CONTROLMESSAGE']._serialized_start=2558
+  _globals['_CONTROLMESSAGE']._serialized_end=3076
+  _globals['_ACK']._serialized_start=3078
+  _globals['_ACK']._serialized_end=3083
+  _globals['_HEARTBEAT']._serialized_start=3085
+  _globals['_HEARTBEAT']._serialized_end=3125
+  _globals['_WORKERERROR']._serialized_start=3127
+  _globals['_WORKERERROR']._serialized_end=3171
+  _globals['_WORKERMESSAGE']._serialized_start=3174
+  _globals['_WORKERMESSAGE']._serialized_end=3641
+  _globals['_WORKERCONTROL']._serialized_start=3775
+  _globals['_WORKERCONTROL']._serialized_end=3872
 # @@protoc_insertion_point(module_scope)

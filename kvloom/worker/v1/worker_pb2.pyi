@@ -63,20 +63,22 @@ class InitDistributed(_message.Message):
     def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits", "attention_backend")
+    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits", "attention_backend", "enforce_eager")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PP_LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     dtype: str
     pp_layer_partition: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     limits: WorkerLimits
     attention_backend: str
-    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    enforce_eager: bool
+    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ...) -> None: ...
 
 class WorkerLimits(_message.Message):
     __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")

@@ -82,6 +82,16 @@ def test_load_model_carries_the_attention_backend(backend):
     assert {c.load_model.attention_backend for c in calls.sent[1][1].values()} == {backend}
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_load_model_carries_enforce_eager(enforce_eager):
+    calls = FakeCalls({0: 40, 1: 25})
+    model = ModelConfig(model="/m", served_model_name="m", worker_model_path="/w",
+                        enforce_eager=enforce_eager)
+    startup = GroupStartup(calls, PARALLEL, WorkerGroupConfig(), model, CacheConfig(), SCHEDULER)
+    asyncio.run(startup.run("h", 1))
+    assert {c.load_model.enforce_eager for c in calls.sent[1][1].values()} == {enforce_eager}
+
+
 def test_override_replaces_the_profiled_pool():
     calls = FakeCalls({0: 40, 1: 25})
     cache = CacheConfig(num_gpu_blocks_override=7)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workerd.sampler import GREEDY_BELOW
 from workerd.sched_output import NewRequestData, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -52,7 +53,9 @@ class CachedRequestState:
     @classmethod
     def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
         generator = None
-        if new.sampling_params.seed is not None:
+        params = new.sampling_params
+        # A greedy request never draws: no generator to reseed every step.
+        if params.seed is not None and params.temperature >= GREEDY_BELOW:
             generator = torch.Generator(device=device)
         return cls(
             req_id=new.req_id,

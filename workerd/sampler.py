@@ -24,7 +24,8 @@ from workerd.penalties import PenaltyMetadata, apply_penalties, min_tokens_index
 from workerd.sched_output import SamplingParams
 
 # Temperatures below this are greedy: dividing by them would overflow.
-_SAMPLING_EPS = 1e-5
+GREEDY_BELOW = 1e-5
+_SAMPLING_EPS = GREEDY_BELOW
 
 
 @dataclass

@@ -73,6 +73,20 @@ def test_seeded_generator_depends_on_seed_and_output_index_only():
     assert unseeded.generator_for_next_token() is None
 
 
+def test_only_a_seeded_request_that_samples_gets_a_generator():
+    def state(**params):
+        new = NewRequestData(req_id="r", prompt_token_ids=[1, 2], output_token_ids=[],
+                             sampling_params=SamplingParams(**params), block_ids=[0],
+                             num_computed_tokens=0)
+        return CachedRequestState.from_new_request(new, torch.device("cpu"))
+
+    assert state(seed=7, temperature=0.8).generator is not None
+    # Greedy never draws: no generator to reseed each step, seed or not.
+    assert state(seed=7, temperature=0.0).generator is None
+    assert state(seed=7, temperature=1e-6).generator is None
+    assert state(temperature=0.8).generator is None
+
+
 def test_add_remove_fill_holes_and_condense():
     batch = InputBatch(max_num_reqs=2, max_num_blocks=2)
     rows = [batch.add_request(_state(f"r{i}", [10 * i, 10 * i + 1])) for i in range(5)]

@@ -15,16 +15,33 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 6
 
 
+def fast_decode(tokenizer):
+    """The Rust tokenizer's own decode where it returns exactly what
+    tokenizer.decode does (a transformers TokenizersBackend that applies no
+    clean-up pass), else None. Every streamed token decodes twice, and
+    transformers' wrapper costs more than the decode itself (2.5 vs 0.9 us
+    per call on the test tokenizer)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode"):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._fast = fast_decode(tokenizer)
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # tokens[prefix_offset:read_offset] is the window already turned into text.
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_token_ids: list[int], final: bool = False) -> str:

@@ -35,3 +35,24 @@ def test_multibyte_characters_are_never_split(tiny_model_dir):
     deltas = _stream(tok, tok.encode("Hi"), outputs)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(outputs, skip_special_tokens=True)
+
+
+def test_the_fast_decode_is_the_tokenizers_own_text(tiny_model_dir):
+    import random
+
+    from controlplane.api.detokenizer import fast_decode
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fast = fast_decode(tok)
+    assert fast is not None  # the test tokenizer is a plain fast one
+    rng = random.Random(0)
+    specials = tok.all_special_ids
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    # A tokenizer with the clean-up pass keeps transformers' decode.
+    tok.clean_up_tokenization_spaces = True
+    assert fast_decode(tok) is None
+    assert IncrementalDetokenizer(tok, [1])._fast is None

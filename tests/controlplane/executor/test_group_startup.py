@@ -70,26 +70,20 @@ def test_handshake_order_and_minimum_pool():
     assert calls.sent[3][1][1].init_kv_cache.num_blocks == 25
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch", "flashinfer"])
-def test_load_model_carries_the_attention_backend(backend):
-    """--attention-backend reaches every rank as given; resolving auto is the
-    worker's business (its device, its packages)."""
+@pytest.mark.parametrize(("field", "value"), [
+    ("attention_backend", "auto"), ("attention_backend", "torch"),
+    ("attention_backend", "flashinfer"), ("enforce_eager", False), ("enforce_eager", True),
+])
+def test_load_model_carries_the_model_options(field, value):
+    """--attention-backend and --enforce-eager reach every rank as given;
+    resolving auto (and whether graphs apply) is the worker's business: its
+    device, its packages, its layout."""
     calls = FakeCalls({0: 40, 1: 25})
     model = ModelConfig(model="/m", served_model_name="m", worker_model_path="/w",
-                        attention_backend=backend)
+                        **{field: value})
     startup = GroupStartup(calls, PARALLEL, WorkerGroupConfig(), model, CacheConfig(), SCHEDULER)
     asyncio.run(startup.run("h", 1))
-    assert {c.load_model.attention_backend for c in calls.sent[1][1].values()} == {backend}
-
-
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_load_model_carries_enforce_eager(enforce_eager):
-    calls = FakeCalls({0: 40, 1: 25})
-    model = ModelConfig(model="/m", served_model_name="m", worker_model_path="/w",
-                        enforce_eager=enforce_eager)
-    startup = GroupStartup(calls, PARALLEL, WorkerGroupConfig(), model, CacheConfig(), SCHEDULER)
-    asyncio.run(startup.run("h", 1))
-    assert {c.load_model.enforce_eager for c in calls.sent[1][1].values()} == {enforce_eager}
+    assert {getattr(c.load_model, field) for c in calls.sent[1][1].values()} == {value}
 
 
 def test_override_replaces_the_profiled_pool():

@@ -160,7 +160,7 @@ class Executor:
                 failure_reason=self._failure_reason,
                 failure_counts=MappingProxyType(dict(self._failure_counts)),
                 last_success=self._last_success,
-                step_in_flight=self._steps_in_flight > 0,
+                steps_in_flight=self._steps_in_flight,
                 num_gpu_blocks=self._num_gpu_blocks,
             )
 

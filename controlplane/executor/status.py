@@ -67,10 +67,15 @@ class ExecutorStatus:
     )
     # time.monotonic() when a step or canary last completed (0: never).
     last_success: float = 0.0
-    # A step is on the wire: a long step is progress, not silence.
-    step_in_flight: bool = False
+    # Steps on the wire (up to the engine's pipeline depth): a long step is
+    # progress, not silence.
+    steps_in_flight: int = 0
     # The KV pool of the latest start-up (the minimum over ranks).
     num_gpu_blocks: int = 0
+
+    @property
+    def step_in_flight(self) -> bool:
+        return self.steps_in_flight > 0
 
     @property
     def ready(self) -> bool:

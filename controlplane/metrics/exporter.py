@@ -350,8 +350,9 @@ class _ScrapeCollector:
                                   "serves steps.", labels=["model_name"])
         ready.add_metric([m], 1.0 if status.ready else 0.0)
         in_flight = GaugeMetricFamily("kvloom_steps_in_flight", "Steps sent to the workers "
-                                      "and not yet answered.", labels=["model_name"])
-        in_flight.add_metric([m], 1.0 if status.step_in_flight else 0.0)
+                                      "and not yet answered (up to 3 with async scheduling, "
+                                      "PP with the batch queue).", labels=["model_name"])
+        in_flight.add_metric([m], float(status.steps_in_flight))
         busy = GaugeMetricFamily(
             "kvloom_output_rank_busy_ratio", "The output rank's forward + sampling time "
             f"over wall time, last {self.metrics.output_busy.window_s:g} s (1 = the control "

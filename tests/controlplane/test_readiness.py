@@ -120,7 +120,7 @@ def test_a_step_on_the_wire_is_progress():
     the step's own deadline covers it, not readiness."""
     engine = Engine()
     engine.last_tick -= FAR
-    status = _ready(last_success=time.monotonic() - FAR, step_in_flight=True)
+    status = _ready(last_success=time.monotonic() - FAR, steps_in_flight=1)
     readiness, *_ = _readiness(status, engine)
     assert readiness.reason() is None
 
@@ -152,7 +152,7 @@ def test_an_idle_group_gets_a_canary_that_keeps_it_ready():
     "make_status",
     [
         _ready,  # a step or canary completed just now
-        lambda: _ready(last_success=time.monotonic() - FAR, step_in_flight=True),
+        lambda: _ready(last_success=time.monotonic() - FAR, steps_in_flight=1),
         lambda: ExecutorStatus(GroupState.STARTING, 2, _ranks(2)),
         lambda: ExecutorStatus(GroupState.FORMING, 2, _ranks(1)),
     ],

@@ -138,7 +138,8 @@ def metrics():
     h0.last_forward_time_s = 0.02
     status = ExecutorStatus(
         state=GroupState.READY, world_size=config.parallel.world_size, ranks=(h0.snapshot(),),
-        num_gpu_blocks=64, failure_counts={FailureKind.HEARTBEAT_TIMEOUT: 2})
+        num_gpu_blocks=64, failure_counts={FailureKind.HEARTBEAT_TIMEOUT: 2},
+        steps_in_flight=2)
     executor = SimpleNamespace(status=lambda: status)
     return ControlPlaneMetrics(config, engine, executor), stats, engine
 
@@ -172,7 +173,7 @@ def test_registry_exposes_step_and_request_metrics(metrics):
     assert _get(s, "kvloom_worker_failures_total", reason="heartbeat_timeout") == 2
     assert _get(s, "kvloom_worker_failures_total", reason="step_timeout") == 0
     assert _get(s, "kvloom_worker_group_ready") == 1
-    assert _get(s, "kvloom_steps_in_flight") == 0
+    assert _get(s, "kvloom_steps_in_flight") == 2  # a count: pipelined steps
     # Two steps ended at t=1.1 and 2.1, long ago on the monotonic clock: idle now.
     assert _get(s, "kvloom_output_rank_busy_ratio") == 0.0
     m.observe([], record(time.monotonic() - 0.1))

@@ -98,3 +98,29 @@ class Readiness:
         while True:
             await self.check()
             await asyncio.sleep(self.interval_s)
+
+
+def admission_refusal(not_ready: str | None, *, draining: bool, holding: bool,
+                      recovery_enabled: bool, engine_has_scheduler: bool,
+                      group_ready: bool) -> str | None:
+    """Why a new request is refused now (UNAVAILABLE), or None to admit it.
+
+    Not ready is not always a refusal: while the worker group re-forms, new
+    requests wait with the held ones (readiness says NOT_SERVING so balancers
+    send new work elsewhere, but a client that reaches this server sees a
+    pause, not an error). That starts the moment the group fails, not only
+    once the engine has begun holding: the engine learns of the failure on
+    its own thread, a little after the worker plane does, and a request that
+    arrived in between was refused while the held ones rode the failure out.
+    So with recovery on, a group that is down while the engine still has its
+    scheduler (it served before and has not given up) admits; the engine holds
+    the request with the rest, or ends it if recovery turns out impossible.
+    Draining always refuses; so does any other reason (a stalled engine, a
+    group that never formed)."""
+    if not_ready is None or draining:
+        return not_ready
+    if holding:
+        return None
+    if recovery_enabled and engine_has_scheduler and not group_ready:
+        return None
+    return not_ready

@@ -46,7 +46,7 @@ from controlplane.metrics.grpc_interceptor import GrpcMetricsInterceptor
 from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import RecoveryRecord
 from controlplane.model_info import ModelInfo, load_tokenizer
-from controlplane.readiness import Readiness
+from controlplane.readiness import Readiness, admission_refusal
 from kvloom.server.logs import flush_log_handlers
 from kvloom.server.ports import EXCLUSIVE_PORT
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
@@ -184,10 +184,12 @@ class ControlPlane:
         re-forms, new requests wait with the held ones instead: readiness says
         NOT_SERVING, so balancers send new work elsewhere, but a client that
         reaches this server sees a pause, not an error."""
-        reason = self.readiness.reason()
-        if reason is not None and not self.readiness.draining and self.engine.recovery.holding:
-            return None
-        return reason
+        engine = self.engine
+        return admission_refusal(
+            self.readiness.reason(), draining=self.readiness.draining,
+            holding=engine.recovery.holding, recovery_enabled=engine.recovery.enabled,
+            engine_has_scheduler=engine.scheduler is not None,
+            group_ready=self.executor.status().ready)
 
     async def _drain(self, deadline: float) -> None:
         """Refuse new requests, let in-flight ones finish until the deadline."""

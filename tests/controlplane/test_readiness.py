@@ -162,3 +162,26 @@ def test_no_canary_unless_the_ready_group_is_idle(make_status):
     readiness, executor, *_ = _readiness(make_status())
     asyncio.run(readiness.check())
     assert executor.canaries == []
+
+
+@pytest.mark.parametrize(("case", "kwargs", "refused"), [
+    ("ready", dict(not_ready=None), False),
+    ("engine holding the failed group's requests", dict(holding=True), False),
+    # The group just failed; the engine has not begun holding yet (the race
+    # that refused a request recovery would have carried).
+    ("group down before the engine knows", dict(), False),
+    ("draining", dict(draining=True, holding=True), True),
+    ("recovery off (fail-fast)", dict(recovery_enabled=False), True),
+    ("engine gave up or never served", dict(engine_has_scheduler=False), True),
+    ("group ready, engine stalled", dict(group_ready=True), True),
+])
+def test_admission_while_the_group_is_down(case, kwargs, refused):
+    from controlplane.readiness import admission_refusal
+
+    args = dict(not_ready="worker group forming: 1/2 ranks attached", draining=False,
+                holding=False, recovery_enabled=True, engine_has_scheduler=True,
+                group_ready=False)
+    args.update(kwargs)
+    not_ready = args.pop("not_ready")
+    got = admission_refusal(not_ready, **args)
+    assert got == (not_ready if refused else None), case

@@ -79,7 +79,10 @@ async def _generate_through(
         for n, ranks in enumerate(kills):
             marks = [len(t) for t in tokens[: len(PROMPTS)]]
             while any(len(t) < m + PROGRESS for t, m in zip(tokens, marks, strict=False)):
-                assert not any(s.done() for s in streams), "a stream ended before the kill"
+                ended = [(i, len(tokens[i]), s.exception() if not s.cancelled() else "cancelled")
+                         for i, s in enumerate(streams) if s.done()]
+                # (stream, tokens it had, its error or None): what to look at when this fires.
+                assert not ended, f"a stream ended before kill {n + 1}: {ended}"
                 await asyncio.sleep(0.005)
             for k, rank in enumerate(ranks):
                 if k:

@@ -184,9 +184,12 @@ class ControlPlane:
         re-forms, new requests wait with the held ones instead: readiness says
         NOT_SERVING, so balancers send new work elsewhere, but a client that
         reaches this server sees a pause, not an error."""
+        reason = self.readiness.reason()
+        if reason is None:
+            return None  # the common case: no second status snapshot
         engine = self.engine
         return admission_refusal(
-            self.readiness.reason(), draining=self.readiness.draining,
+            reason, draining=self.readiness.draining,
             holding=engine.recovery.holding, recovery_enabled=engine.recovery.enabled,
             engine_has_scheduler=engine.scheduler is not None,
             group_ready=self.executor.status().ready)

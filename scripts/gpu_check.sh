@@ -58,9 +58,16 @@ PY=$(command -v python || command -v python3)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 step_timeout=${STEP_TIMEOUT_S:-240}
+budget=${TOTAL_BUDGET_S:-540}
+for pair in "STEP_TIMEOUT_S=$step_timeout" "TOTAL_BUDGET_S=$budget"; do
+  if ! [[ ${pair#*=} =~ ^[0-9]{1,5}$ ]] || (( ${pair#*=} < 1 )); then
+    echo "gpu_check.sh: $pair: expected whole seconds, 1 to 99999" >&2
+    exit 2
+  fi
+done
 # The whole run's budget (a device call is cut at 600 s): a step gets what is
 # left of it, and none starts with under 20 s left.
-deadline=$(( $(date +%s) + ${TOTAL_BUDGET_S:-540} ))
+deadline=$(( $(date +%s) + budget ))
 
 step() {  # step NAME COMMAND...: run (bounded), record ok/FAILED, keep going
   local name=$1; shift

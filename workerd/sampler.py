@@ -25,7 +25,6 @@ from workerd.sched_output import SamplingParams
 
 # Temperatures below this are greedy: dividing by them would overflow.
 GREEDY_BELOW = 1e-5
-_SAMPLING_EPS = GREEDY_BELOW
 
 
 @dataclass
@@ -56,7 +55,7 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Token lists are read only for rows that use penalties (both) or
         min_tokens (the output count); other rows may pass empty ones."""
-        temps = [p.temperature if p.temperature >= _SAMPLING_EPS else 0.0 for p in params]
+        temps = [p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params]
         top_ks = [max(p.top_k, 0) for p in params]
         top_ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
         min_ps = [p.min_p if 0.0 < p.min_p <= 1.0 else 0.0 for p in params]

@@ -129,11 +129,8 @@ class FlashInferBackend:
         md's decodes (at most the graph's batch size), padded to it."""
         g = plan.graph
         idx = pad_decode_index(paged_kv_index(md), g.batch_size, g.pad_block)
-        g.wrapper.plan(
-            idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len,
-            g.num_heads, g.num_kv_heads, g.head_dim, g.page_size,
-            pos_encoding_mode="NONE", **g.common,
-        )
+        _plan_decode(g.wrapper, idx, g.num_heads, g.num_kv_heads, g.head_dim, g.page_size,
+                     g.common)
 
     def forward(
         self,
@@ -181,11 +178,7 @@ class FlashInferBackend:
         common = dict(sm_scale=scale, q_data_type=dtype, kv_data_type=kv_cache.dtype)
         if plan.decode_only:
             wrapper = self._decode[num_heads // num_kv_heads > _TENSOR_CORE_GQA_GROUP]
-            wrapper.plan(
-                idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len,
-                num_heads, num_kv_heads, head_dim, page_size,
-                pos_encoding_mode="NONE", **common,
-            )
+            _plan_decode(wrapper, idx, num_heads, num_kv_heads, head_dim, page_size, common)
         else:
             wrapper = self._prefill
             wrapper.plan(
@@ -195,3 +188,12 @@ class FlashInferBackend:
             )
         plan.wrappers[key] = wrapper
         return wrapper
+
+
+def _plan_decode(wrapper, idx, num_heads, num_kv_heads, head_dim, page_size, common) -> None:
+    """A decode wrapper planned for idx's page tables (eager or CUDA-graph mode alike)."""
+    wrapper.plan(
+        idx.paged_kv_indptr, idx.paged_kv_indices, idx.paged_kv_last_page_len,
+        num_heads, num_kv_heads, head_dim, page_size,
+        pos_encoding_mode="NONE", **common,
+    )

@@ -38,12 +38,13 @@ from workerd.attn_metadata import AttentionMetadata
 class _Group:
     """Requests attended in one padded SDPA call."""
 
-    # [rows, max_query_len] token index of each padded query (clamped).
-    query_index: torch.Tensor
+    # [rows, max_query_len] token index of each padded query (clamped);
+    # None when token_slice is set.
+    query_index: torch.Tensor | None
     # Token positions of the group's real queries, and where each sits in the
-    # flattened [rows * max_query_len] padded output.
-    token_index: torch.Tensor
-    unpad_index: torch.Tensor
+    # flattened [rows * max_query_len] padded output; None with token_slice.
+    token_index: torch.Tensor | None
+    unpad_index: torch.Tensor | None
     # [rows * blocks_per_row] block ids of each row's context, row by row
     # (rows past their own table repeat its last block; masked anyway).
     context_blocks: torch.Tensor
@@ -100,18 +101,21 @@ def _group_rows(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
 
 def _bounded(order: list[int], q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     """Consecutive rows of `order` in one group while its padded score matrix
-    (rows x longest query x longest context) stays within the bound."""
+    (rows x longest query x longest context) stays within the bound. Running
+    maxima keep this linear: it runs every step, over every request."""
     groups: list[list[int]] = []
     current: list[int] = []
-    real = 0
+    real = max_q = max_s = 0
     for r in order:
-        rows = [*current, r]
-        padded = len(rows) * max(q_lens[i] for i in rows) * max(seq_lens[i] for i in rows)
-        cost = real + q_lens[r] * seq_lens[r]
-        if current and padded > _MAX_PADDING_FACTOR * cost + _PADDING_SLACK:
+        q, s = q_lens[r], seq_lens[r]
+        mq, ms = max(max_q, q), max(max_s, s)
+        cost = real + q * s
+        if current and (len(current) + 1) * mq * ms > _MAX_PADDING_FACTOR * cost + _PADDING_SLACK:
             groups.append(current)
-            rows, cost = [r], q_lens[r] * seq_lens[r]
-        current, real = rows, cost
+            current, real, max_q, max_s = [r], q * s, q, s
+        else:
+            current.append(r)
+            real, max_q, max_s = cost, mq, ms
     if current:
         groups.append(current)
     return groups
@@ -135,37 +139,55 @@ def build_plan(md: AttentionMetadata, num_tokens: int) -> PagedAttentionPlan:
 
 
 def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Group:
+    """rows: sorted. The common groups (a run of consecutive decodes, or of
+    equal chunks) are slices of the step's tokens: they need no query or
+    unpad indices, and their block-table rows are a slice too. The plan is
+    rebuilt every step, so it is built from Python lists with few tensors."""
     device = md.block_table.device
-    max_q = max(q_lens[r] for r in rows)
-    max_s = max(seq_lens[r] for r in rows)
-    token_index, unpad = [], []
-    for i, r in enumerate(rows):
-        token_index.extend(range(starts[r], starts[r] + q_lens[r]))
-        unpad.extend(range(i * max_q, i * max_q + q_lens[r]))
-    token_slice = None
-    if rows == list(range(rows[0], rows[-1] + 1)) and all(q_lens[r] == max_q for r in rows):
+    qs = [q_lens[r] for r in rows]
+    ss = [seq_lens[r] for r in rows]
+    max_q, max_s = max(qs), max(ss)
+    consecutive = rows[-1] - rows[0] + 1 == len(rows)
+    token_slice = query_index = token_index = unpad_index = None
+    if consecutive and min(qs) == max_q:
         token_slice = slice(starts[rows[0]], starts[rows[-1] + 1])
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    q_start = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
-    q_len = torch.tensor([q_lens[r] for r in rows], dtype=torch.int64, device=device)
-    s_len = torch.tensor([seq_lens[r] for r in rows], dtype=torch.int64, device=device)
-    qi = torch.arange(max_q, device=device)
-    query_index = (q_start[:, None] + qi).clamp(max=max(md.num_actual_tokens - 1, 0))
+    else:
+        token_list, unpad = [], []
+        for i, r in enumerate(rows):
+            token_list.extend(range(starts[r], starts[r] + q_lens[r]))
+            unpad.extend(range(i * max_q, i * max_q + q_lens[r]))
+        token_index = torch.tensor(token_list, dtype=torch.int64, device=device)
+        unpad_index = torch.tensor(unpad, dtype=torch.int64, device=device)
+        q_start = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
+        query_index = (q_start[:, None] + torch.arange(max_q, device=device)).clamp(
+            max=max(md.num_actual_tokens - 1, 0))
 
     # Whole blocks are gathered, so keys run to a block boundary; key j is
     # visible iff j <= the query's absolute position (never past seq_len).
     bs = md.block_size
-    table = md.block_table[rows_t]
     num_blocks = -(-max_s // bs)
-    cols = torch.arange(num_blocks, device=device).clamp(max=table.shape[1] - 1)
-    q_pos = (s_len - q_len)[:, None] + qi
+    table = (md.block_table[rows[0]: rows[-1] + 1] if consecutive
+             else md.block_table[torch.tensor(rows, dtype=torch.int64, device=device)])
+    if num_blocks <= table.shape[1]:
+        context_blocks = table[:, :num_blocks].reshape(-1)
+    else:  # rows past their own table repeat its last block; masked anyway
+        cols = torch.arange(num_blocks, device=device).clamp(max=table.shape[1] - 1)
+        context_blocks = table[:, cols].reshape(-1)
     kj = torch.arange(num_blocks * bs, device=device)
-    mask = (kj[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+    if max_q == 1:
+        # Decodes: each row's one query sits at position seq_len - 1.
+        seq_t = torch.tensor(ss, dtype=torch.int64, device=device)
+        mask = (kj[None, :] < seq_t[:, None]).view(len(rows), 1, 1, -1)
+    else:
+        first = torch.tensor([s - q for s, q in zip(ss, qs, strict=True)],
+                             dtype=torch.int64, device=device)
+        q_pos = first[:, None] + torch.arange(max_q, device=device)
+        mask = (kj[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
     return _Group(
         query_index=query_index,
-        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
-        unpad_index=torch.tensor(unpad, dtype=torch.int64, device=device),
-        context_blocks=table[:, cols].reshape(-1),
+        token_index=token_index,
+        unpad_index=unpad_index,
+        context_blocks=context_blocks,
         mask=mask,
         max_query_len=max_q,
         token_slice=token_slice,

@@ -65,6 +65,10 @@ async def run_request(client, prompt, max_tokens: int, args, record: RequestReco
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
             seed=args.seed,
+            # Left unset at the defaults (one message per token), so a run
+            # against an older server sends the same request as before.
+            stream=None if args.stream else False,
+            stream_interval=args.stream_interval if args.stream_interval > 1 else None,
         ):
             now = time.perf_counter()
             if chunk.token_ids:
@@ -101,7 +105,7 @@ async def benchmark(server: str, args, before_timed=None) -> dict:
         duration = time.perf_counter() - started
         server_info = asdict(await client.server_info())
     # The requests themselves, for --hf-baseline (not printed or saved).
-    return {"metrics": summarize(records, duration), "server_info": server_info,
+    return {"metrics": summarize(records, duration, args.stream), "server_info": server_info,
             "requests": list(zip(prompts, max_tokens, strict=True))}
 
 
@@ -147,11 +151,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def summarize(records: list[RequestRecord], duration: float) -> dict:
+def summarize(records: list[RequestRecord], duration: float, streamed: bool = True) -> dict:
+    """streamed=False (one message per request): no token timings exist, the
+    TTFT/TPOT/ITL figures are left at 0 and only end-to-end latency counts."""
     ok = [r for r in records if not r.error and r.first_token is not None]
-    ttft = [r.first_token - r.start for r in ok]
-    tpot = [(r.end - r.first_token) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [gap for r in ok for gap in r.itl]
+    timed = ok if streamed else []
+    ttft = [r.first_token - r.start for r in timed]
+    tpot = [(r.end - r.first_token) / (r.output_tokens - 1) for r in timed if r.output_tokens > 1]
+    itl = [gap for r in timed for gap in r.itl]
+    e2e = [r.end - r.start for r in ok]
     output_tokens = sum(r.output_tokens for r in ok)
     ms = 1000.0
     return {
@@ -164,6 +172,8 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
         "output_tokens": output_tokens,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": output_tokens / duration if duration else 0.0,
+        "e2e_ms_median": statistics.median(e2e) * ms if e2e else 0.0,
+        "e2e_ms_p99": percentile(e2e, 99) * ms,
         "ttft_ms_median": statistics.median(ttft) * ms if ttft else 0.0,
         "ttft_ms_p99": percentile(ttft, 99) * ms,
         "tpot_ms_median": statistics.median(tpot) * ms if tpot else 0.0,
@@ -178,6 +188,7 @@ TABLE_ROWS = [
     ("duration (s)", lambda m: f"{m['duration_s']:.2f}"),
     ("output tokens/s", lambda m: f"{m['output_throughput']:.1f}"),
     ("requests/s", lambda m: f"{m['request_throughput']:.2f}"),
+    ("latency median (ms)", lambda m: f"{m.get('e2e_ms_median', 0):.1f}"),
     ("TTFT median (ms)", lambda m: f"{m['ttft_ms_median']:.1f}"),
     ("TTFT p99 (ms)", lambda m: f"{m['ttft_ms_p99']:.1f}"),
     ("TPOT median (ms)", lambda m: f"{m['tpot_ms_median']:.1f}"),
@@ -298,6 +309,12 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
+def parse_interval(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise argparse.ArgumentTypeError(f"bad --stream-interval {text!r}: a whole number 1-1024")
+    return int(text)
+
+
 def parse_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(",")
     if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
@@ -377,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-stream: one message per request (stream=false), as an "
+                             "offline batch client; TTFT/TPOT/ITL are then not measured")
+    parser.add_argument("--stream-interval", type=parse_interval, default=1, metavar="N",
+                        help="streamed message every N tokens (the request field)")
     parser.add_argument("--warmup", type=int, default=1, help="requests run before timing")
     parser.add_argument("--json", type=Path, help="write results here")
     launch = parser.add_argument_group("launch local clusters (kvloom.cli.launcher)")

@@ -3,8 +3,8 @@
 Owns what the engine does not: incremental detokenization, stop strings
 (matched on text, across token boundaries, with any text that could still
 grow into a stop string held back until it cannot), stream_interval
-batching, the one-message mode (stream=false), prompt info on the first
-message, and logprobs in API form.
+batching (the first token at once), the one-message mode (stream=false),
+prompt info on the first message, and logprobs in API form.
 """
 
 from __future__ import annotations
@@ -127,7 +127,11 @@ class SampleStream:
 
     def flush(self, request_id: str) -> pb.GenerateResponse | None:
         """The message due now, if any (interval reached, or the sample finished)."""
-        if not self.finished and (not self.stream or len(self._pending_ids) < self.interval):
+        # As vLLM's stream interval: the first tokens go out at once (TTFT is
+        # not delayed by the interval), later ones every `interval` tokens.
+        pending = len(self._pending_ids)
+        due = self.stream and pending >= (1 if not self._sent_first else self.interval)
+        if not (self.finished or due):
             return None
         msg = pb.GenerateResponse(
             request_id=request_id,

@@ -149,7 +149,7 @@ def test_n_samples_interval_and_one_message_mode(cluster, tiny_model_dir):
         firsts = [m for m in n_msgs if m.index == i]
         assert firsts[0].prompt_info.prompt_tokens == 3
         assert firsts[-1].finish.output_tokens == 12
-    assert [len(m.token_ids) for m in interval_msgs] == [5, 5, 2]
+    assert [len(m.token_ids) for m in interval_msgs] == [1, 5, 5, 1]
     assert len(single_msgs) == 1 and list(single_msgs[0].token_ids) == expected
     assert single_msgs[0].finish.reason == pb.LENGTH
 

@@ -242,6 +242,39 @@ def test_benchmark_pieces():
     assert serving.percentile([], 99) == 0.0
     args = serving.build_parser().parse_args(["--launch", "--", "--max-num-seqs", "8"])
     assert args.controlplane_args == ["--max-num-seqs", "8"]
+    assert serving.parse_interval("16") == 16
+    for hostile in ("0", "-1", "1025", "1e3", "", "4 "):
+        with pytest.raises(Exception, match="bad --stream-interval"):
+            serving.parse_interval(hostile)
+
+
+@pytest.mark.parametrize("flags, stream, interval", [
+    ([], None, None),
+    (["--stream-interval", "4"], None, 4),
+    (["--no-stream"], False, None),
+])
+def test_benchmark_stream_modes_reach_the_request(fake_server, flags, stream, interval):
+    address, servicer = fake_server
+    serving = _load_serving()
+    code = serving.main(["--server", address, "--num-requests", "2", "--concurrency", "2",
+                         "--prompt-len", "3", "--max-tokens", "2", "--warmup", "0", *flags])
+    assert code == 0
+    for request in servicer.requests:
+        assert (request.stream if request.HasField("stream") else None) == stream
+        assert (request.stream_interval if request.HasField("stream_interval")
+                else None) == interval
+
+
+def test_benchmark_summary_without_streaming_reports_latency_only():
+    serving = _load_serving()
+    record = serving.RequestRecord(prompt_len=3, start=1.0, first_token=3.0, end=3.0,
+                                   output_tokens=4)
+    streamed = serving.summarize([record], 2.0)
+    assert streamed["ttft_ms_median"] == pytest.approx(2000.0)
+    single = serving.summarize([record], 2.0, streamed=False)
+    assert single["ttft_ms_median"] == single["tpot_ms_median"] == 0.0
+    assert single["e2e_ms_median"] == pytest.approx(2000.0)
+    assert single["output_throughput"] == pytest.approx(2.0)
 
 
 def test_benchmark_against_fake(fake_server, tmp_path):

@@ -4,7 +4,7 @@ tokenizer: engine outputs in, GenerateResponse messages out.
 Covers what the multi-process API tests only reach end to end: text that could
 still grow into a stop string is held back (never streamed, then released once
 it cannot), stop strings spanning tokens, include_stop_str_in_output,
-stream_interval batching, the final flush, the one-message mode, and logprobs
+stream_interval batching (first token at once), the final flush, the one-message mode, and logprobs
 that stay aligned with the token ids of the message that carries them.
 
 The tiny tokenizer splits " jumps over the lazy dog." into
@@ -256,24 +256,27 @@ def test_engine_stop_after_a_stop_string_is_ignored(tok, prompt_ids, output_ids)
 def test_stream_interval_batches_tokens_and_flushes_the_rest_on_finish(
     tok, prompt_ids, output_ids
 ):
+    # The first token goes out at once (TTFT is not held back by the
+    # interval); after it, a message every 3 tokens; the finish flushes.
     run = Run(tok, prompt_ids, _params(), interval=3).feed(_outputs(output_ids))
-    assert [len(m.token_ids) for m in run.messages] == [3, 3, 3, 1]
-    assert [m is not None for m in run.per_output] == [False, False, True] * 3 + [True]
-    assert [m.text for m in run.messages] == [" jumps o", "ver the l", "azy dog", "."]
+    assert [len(m.token_ids) for m in run.messages] == [1, 3, 3, 3]
+    assert [m is not None for m in run.per_output] == [True] + [False, False, True] * 3
+    assert [m.text for m in run.messages] == [" jum", "ps over", " the laz", "y dog."]
     assert run.token_ids == output_ids
     assert run.messages[-1].HasField("finish")
 
 
 def test_stream_interval_counts_tokens_not_engine_outputs(tok, prompt_ids, output_ids):
-    # Two tokens per engine output reach an interval of 3 after the second output.
+    # The first output's two tokens go at once; then two outputs of two
+    # tokens each reach an interval of 3.
     run = Run(tok, prompt_ids, _params(), interval=3).feed(_outputs(output_ids, per_output=2))
-    assert [len(m.token_ids) for m in run.messages] == [4, 4, 2]
+    assert [len(m.token_ids) for m in run.messages] == [2, 4, 4]
     assert run.text == OUTPUT
 
 
 def test_stop_string_flushes_before_the_interval_is_reached(tok, prompt_ids, output_ids):
     run = Run(tok, prompt_ids, _params(stop=(" the",)), interval=4).feed(_outputs(output_ids))
-    assert [len(m.token_ids) for m in run.messages] == [4, 1]
+    assert [len(m.token_ids) for m in run.messages] == [1, 4]
     assert run.text == " jumps over"
     assert run.messages[-1].finish.stop_str == " the"
 

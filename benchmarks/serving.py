@@ -126,14 +126,21 @@ async def make_prompts(client, args) -> list:
             raise SystemExit(f"{args.dataset}: no prompts")
         return [lines[i % len(lines)] for i in range(args.num_requests)]
     info = await client.model_info()
-    excluded = set(info.eos_token_ids)
+    return random_prompts(info.vocab_size, info.eos_token_ids, args)
+
+
+def random_prompts(vocab_size: int, eos_token_ids, args) -> list[list[int]]:
+    """Seeded random token ids below vocab_size, EOS ids excluded, lengths
+    from --prompt-len / --prompt-len-range (benchmarks/engine_core.py builds
+    the same requests from the checkpoint's config)."""
+    excluded = set(eos_token_ids)
     rng = random.Random(args.seed)
     prompts = []
     for length in _lengths(args.prompt_len, args.prompt_len_range, args.num_requests,
                            random.Random(args.seed + 2)):
         ids = []
         while len(ids) < length:
-            token = rng.randrange(info.vocab_size)
+            token = rng.randrange(vocab_size)
             if token not in excluded:
                 ids.append(token)
         prompts.append(ids)

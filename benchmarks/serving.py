@@ -43,6 +43,7 @@ from kvloom.cli import launcher
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError, default_server
+from kvloom.server.cpu_cores import available_cores, pin_process  # noqa: E402
 
 
 @dataclass
@@ -353,6 +354,7 @@ def run_launched(args) -> list[dict]:
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             worker_threads=args.worker_threads,
+            pin_cpus=args.pin_cpus,
             # The same dtype as the --hf-baseline run; flags after -- still win.
             controlplane_args=("--dtype", args.dtype, *args.controlplane_args)
             + (("--no-async-scheduling",) if serial else ()),
@@ -363,6 +365,9 @@ def run_launched(args) -> list[dict]:
         try:
             cluster.start()
             cluster.wait_ready(args.ready_timeout)
+            plan = launcher.cpu_plan(spec)
+            if plan is not None:  # this client shares the controlplane's cores
+                pin_process(plan.rest)
             before: dict[str, float] = {}
             result = asyncio.run(benchmark(
                 cluster.api_address, args,
@@ -373,7 +378,10 @@ def run_launched(args) -> list[dict]:
                 result["metrics"]["duration_s"], serial))
         finally:
             cluster.stop()
-        name = f"tp{tp} pp{pp}" + (" serial" if serial else "")
+            if args.pin_cpus:
+                pin_process(available_cores())
+        name = f"tp{tp} pp{pp}" + (" serial" if serial else "") + (" pinned" if args.pin_cpus
+                                                                     else "")
         runs.append({"name": name, "tp": tp, "pp": pp, "scheduling": mode, **result})
     if args.hf_baseline:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # a script, not a package
@@ -420,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--logs", action="store_true", help="show the daemons' logs")
     launch.add_argument("--worker-threads", type=int, default=None,
                         help="torch threads per worker (and for --hf-baseline)")
+    launch.add_argument("--pin-cpus", action="store_true",
+                        help="each rank computes on a core of its own; the controlplane, the "
+                             "ranks' other threads and this client share the rest "
+                             "(needs TPxPP + 1 cores; Linux)")
     launch.add_argument("--hf-baseline", action="store_true",
                         help="also run transformers' generate on the same requests "
                              "(benchmarks/hf_baseline.py) and report the ratio")

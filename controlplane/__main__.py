@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=int, default=0,
         help="longest prompt + output; 0 = the model's max_position_embeddings")
     p.add_argument("--log-level", default="INFO", help="logging level of the controlplane")
+    p.add_argument("--cpu-cores", default="",
+                   help="CPU cores every controlplane thread runs on, e.g. 1-3 (Linux); keep "
+                        "them apart from the workers' --cpu-cores on a shared host; empty = "
+                        "the OS places them")
     p.add_argument("--check", action="store_true",
                    help="check the model, the layout and the ports, then exit without serving")
     return p
@@ -76,6 +80,16 @@ def fail(message: str) -> NoReturn:
     """A start-up error argparse could not see: one line, no usage text, exit 2."""
     print(f"kvloom-controlplane: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def pin_cpu_cores(spec: str) -> None:
+    """--cpu-cores, before any thread starts (later ones inherit the set)."""
+    from kvloom.server.cpu_cores import parse_cores, pin_process
+
+    try:
+        pin_process(parse_cores(spec, "--cpu-cores"))
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def build_config(
@@ -206,6 +220,8 @@ def api_tls_problem(config: ControlPlaneConfig) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.cpu_cores:
+        pin_cpu_cores(args.cpu_cores)
     setup_logging(args.log_level, "controlplane")
     config, info = build_config(args)
     problem = (missing_tokenizer(config.model.model) or check_layout(config, info)

@@ -5,8 +5,8 @@ once the current command (a step, a model load) has finished and its reply is
 sent; 1 when the stream broke, a start-up step failed, or the current command
 outlived --shutdown-timeout after SIGTERM; 2 when registration was refused,
 the TLS handshake with the controlplane failed, --metrics-port is held by
-another process, or --controlplane, --device, --auth-token-file or an --ssl-*
-file is unusable (one line, no usage text).
+another process, or --controlplane, --device, --cpu-cores, --io-cpu-cores,
+--auth-token-file or an --ssl-* file is unusable (one line, no usage text).
 The auth token is best given as a file (--auth-token-file) or KVLOOM_AUTH_TOKEN:
 a flag's value is visible to every local user in ps.
 With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
@@ -72,6 +72,14 @@ def build_parser() -> EnvArgumentParser:
                    help="port for the torch.distributed store if this is rank 0; 0 = free port")
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch intra-op threads; 0 = torch's default")
+    p.add_argument("--cpu-cores", default="",
+                   help="CPU cores for this rank's compute, e.g. 0 or 0-3 (Linux): the thread "
+                        "that runs steps and torch's threads stay on them, the rank's other "
+                        "threads (gRPC, heartbeat, metrics) are kept off them; empty = the "
+                        "OS places every thread")
+    p.add_argument("--io-cpu-cores", default="",
+                   help="with --cpu-cores: the cores of the rank's other threads; empty = "
+                        "every core this process may use except --cpu-cores")
     p.add_argument("--connect-timeout", type=float, default=120.0,
                    help="seconds to keep dialing and registering before giving up")
     p.add_argument("--heartbeat-interval", type=float, default=5.0,
@@ -190,9 +198,27 @@ def startup_problem(args) -> str | None:
     try:
         args.auth_token = auth_token(args)
         args.credentials = credentials(args)
+        args.placement = cpu_placement(args)
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def cpu_placement(args) -> tuple[frozenset[int], frozenset[int]] | None:
+    """(compute cores, other threads' cores) from --cpu-cores/--io-cpu-cores;
+    None = no pinning. When the compute cores are all this process may use,
+    the other threads share them (nothing else is left)."""
+    if not args.cpu_cores:
+        if args.io_cpu_cores:
+            raise ValueError("--io-cpu-cores needs --cpu-cores (the compute cores to keep "
+                             "the other threads off)")
+        return None
+    from kvloom.server.cpu_cores import available_cores, parse_cores
+
+    compute = parse_cores(args.cpu_cores, "--cpu-cores")
+    if args.io_cpu_cores:
+        return compute, parse_cores(args.io_cpu_cores, "--io-cpu-cores")
+    return compute, (available_cores() - compute) or compute
 
 
 
@@ -253,6 +279,21 @@ def run(args) -> int:
             metrics.close()
 
 
+def _place_threads(placement) -> None:
+    """Every thread this rank has is running now (gRPC's, the reader, the
+    heartbeat, the metrics server): this one, which runs the steps, goes to
+    the compute cores, the rest off them. torch's intra-op pool starts later
+    from this thread, so it inherits the compute cores."""
+    if placement is None:
+        return
+    from kvloom.server.cpu_cores import format_cores, pin_compute_thread
+
+    compute, others = placement
+    pin_compute_thread(compute, others)
+    logger.info("compute on CPU cores %s, the other threads on %s",
+                format_cores(compute), format_cores(others))
+
+
 def _serve(args, metrics) -> int:
     conn = ControlplaneConnection(args.controlplane, getattr(args, "credentials", None))
     stop = SigtermStop(conn.commands, args.shutdown_timeout)
@@ -289,6 +330,7 @@ def _serve(args, metrics) -> int:
     busy = threading.Event()
     conn.start_reader(busy)
     conn.start_heartbeat(args.heartbeat_interval, worker)
+    _place_threads(getattr(args, "placement", None))
     stop.serving.set()
     try:
         while (msg := conn.commands.get()) is not None:

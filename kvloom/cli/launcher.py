@@ -88,8 +88,13 @@ class ClusterSpec:
     # Shared secret workers present to the controlplane; None = inherit
     # KVLOOM_AUTH_TOKEN from this process's environment, if set.
     auth_token: str | None = None
-    # Threads per worker for torch; None = the CPU count shared among ranks.
+    # Threads per worker for torch; None = the CPU count shared among ranks
+    # (one each with pin_cpus).
     worker_threads: int | None = None
+    # Each rank computes on a core of its own (workerd --cpu-cores), and the
+    # controlplane and every rank's other threads share the cores left over.
+    # Needs at least world_size + 1 cores (cpu_plan).
+    pin_cpus: bool = False
     controlplane_args: tuple[str, ...] = ()
     python: str = sys.executable
     # TLS + mTLS on the API and the worker port; None = plaintext.
@@ -163,8 +168,37 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+@dataclass(frozen=True)
+class CpuPlan:
+    """pin_cpus: rank r computes on compute[r]; everything else runs on `rest`."""
+
+    compute: tuple[int, ...]
+    rest: tuple[int, ...]
+
+
+def cpu_plan(spec: ClusterSpec) -> CpuPlan | None:
+    """The cores of a pinned cluster (None without pin_cpus); ClusterError
+    when this process may not use enough of them."""
+    if not spec.pin_cpus:
+        return None
+    from kvloom.server.cpu_cores import available_cores, format_cores
+
+    try:
+        cores = sorted(available_cores())
+    except ValueError as exc:
+        raise ClusterError(f"pin_cpus: {exc}") from None
+    need = spec.world_size + 1
+    if len(cores) < need:
+        raise ClusterError(
+            f"pin_cpus needs {need} CPU cores (one per rank's compute, one for the rest) but "
+            f"this process may use {len(cores)} ({format_cores(cores)}): drop the pinning")
+    return CpuPlan(tuple(cores[: spec.world_size]), tuple(cores[spec.world_size :]))
+
+
 def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[str]:
     port, worker_port, metrics_port = ports[:3]
+    plan = cpu_plan(spec)
+    pinned = ["--cpu-cores", _cores_arg(plan.rest)] if plan else []
     return [
         spec.python, "-m", "controlplane",
         "--model", model,
@@ -175,20 +209,31 @@ def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[st
         "--worker-port", str(worker_port),
         "--metrics-port", str(metrics_port),
         *tls_controlplane_args(spec.tls),
+        *pinned,
         *spec.controlplane_args,
     ]
+
+
+def _cores_arg(cores) -> str:
+    from kvloom.server.cpu_cores import format_cores
+
+    return format_cores(cores)
 
 
 def workerd_command(
     spec: ClusterSpec, worker_port: int, rank: int, metrics_port: int = 0
 ) -> list[str]:
-    threads = spec.worker_threads or max(1, (os.cpu_count() or 1) // spec.world_size)
+    plan = cpu_plan(spec)
+    threads = spec.worker_threads or (1 if plan else
+                                      max(1, (os.cpu_count() or 1) // spec.world_size))
     argv = [
         spec.python, "-m", "workerd",
         "--controlplane", f"{connect_host(spec.host)}:{worker_port}",
         "--rank", str(rank),
         "--num-threads", str(threads),
     ]
+    if plan:
+        argv += ["--cpu-cores", str(plan.compute[rank]), "--io-cpu-cores", _cores_arg(plan.rest)]
     if metrics_port:
         # Bound like the API: loopback stays loopback, a wildcard stays reachable.
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", spec.host]

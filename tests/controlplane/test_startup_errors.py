@@ -64,6 +64,30 @@ def test_an_impossible_layout_or_length(model_dir, argv, named):
     assert named in _one_line_error(_check("--model", str(model_dir), *argv))
 
 
+@pytest.mark.parametrize(("cores", "named"), [
+    ("0-", "--cpu-cores '0-': expected core numbers"),
+    ("99999", "--cpu-cores 99999: core(s) 99999 are not available"),
+    ("0" * 300, "--cpu-cores: 300 characters"),
+])
+def test_an_unusable_core_list(model_dir, cores, named):
+    assert named in _one_line_error(_check("--model", str(model_dir), "--cpu-cores", cores))
+
+
+def test_the_whole_controlplane_runs_on_its_cores(model_dir):
+    # --check runs after the pinning: the child reports its own affinity.
+    import os
+
+    core = min(os.sched_getaffinity(0))
+    script = ("import os, sys; from controlplane.__main__ import main; "
+              f"main(sys.argv[1:]); print('cores', sorted(os.sched_getaffinity(0)))")
+    done = subprocess.run(
+        [sys.executable, "-c", script, "--check", "--host", "127.0.0.1", "--port", "0",
+         "--worker-port", "0", "--model", str(model_dir), "--cpu-cores", str(core)],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"cores [{core}]" in done.stdout
+
+
 def test_a_good_configuration_passes_the_check(model_dir):
     done = _check("--model", str(model_dir), "--tensor-parallel-size", "2")
     assert done.returncode == 0, done.stderr

@@ -33,13 +33,15 @@ TEST_KV_CACHE = ("--kv-cache-memory-bytes", str(64 << 20))
 
 @contextmanager
 def running_cluster(
-    model_dir: str, *, tp: int = 1, pp: int = 1, args: tuple[str, ...] = (), timeout: float = 240
+    model_dir: str, *, tp: int = 1, pp: int = 1, args: tuple[str, ...] = (), timeout: float = 240,
+    pin_cpus: bool = False,
 ) -> Iterator[Cluster]:
     spec = ClusterSpec(
         model=model_dir,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         worker_threads=1,
+        pin_cpus=pin_cpus,
         # Tests need little KV cache; the CPU default (a share of free memory)
         # would allocate gigabytes per rank on a 2-core CI box.
         controlplane_args=(*TEST_KV_CACHE, *args),

@@ -56,6 +56,34 @@ def test_commands():
     assert "--metrics-port" not in launcher.workerd_command(spec, 2, rank=0)
 
 
+def test_pinned_cluster_gives_each_rank_a_core_and_the_rest_to_everything_else(monkeypatch):
+    from kvloom.server import cpu_cores
+
+    monkeypatch.setattr(cpu_cores, "available_cores", lambda: frozenset({2, 3, 5, 6, 7}))
+    spec = launcher.ClusterSpec(tensor_parallel_size=2, pin_cpus=True)
+    assert launcher.cpu_plan(spec) == launcher.CpuPlan((2, 3), (5, 6, 7))
+    argv = launcher.controlplane_command(spec, "/m", launcher.Ports(1, 2, 3, (4, 5)))
+    assert argv[argv.index("--cpu-cores") + 1] == "5-7"
+    worker = launcher.workerd_command(spec, 2, rank=1)
+    assert worker[worker.index("--cpu-cores") + 1] == "3"
+    assert worker[worker.index("--io-cpu-cores") + 1] == "5-7"
+    assert worker[worker.index("--num-threads") + 1] == "1"  # one core, one thread
+    # Not pinned: no flags at all.
+    plain = launcher.ClusterSpec(tensor_parallel_size=2)
+    assert launcher.cpu_plan(plain) is None
+    assert "--cpu-cores" not in launcher.workerd_command(plain, 2, rank=1)
+    assert "--cpu-cores" not in launcher.controlplane_command(plain, "/m", launcher.Ports(1, 2, 3))
+
+
+def test_pinning_refuses_a_machine_without_a_core_to_spare(monkeypatch):
+    from kvloom.server import cpu_cores
+
+    monkeypatch.setattr(cpu_cores, "available_cores", lambda: frozenset({0, 1}))
+    spec = launcher.ClusterSpec(tensor_parallel_size=2, pin_cpus=True)
+    with pytest.raises(launcher.ClusterError, match="needs 3 CPU cores .* may use 2 \\(0-1\\)"):
+        launcher.cpu_plan(spec)
+
+
 def test_auth_token_travels_in_the_environment_not_argv(monkeypatch):
     monkeypatch.setenv("KVLOOM_AUTH_TOKEN", "inherited")
     assert launcher.child_env(launcher.ClusterSpec())["KVLOOM_AUTH_TOKEN"] == "inherited"

@@ -251,3 +251,18 @@ def test_tls_flags_resolve_to_credentials_and_the_token_file_to_its_text(worker_
     assert args.credentials is not None and args.auth_token == "s3cret"
     plain = build_parser().parse_args(["--controlplane", "cp:50052"])
     assert startup_problem(plain) is None and plain.credentials is None
+
+
+def test_cpu_placement_keeps_the_other_threads_off_the_compute_cores():
+    import os
+
+    from workerd.__main__ import cpu_placement
+
+    allowed = frozenset(os.sched_getaffinity(0))
+    first = min(allowed)
+    args = build_parser().parse_args(["--controlplane", "cp:1", "--cpu-cores", str(first)])
+    assert cpu_placement(args) == ({first}, (allowed - {first}) or {first})
+    args = build_parser().parse_args(["--controlplane", "cp:1", "--cpu-cores", str(first),
+                                      "--io-cpu-cores", str(first)])
+    assert cpu_placement(args) == ({first}, {first})
+    assert cpu_placement(build_parser().parse_args(["--controlplane", "cp:1"])) is None

@@ -1,5 +1,5 @@
-"""A malformed --controlplane or --device is one line naming the value, exit
-code 2, without the usage text, before the worker dials anyone."""
+"""A malformed --controlplane, --device or core list is one line naming the
+value, exit code 2, without the usage text, before the worker dials anyone."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def _workerd(*argv: str) -> subprocess.CompletedProcess:
     (["--controlplane", "localhost"], "--controlplane localhost: expected HOST:PORT"),
     (["--controlplane", "127.0.0.1:http"], "--controlplane 127.0.0.1:http: expected HOST:PORT"),
     (["--controlplane", "127.0.0.1:1", "--device", "gpu"], "--device gpu: expected auto, cpu"),
+    (["--controlplane", "127.0.0.1:1", "--cpu-cores", "0-x"], "--cpu-cores '0-x': expected core"),
+    (["--controlplane", "127.0.0.1:1", "--cpu-cores", "99999"], "--cpu-cores 99999: core(s)"),
+    (["--controlplane", "127.0.0.1:1", "--cpu-cores", "0", "--io-cpu-cores", "3-1"],
+     "--io-cpu-cores '3-1': expected core"),
+    (["--controlplane", "127.0.0.1:1", "--io-cpu-cores", "0"], "--io-cpu-cores needs --cpu-cores"),
 ])
 def test_malformed_values_are_one_line(argv, named):
     done = _workerd(*argv)

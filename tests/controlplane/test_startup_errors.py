@@ -79,7 +79,7 @@ def test_the_whole_controlplane_runs_on_its_cores(model_dir):
 
     core = min(os.sched_getaffinity(0))
     script = ("import os, sys; from controlplane.__main__ import main; "
-              f"main(sys.argv[1:]); print('cores', sorted(os.sched_getaffinity(0)))")
+              "main(sys.argv[1:]); print('cores', sorted(os.sched_getaffinity(0)))")
     done = subprocess.run(
         [sys.executable, "-c", script, "--check", "--host", "127.0.0.1", "--port", "0",
          "--worker-port", "0", "--model", str(model_dir), "--cpu-cores", str(core)],

@@ -59,6 +59,10 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                              "CA and certificates generated for this cluster")
     parser.add_argument("--worker-threads", type=int, default=None,
                         help="torch threads per rank; unset: the CPUs shared among ranks")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="each rank computes on a CPU core of its own; the controlplane "
+                             "and the ranks' other threads share the rest (needs TPxPP + 1 "
+                             "cores; Linux)")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for the cluster to be ready")
 
@@ -75,6 +79,7 @@ def cluster_spec(args: argparse.Namespace) -> launcher.ClusterSpec:
         worker_metrics_port=args.worker_metrics_port,
         auth_token=cluster_auth_token(args),
         worker_threads=args.worker_threads,
+        pin_cpus=args.pin_cpus,
         controlplane_args=args.controlplane_args,
     )
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -429,3 +430,13 @@ def test_up_tls_prints_what_a_client_needs(tmp_path, capsys):
            f"{client.keyfile}" in err
     assert (f"--server 127.0.0.1:50999 --ssl-ca-certs {spec.tls.ca_certs} --ssl-certfile "
             f"{client.certfile} --ssl-keyfile {client.keyfile}") in err
+
+
+def test_up_and_run_take_pin_cpus_into_the_spec():
+    from kvloom.cli.cluster import add_cluster_args, cluster_spec
+
+    parser = argparse.ArgumentParser()
+    add_cluster_args(parser)
+    parser.add_argument("controlplane_args", nargs="*")
+    assert cluster_spec(parser.parse_args(["--pin-cpus", "--tp", "2"])).pin_cpus
+    assert not cluster_spec(parser.parse_args([])).pin_cpus

@@ -292,6 +292,11 @@ def _place_threads(placement) -> None:
     pin_compute_thread(compute, others)
     logger.info("compute on CPU cores %s, the other threads on %s",
                 format_cores(compute), format_cores(others))
+    import torch
+
+    if torch.get_num_threads() > len(compute):
+        logger.warning("%d torch threads on %d --cpu-cores: they will take turns; set "
+                       "--num-threads %d", torch.get_num_threads(), len(compute), len(compute))
 
 
 def _serve(args, metrics) -> int:

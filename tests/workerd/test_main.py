@@ -266,3 +266,20 @@ def test_cpu_placement_keeps_the_other_threads_off_the_compute_cores():
                                       "--io-cpu-cores", str(first)])
     assert cpu_placement(args) == ({first}, {first})
     assert cpu_placement(build_parser().parse_args(["--controlplane", "cp:1"])) is None
+
+
+def test_more_torch_threads_than_compute_cores_is_warned_about():
+    import os
+    import subprocess
+    import sys
+
+    core = min(os.sched_getaffinity(0))
+    script = ("import logging, sys, torch; logging.basicConfig(); torch.set_num_threads(int("
+              "sys.argv[1])); from workerd.__main__ import _place_threads; "
+              f"_place_threads((frozenset({{{core}}}), frozenset({{{core}}})))")
+    warned = subprocess.run([sys.executable, "-c", script, "3"], capture_output=True,
+                            text=True, timeout=120, check=True).stderr
+    assert "3 torch threads on 1 --cpu-cores" in warned and "--num-threads 1" in warned
+    quiet = subprocess.run([sys.executable, "-c", script, "1"], capture_output=True,
+                           text=True, timeout=120, check=True).stderr
+    assert "torch threads" not in quiet

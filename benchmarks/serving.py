@@ -347,6 +347,9 @@ def run_launched(args) -> list[dict]:
 
         args.model = default_model_dir()
     runs = []
+    # This client's own cores, restored after each pinned run (the next
+    # layout's plan and the transformers baseline start from all of them).
+    own_cores = available_cores() if args.pin_cpus else None
     for (tp, pp), mode in [(layout, m) for layout in args.layouts for m in args.scheduling]:
         serial = mode == "serial"
         spec = launcher.ClusterSpec(
@@ -378,8 +381,8 @@ def run_launched(args) -> list[dict]:
                 result["metrics"]["duration_s"], serial))
         finally:
             cluster.stop()
-            if args.pin_cpus:
-                pin_process(available_cores())
+            if own_cores is not None:
+                pin_process(own_cores)
         name = f"tp{tp} pp{pp}" + (" serial" if serial else "") + (" pinned" if args.pin_cpus
                                                                      else "")
         runs.append({"name": name, "tp": tp, "pp": pp, "scheduling": mode, **result})

@@ -440,3 +440,40 @@ def test_up_and_run_take_pin_cpus_into_the_spec():
     parser.add_argument("controlplane_args", nargs="*")
     assert cluster_spec(parser.parse_args(["--pin-cpus", "--tp", "2"])).pin_cpus
     assert not cluster_spec(parser.parse_args([])).pin_cpus
+
+
+def test_pinned_benchmark_runs_give_the_client_its_cores_back(monkeypatch):
+    serving = _load_serving()
+    pinned: list[set[int]] = []
+    monkeypatch.setattr(serving, "pin_process", lambda cores: pinned.append(set(cores)))
+    monkeypatch.setattr(serving, "available_cores", lambda: frozenset({0, 1, 2}))
+    monkeypatch.setattr(launcher, "cpu_plan", lambda spec: launcher.CpuPlan((0,), (1, 2)))
+
+    class FakeCluster:
+        api_address = metrics_address = "unused"
+
+        def __init__(self, spec, log_sink):
+            assert spec.pin_cpus
+
+        def start(self):
+            pass
+
+        def wait_ready(self, timeout):
+            pass
+
+        def stop(self):
+            pass
+
+    async def fake_benchmark(address, args, before_timed=None):
+        return {"metrics": {"duration_s": 1.0, "failed": 0}, "requests": []}
+
+    monkeypatch.setattr(launcher, "Cluster", FakeCluster)
+    monkeypatch.setattr(serving, "benchmark", fake_benchmark)
+    monkeypatch.setattr(serving, "step_series", lambda *a: {})
+    monkeypatch.setattr(serving, "step_breakdown", lambda *a: {})
+    args = serving.build_parser().parse_args(
+        ["--launch", "--model", "m", "--layouts", "1x1,1x2", "--pin-cpus"])
+    runs = serving.run_launched(args)
+    assert [r["name"] for r in runs] == ["tp1 pp1 pinned", "tp1 pp2 pinned"]
+    # Each run: the client onto the plan's rest, then back onto all its cores.
+    assert pinned == [{1, 2}, {0, 1, 2}, {1, 2}, {0, 1, 2}]

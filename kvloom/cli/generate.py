@@ -74,7 +74,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     o.add_argument("--stream-interval", type=int, default=None, metavar="TOKENS",
-                   help="tokens per streamed message")
+                   help="tokens per streamed message after the first (sent at once)")
     o.add_argument("--cache-salt", default="", help="share cached prefixes only within a salt")
     o.add_argument("--json", action="store_true",
                    help="print each response message as a JSON line instead of text")

@@ -63,6 +63,8 @@ from kvloom.cli.cluster_tls import (  # noqa: F401 (ClusterTls, issue_cluster_tl
 from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
 from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+from kvloom.server import cpu_cores
+from kvloom.server.cpu_cores import format_cores
 from kvloom.server.ports import PortInUse, port_in_use
 
 TAIL_LINES = 40
@@ -181,10 +183,8 @@ def cpu_plan(spec: ClusterSpec) -> CpuPlan | None:
     when this process may not use enough of them."""
     if not spec.pin_cpus:
         return None
-    from kvloom.server.cpu_cores import available_cores, format_cores
-
     try:
-        cores = sorted(available_cores())
+        cores = sorted(cpu_cores.available_cores())
     except ValueError as exc:
         raise ClusterError(f"pin_cpus: {exc}") from None
     need = spec.world_size + 1
@@ -198,7 +198,7 @@ def cpu_plan(spec: ClusterSpec) -> CpuPlan | None:
 def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[str]:
     port, worker_port, metrics_port = ports[:3]
     plan = cpu_plan(spec)
-    pinned = ["--cpu-cores", _cores_arg(plan.rest)] if plan else []
+    pinned = ["--cpu-cores", format_cores(plan.rest)] if plan else []
     return [
         spec.python, "-m", "controlplane",
         "--model", model,
@@ -214,12 +214,6 @@ def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[st
     ]
 
 
-def _cores_arg(cores) -> str:
-    from kvloom.server.cpu_cores import format_cores
-
-    return format_cores(cores)
-
-
 def workerd_command(
     spec: ClusterSpec, worker_port: int, rank: int, metrics_port: int = 0
 ) -> list[str]:
@@ -233,7 +227,7 @@ def workerd_command(
         "--num-threads", str(threads),
     ]
     if plan:
-        argv += ["--cpu-cores", str(plan.compute[rank]), "--io-cpu-cores", _cores_arg(plan.rest)]
+        argv += ["--cpu-cores", str(plan.compute[rank]), "--io-cpu-cores", format_cores(plan.rest)]
     if metrics_port:
         # Bound like the API: loopback stays loopback, a wildcard stays reachable.
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", spec.host]

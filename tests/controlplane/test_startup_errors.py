@@ -4,10 +4,15 @@ fix, exit code 2, without the usage text; argparse's own errors keep theirs."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
+                                    reason="CPU affinity is Linux-only")
+
 
 
 @pytest.fixture
@@ -73,10 +78,9 @@ def test_an_unusable_core_list(model_dir, cores, named):
     assert named in _one_line_error(_check("--model", str(model_dir), "--cpu-cores", cores))
 
 
+@LINUX_AFFINITY
 def test_the_whole_controlplane_runs_on_its_cores(model_dir):
     # --check runs after the pinning: the child reports its own affinity.
-    import os
-
     core = min(os.sched_getaffinity(0))
     script = ("import os, sys; from controlplane.__main__ import main; "
               "main(sys.argv[1:]); print('cores', sorted(os.sched_getaffinity(0)))")

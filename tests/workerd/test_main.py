@@ -11,6 +11,7 @@ only turns a hang into a failure, and the child is killed if the test fails.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -49,6 +50,10 @@ setup_logging("INFO", "workerd[test]")
 main.Worker = HeldWorker
 sys.exit(main.run(main.build_parser().parse_args(sys.argv[1:])))
 """
+
+LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
+                                    reason="CPU affinity is Linux-only")
+
 
 
 class Child:
@@ -253,9 +258,8 @@ def test_tls_flags_resolve_to_credentials_and_the_token_file_to_its_text(worker_
     assert startup_problem(plain) is None and plain.credentials is None
 
 
+@LINUX_AFFINITY
 def test_cpu_placement_keeps_the_other_threads_off_the_compute_cores():
-    import os
-
     from workerd.__main__ import cpu_placement
 
     allowed = frozenset(os.sched_getaffinity(0))
@@ -268,11 +272,8 @@ def test_cpu_placement_keeps_the_other_threads_off_the_compute_cores():
     assert cpu_placement(build_parser().parse_args(["--controlplane", "cp:1"])) is None
 
 
+@LINUX_AFFINITY
 def test_more_torch_threads_than_compute_cores_is_warned_about():
-    import os
-    import subprocess
-    import sys
-
     core = min(os.sched_getaffinity(0))
     script = ("import logging, sys, torch; logging.basicConfig(); torch.set_num_threads(int("
               "sys.argv[1])); from workerd.__main__ import _place_threads; "

@@ -14,7 +14,6 @@ LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
                                     reason="CPU affinity is Linux-only")
 
 
-
 @pytest.fixture
 def model_dir(tmp_path):
     path = tmp_path / "tiny"

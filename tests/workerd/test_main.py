@@ -55,7 +55,6 @@ LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
                                     reason="CPU affinity is Linux-only")
 
 
-
 class Child:
     """The workerd child; its output lines (stdout and stderr) in a queue."""
 

@@ -226,24 +226,30 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             error, messages = await self.offload.run_settled(
                 heavy_outputs(batch), self._consume, request_id, batch, streams, live
             )
+            # Tokens that came before an error in the same batch were
+            # generated: they go out first, as they would have had the
+            # outputs arrived one wake-up apart.
+            for msg in messages:
+                yield msg
             if error is not None:
                 # The engine names its own request id; the client knows its own.
                 details = error.error.replace(repr(error.request_id), repr(request_id))
                 await context.abort(_status(error.error_code), details)
-            for msg in messages:
-                yield msg
 
     def _consume(self, request_id, batch, streams, live):
         """Feed one batch of outputs to its samples' streams: (the first error
-        output, or None; the messages now due). Inline or on the offload pool:
-        it touches only this call's streams and the engine's thread-safe queue."""
+        output, or None; the messages due from the outputs before it). Inline
+        or on the offload pool: it touches only this call's streams and the
+        engine's thread-safe queue."""
         touched: list[SampleStream] = []
+        error = None
         for out in batch:
             stream = streams[out.request_id]
             if stream.finished:
                 continue  # e.g. the engine's own STOP after a stop string
             if out.error is not None:
-                return out, []
+                error = out
+                break
             stream.add(out)
             if stream.stopped_by_string:
                 self.engine.stop_requests([out.request_id])
@@ -251,7 +257,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 live.discard(out.request_id)
             if stream not in touched:
                 touched.append(stream)
-        return None, [m for s in touched if (m := s.flush(request_id)) is not None]
+        return error, [m for s in touched if (m := s.flush(request_id)) is not None]
 
     def _count_client_abort(self, context, n: int) -> None:
         if self.metrics is None:

@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import grpc
+import pytest
+
+from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import FinishReason
 from kvloom.v1 import generation_pb2 as pb
 from tests.controlplane.api.service_harness import (
@@ -69,6 +73,36 @@ def test_stop_string_ends_the_engine_request_too(api):
             (finish,) = h.finishes("s")
             assert finish.finish_reason == FinishReason.STOP
             assert finish.num_output_tokens <= sent + depth
+
+    asyncio.run(scenario())
+
+
+def test_tokens_before_an_error_in_the_same_batch_still_reach_the_client(api, words):
+    # The engine's outputs for one request can queue up while its handler
+    # sleeps: a token, then the group's failure. The token was generated and
+    # goes out before the error status (a CI flake lost it).
+    async def scenario():
+        async with api() as h:
+            h.model.hold()  # the engine produces nothing by itself
+            responses = aiter(h.stub.Generate(request(request_id="e",
+                                                      sampling={"max_tokens": 10})))
+            first = asyncio.ensure_future(anext(responses))
+            while not h.added:
+                await asyncio.sleep(0.01)
+            engine_id = h.added[0].request_id
+            h.router.dispatch([
+                EngineCoreOutput(engine_id, [words[0]]),
+                EngineCoreOutput(engine_id, [], finish_reason=FinishReason.ERROR,
+                                 error="worker group failed: rank 0 is gone",
+                                 error_code=EngineErrorCode.UNAVAILABLE),
+            ])
+            msg = await asyncio.wait_for(first, WAIT_S)
+            assert list(msg.token_ids) == [words[0]]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(anext(responses), WAIT_S)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "rank 0 is gone" in err.value.details()
+            h.model.release()
 
     asyncio.run(scenario())
 

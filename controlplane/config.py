@@ -157,6 +157,10 @@ class ApiLimitsConfig:
         20, "most logprobs / prompt_logprobs one request may ask for (also capped at the "
         "vocabulary size)", ge=0, le=1024)
     max_n: int = option(16, "most samples (sampling.n) one request may ask for", ge=1, le=1024)
+    stream_interval: int = option(
+        1, "tokens per streamed message for requests that leave stream_interval unset (the "
+        "first token always goes at once); more cuts the per-token cost of streaming to "
+        "clients that do not need every token as it comes", ge=1, le=1024)
 
 
 @dataclass(frozen=True)

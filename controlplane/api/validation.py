@@ -62,6 +62,7 @@ class Limits:
     scheduling_policy: str = "fcfs"
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
     max_n: int = MAX_N  # --max-n
+    stream_interval: int = 1  # --stream-interval: the default of the request field
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # --max-message-bytes
 
     @classmethod
@@ -74,6 +75,7 @@ class Limits:
             scheduling_policy=config.scheduler.policy,
             max_logprobs=config.api_limits.max_logprobs,
             max_n=config.api_limits.max_n,
+            stream_interval=config.api_limits.stream_interval,
             max_message_bytes=config.server.max_message_bytes,
         )
 
@@ -332,7 +334,7 @@ def _check_request_options(
         raise InvalidRequest(
             f"sampling.n must be in 1..{limits.max_n} (the server's --max-n), got {n}"
         )
-    interval = _opt(request, "stream_interval", 1)
+    interval = _opt(request, "stream_interval", limits.stream_interval)
     if interval < 1:
         raise InvalidRequest(f"stream_interval must be >= 1, got {interval}")
     return n, _opt(request, "stream", True), interval

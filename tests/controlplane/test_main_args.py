@@ -99,6 +99,8 @@ def test_flags_land_in_their_fields():
         (["--block-size", "0"], "--block-size"),
         (["--max-num-seqs", "-1"], "--max-num-seqs"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+        (["--stream-interval", "0"], "--stream-interval"),
+        (["--stream-interval", "1025"], "--stream-interval"),
         (["-tp", "0"], "--tensor-parallel-size"),
         (["--pipeline-parallel-size", "-2"], "--pipeline-parallel-size"),
         (["--pp-layer-partition", "4,0"], "--pp-layer-partition"),

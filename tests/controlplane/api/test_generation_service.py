@@ -10,6 +10,7 @@ import dataclasses
 import grpc
 import pytest
 
+from controlplane.config import ApiLimitsConfig
 from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import FinishReason
 from kvloom.v1 import generation_pb2 as pb
@@ -24,6 +25,7 @@ from tests.controlplane.api.service_harness import (
     client_of,
     index_of,
     request,
+    until,
 )
 
 
@@ -103,6 +105,30 @@ def test_tokens_before_an_error_in_the_same_batch_still_reach_the_client(api, wo
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "rank 0 is gone" in err.value.details()
             h.model.release()
+
+    asyncio.run(scenario())
+
+
+def test_the_servers_stream_interval_applies_when_the_request_leaves_it_unset(api, words):
+    async def scenario():
+        async with api(api_limits=ApiLimitsConfig(stream_interval=4)) as h:
+            model = h.model
+            model.hold()  # one engine output at a time, each consumed before the next
+            call = asyncio.ensure_future(h.generate(request_id="d", sampling={"max_tokens": 9}))
+            model.grant(h.engine.max_steps_in_flight - 1)
+            for k in range(1, 10):
+                model.grant()
+                await until(lambda k=k: sum(len(o.new_token_ids) for o in h.emitted) >= k)
+                await asyncio.sleep(0.02)  # the handler takes it alone
+            model.release()
+            default = await asyncio.wait_for(call, WAIT_S)
+            own = await h.generate(request_id="o", stream_interval=2, sampling={"max_tokens": 9})
+        assert [t for m in default for t in m.token_ids] == words[:9]
+        assert [t for m in own for t in m.token_ids] == words[:9]
+        # The first token at once, then 4 a message ([1, 4, 4]); a floor, should
+        # a loaded box let two outputs reach the handler together.
+        sizes = [len(m.token_ids) for m in default]
+        assert sizes[0] <= 2 and all(n >= 4 for n in sizes[1:-1]), sizes
 
     asyncio.run(scenario())
 

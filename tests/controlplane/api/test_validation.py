@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -45,6 +46,16 @@ def test_defaults():
     assert (v.n, v.stream, v.stream_interval) == (1, True, 1)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, 0, 16)
     assert params.seed is None and not params.ignore_eos
+
+
+def test_the_servers_stream_interval_is_the_default_a_request_can_override():
+    limits = dataclasses.replace(LIMITS, stream_interval=8)
+    assert validate(_req(), _Tok(), limits).stream_interval == 8
+    explicit = _req()
+    explicit.stream_interval = 1
+    assert validate(explicit, _Tok(), limits).stream_interval == 1
+    explicit.stream_interval = 0
+    _refused(explicit, "stream_interval must be >= 1, got 0", limits)
 
 
 def test_explicit_zero_temperature_is_greedy_not_default():

@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("num_requests", "concurrency", "max_num_batched_tokens", "threads"):
+    for name in ("num_requests", "concurrency", "max_num_batched_tokens", "threads",
+                 "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.model is None:

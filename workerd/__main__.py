@@ -221,8 +221,6 @@ def cpu_placement(args) -> tuple[frozenset[int], frozenset[int]] | None:
     return compute, (available_cores() - compute) or compute
 
 
-
-
 def auth_token(args) -> str:
     """--auth-token (KVLOOM_AUTH_TOKEN) or the stripped --auth-token-file, never both."""
     path = args.auth_token_file

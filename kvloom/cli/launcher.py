@@ -41,15 +41,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, closing, contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -60,12 +57,25 @@ from kvloom.cli.cluster_tls import (  # noqa: F401 (ClusterTls, issue_cluster_tl
     tls_controlplane_args,
     tls_worker_args,
 )
-from kvloom.cli.procs import alive, process_start_time, reap, stop_pids, with_parent_death_signal
+from kvloom.cli.procs import (  # noqa: F401 (Terminated, exit_how, termination_as_exception: API)
+    Terminated,
+    alive,
+    exit_how,
+    process_start_time,
+    reap,
+    stop_pids,
+    termination_as_exception,
+    with_parent_death_signal,
+)
 from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
 from kvloom.server import cpu_cores
-from kvloom.server.cpu_cores import format_cores
-from kvloom.server.ports import PortInUse, port_in_use
+from kvloom.server.cpu_cores import CpuPlan, format_cores
+from kvloom.server.ports import (  # noqa: F401 (pick_free_ports: API)
+    PortInUse,
+    pick_free_ports,
+    port_in_use,
+)
 
 TAIL_LINES = 40
 
@@ -135,17 +145,6 @@ class ClusterState:
         return cls(**json.loads(path.read_text()))
 
 
-def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct ports free right now; all sockets stay open until every port is chosen."""
-    with ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)))
-            sock.bind((host, 0))
-            ports.append(sock.getsockname()[1])
-        return ports
-
-
 class Ports(NamedTuple):
     """Every port of a cluster; the first three index like the old 3-tuple."""
 
@@ -170,29 +169,15 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-@dataclass(frozen=True)
-class CpuPlan:
-    """pin_cpus: rank r computes on compute[r]; everything else runs on `rest`."""
-
-    compute: tuple[int, ...]
-    rest: tuple[int, ...]
-
-
 def cpu_plan(spec: ClusterSpec) -> CpuPlan | None:
     """The cores of a pinned cluster (None without pin_cpus); ClusterError
     when this process may not use enough of them."""
     if not spec.pin_cpus:
         return None
     try:
-        cores = sorted(cpu_cores.available_cores())
+        return cpu_cores.split_cores(spec.world_size)
     except ValueError as exc:
-        raise ClusterError(f"pin_cpus: {exc}") from None
-    need = spec.world_size + 1
-    if len(cores) < need:
-        raise ClusterError(
-            f"pin_cpus needs {need} CPU cores (one per rank's compute, one for the rest) but "
-            f"this process may use {len(cores)} ({format_cores(cores)}): drop the pinning")
-    return CpuPlan(tuple(cores[: spec.world_size]), tuple(cores[spec.world_size :]))
+        raise ClusterError(f"pin_cpus {exc}") from None
 
 
 def controlplane_command(spec: ClusterSpec, model: str, ports: Ports) -> list[str]:
@@ -570,16 +555,6 @@ def preflight(spec: ClusterSpec, model: str, ports: Ports) -> None:
         raise ClusterError((errors or lines)[-1])
 
 
-def exit_how(code: int) -> str:
-    """'exited with code 3' / 'was killed by signal 9 (SIGKILL)'."""
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-    except ValueError:
-        return f"was killed by signal {-code}"
-
-
 def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up") -> str:
     how = exit_how(code)
     # Give the relay thread a moment to drain the pipe so the tail is complete.
@@ -601,23 +576,6 @@ def running_processes(state: ClusterState) -> list[tuple[str, int]]:
 def stop_detached(state: ClusterState, grace: float = 10.0) -> list[str]:
     """Stop a cluster recorded by `kvloom up --detach`; returns names that were SIGKILLed."""
     return stop_pids(running_processes(state), grace)
-
-
-class Terminated(Exception):
-    """SIGTERM or SIGHUP arrived; raised so `finally` blocks stop the children."""
-
-
-@contextmanager
-def termination_as_exception() -> Iterator[None]:
-    def handler(signum, frame):
-        raise Terminated(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _default_model() -> str:

@@ -1,5 +1,6 @@
 """OS process helpers of the local launcher: identifying, signalling and
-reaping daemon processes, and tying children's lives to the launcher's.
+reaping daemon processes, tying children's lives to the launcher's, saying
+how one exited, and turning SIGTERM/SIGHUP into an exception.
 
 Kept apart from kvloom.cli.launcher, which decides what to start; nothing here
 knows about kvloom's daemons.
@@ -12,7 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
@@ -96,3 +98,30 @@ def _is_zombie(pid: int) -> bool:
     except OSError:
         return False  # no /proc (not Linux): trust kill(pid, 0)
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def exit_how(code: int) -> str:
+    """'exited with code 3' / 'was killed by signal 9 (SIGKILL)'."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGHUP arrived; raised so `finally` blocks stop the children."""
+
+
+@contextmanager
+def termination_as_exception() -> Iterator[None]:
+    def handler(signum, frame):
+        raise Terminated(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import threading
+from dataclasses import dataclass
 
 # A core list is a short string; anything longer is not one.
 MAX_SPEC_CHARS = 256
@@ -95,3 +96,24 @@ def pin_compute_thread(compute, others) -> None:
         if tid != me:
             _pin(tid, others)
     _pin(0, compute)
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """A pinned local cluster: rank r computes on compute[r]; everything else
+    (the controlplane, the ranks' other threads, clients) runs on `rest`."""
+
+    compute: tuple[int, ...]
+    rest: tuple[int, ...]
+
+
+def split_cores(num_ranks: int) -> CpuPlan:
+    """One core of this process's own per rank, the rest for everything else.
+    ValueError when there is not a core to spare."""
+    cores = sorted(available_cores())
+    need = num_ranks + 1
+    if len(cores) < need:
+        raise ValueError(
+            f"needs {need} CPU cores (one per rank's compute, one for the rest) but this "
+            f"process may use {len(cores)} ({format_cores(cores)}): drop the pinning")
+    return CpuPlan(tuple(cores[:num_ranks]), tuple(cores[num_ranks:]))

@@ -5,13 +5,14 @@ so a second controlplane would bind 50051 beside the first and the kernel
 would split connections between them, silently. Every gRPC server takes
 EXCLUSIVE_PORT in its options; a failed bind becomes PortInUse, whose one-line
 message the daemons print before exiting non-zero. Socket-only (no grpc), so
-the CLI can check its ports before it spawns anything.
+the CLI can check its ports before it spawns anything, and pick free ones.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+from contextlib import ExitStack, closing
 
 # The gRPC channel argument that turns SO_REUSEPORT off on a server's sockets.
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
@@ -54,3 +55,14 @@ def add_port(server, host: str, port: int, what: str = "", credentials=None) -> 
             raise PortInUse(port, what)
         raise RuntimeError(f"cannot listen on {address}{f' ({what})' if what else ''}")
     return bound
+
+
+def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports free right now; all sockets stay open until every port is chosen."""
+    with ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports

@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -196,7 +197,7 @@ def test_kvloom_run_end_to_end_with_fakes(fake_daemons, capsys):
 
 def test_termination_signal_becomes_exception():
     with pytest.raises(launcher.Terminated), launcher.termination_as_exception():
-        os.kill(os.getpid(), launcher.signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
 
 

@@ -43,7 +43,7 @@ def test_run_counts_every_token_within_the_concurrency(tiny_model_dir, tmp_path,
 
 
 @pytest.mark.parametrize("flag", ["--concurrency", "--num-requests", "--threads",
-                                  "--max-num-batched-tokens"])
+                                  "--max-num-batched-tokens", "--prompt-len", "--max-tokens"])
 def test_sizes_below_one_are_refused(tiny_model_dir, flag):
     with pytest.raises(SystemExit, match=f"{flag} must be >= 1"):
         engine_core.main(["--model", tiny_model_dir, flag, "0"])

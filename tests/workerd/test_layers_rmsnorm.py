@@ -38,3 +38,21 @@ def test_float32_weight_on_bf16_activations_promotes_like_hf():
     out = ours(x)
     assert out.dtype == torch.float32
     assert torch.equal(out, hf(x))
+
+
+@pytest.mark.parametrize("hidden", [16, 576, 2048])
+@pytest.mark.parametrize("rows", [1, 100, 513])
+def test_float32_fast_path_is_bitwise_hf_across_shapes(hidden, rows):
+    # float32 goes through torch's fused rms_norm: equal to HF only while it
+    # keeps HF's op order, which these shapes (vectorised and tail lanes) pin.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(hidden * rows)
+    ours, hf = RMSNorm(hidden, 1e-5), LlamaRMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        w = torch.randn(hidden, generator=g)
+        ours.weight.copy_(w)
+        hf.weight.copy_(w)
+    x = torch.randn(rows, hidden, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    with torch.inference_mode():
+        assert torch.equal(ours(x), hf(x))

@@ -4,6 +4,7 @@ norm(x + residual) while handing the updated residual stream on."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -14,6 +15,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One call instead of seven: in float32 torch's rms_norm runs HF's
+            # ops in HF's order (bitwise equal, tests/workerd/test_layers_rmsnorm.py);
+            # in bf16/fp16 it multiplies by the weight before rounding, so
+            # those keep the explicit form below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Statistics in float32 like HF's LlamaRMSNorm, so bf16/fp16 match it
         # too. Same ops in the same order as HF (bitwise equal); the
         # intermediates are ours, so they are updated in place, and the

@@ -95,6 +95,8 @@ ROWS = [
     ("wall ms/step", "wall_ms_per_step", "{:.3f}"),
     ("worker ms/step", "worker_ms_per_step", "{:.3f}"),
     ("scheduler ms/step", "scheduler_ms_per_step", "{:.3f}"),
+    ("static batches: output rows x", "output_padding", "{:.2f}"),
+    ("static batches: prompt tokens x", "prompt_padding", "{:.2f}"),
 ]
 
 
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(hf_baseline.DTYPES), default="float32")
     p.add_argument("--hf-baseline", action="store_true",
                    help="also run transformers' generate on the same requests")
+    p.add_argument("--rounds", type=serving.parse_rounds, default=1,
+                   help="with --hf-baseline: engine and baseline back to back this many "
+                        f"times (1-{serving.MAX_ROUNDS}); the median ratio is reported")
     p.add_argument("--json", type=Path, help="write results here")
     return p
 
@@ -144,20 +149,34 @@ def main(argv: list[str] | None = None) -> int:
     info = read_model_info(args.model)
     prompts = serving.random_prompts(info.vocab_size, info.eos_token_ids, args)
     requests = list(zip(prompts, serving.output_lengths(args), strict=True))
+    if args.rounds > 1 and not args.hf_baseline:
+        raise SystemExit("--rounds needs --hf-baseline (a ratio per round)")
     # One untimed warm-up request, as serving.py and the baseline get.
     run_engine(args.model, requests[:1], 1, args.dtype, args.max_num_batched_tokens)
-    runs = {"engine core": run_engine(args.model, requests, args.concurrency, args.dtype,
-                                      args.max_num_batched_tokens)}
-    if args.hf_baseline:
-        runs["transformers"] = hf_baseline.run(args.model, requests, args.concurrency,
-                                               args.dtype, args.threads)
-    print(format_table(runs))
-    if args.hf_baseline:
-        ratio = runs["engine core"]["output_throughput"] / runs["transformers"]["output_throughput"]
-        print(f"engine core: {ratio:.2f}x transformers generate (output tokens/s)")
+    rounds, per_round = [], []
+    for i in range(args.rounds):
+        runs = {"engine core": run_engine(args.model, requests, args.concurrency, args.dtype,
+                                          args.max_num_batched_tokens)}
+        if args.hf_baseline:
+            runs["transformers"] = hf_baseline.run(args.model, requests, args.concurrency,
+                                                   args.dtype, args.threads)
+        if args.rounds > 1:
+            print(f"== round {i + 1} of {args.rounds}")
+        print(format_table(runs))
+        if args.hf_baseline:
+            ratio = (runs["engine core"]["output_throughput"]
+                     / runs["transformers"]["output_throughput"])
+            per_round.append({"engine core": ratio})
+            print(f"engine core: {ratio:.2f}x transformers generate (output tokens/s)")
+        rounds.append(runs)
+    if args.rounds > 1:
+        print("\n".join(serving.ratio_summary(per_round)))
     if args.json:
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"config": config, "runs": runs}, indent=2) + "\n")
+        payload = {"config": config, "runs": rounds[-1]}
+        if args.rounds > 1:
+            payload.update(rounds=rounds, ratios=per_round)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
 
 

@@ -23,6 +23,11 @@ the wall time), for serial runs the unhidden control overhead per step
 (round trip - forward), and the CPU each process spent per step: the
 controlplane, all ranks together and this client (on a machine with fewer
 cores than processes a step cannot be shorter than their sum over the cores).
+
+--hf-baseline adds transformers' generate on the same requests and its
+static-batch padding (the most continuous batching can gain at an equal cost
+per token row); --rounds N repeats engine and baseline back to back N times
+and reports the median ratio, since one round on a shared box is noise.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError, default_server
 from kvloom.server.cpu_cores import available_cores, pin_process  # noqa: E402
+
+MAX_ROUNDS = 20
 
 
 @dataclass
@@ -215,6 +222,11 @@ TABLE_ROWS = [
     ("CPU ms/step ranks (sum)", lambda m: _cpu_cell(m, "ranks")),
     ("CPU ms/step busiest rank", lambda m: _cpu_cell(m, "busiest rank")),
     ("CPU ms/step client", lambda m: _cpu_cell(m, "client")),
+    # transformers only (hf_baseline.static_batch_work): the continuous-batching ceiling.
+    ("static batches: output rows x", lambda m: f"{m['output_padding']:.2f}"
+     if "output_padding" in m else "-"),
+    ("static batches: prompt tokens x", lambda m: f"{m['prompt_padding']:.2f}"
+     if "prompt_padding" in m else "-"),
 ]
 
 
@@ -330,6 +342,34 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+def parse_rounds(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_ROUNDS:
+        raise argparse.ArgumentTypeError(f"bad --rounds {text!r}: a whole number 1-{MAX_ROUNDS}")
+    return int(text)
+
+
+def baseline_ratios(runs: list[dict]) -> dict[str, float]:
+    """Each run's output tokens/s over the transformers run's (the last one)."""
+    if len(runs) < 2 or runs[-1]["name"] != "transformers":
+        return {}
+    base = runs[-1]["metrics"]["output_throughput"]
+    return {run["name"]: run["metrics"]["output_throughput"] / base if base else 0.0
+            for run in runs[:-1]}
+
+
+def ratio_summary(per_round: list[dict[str, float]]) -> list[str]:
+    """One line per run: the median ratio over the rounds and its range. The
+    box is shared and noisy, so each round runs the engine and transformers
+    back to back and only ratios within a round are compared."""
+    lines = []
+    for name in per_round[0] if per_round else ():
+        values = [r[name] for r in per_round]
+        lines.append(f"{name}: {statistics.median(values):.2f}x transformers generate, median "
+                     f"of {len(values)} rounds ({min(values):.2f}-{max(values):.2f}; "
+                     + ", ".join(f"{v:.2f}" for v in values) + ")")
+    return lines
+
+
 def parse_layouts(text: str) -> list[tuple[int, int]]:
     """ "1x1,2x1,1x2" -> [(tp, pp), ...]."""
     layouts = []
@@ -438,6 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--hf-baseline", action="store_true",
                         help="also run transformers' generate on the same requests "
                              "(benchmarks/hf_baseline.py) and report the ratio")
+    launch.add_argument("--rounds", type=parse_rounds, default=1,
+                        help="with --hf-baseline: repeat the launched runs and the baseline "
+                             f"this many times (1-{MAX_ROUNDS}), each round back to back, and "
+                             "report the median ratio")
     launch.add_argument("--dtype", default="float32",
                         help="dtype of the launched clusters and the --hf-baseline model")
     launch.add_argument("controlplane_args", nargs="*", help="after --: controlplane flags")
@@ -445,29 +489,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds > 1 and not (args.launch and args.hf_baseline):
+        parser.error("--rounds needs --launch and --hf-baseline (a ratio per round)")
+    rounds: list[list[dict]] = []
+    per_round: list[dict[str, float]] = []
     try:
-        if args.launch:
-            args.layouts = args.layouts or [(args.tp, args.pp)]
-            runs = run_launched(args)
-        else:
-            runs = [{"name": args.server, **asyncio.run(benchmark(args.server, args))}]
+        for i in range(args.rounds):
+            if args.launch:
+                args.layouts = args.layouts or [(args.tp, args.pp)]
+                runs = run_launched(args)
+            else:
+                runs = [{"name": args.server, **asyncio.run(benchmark(args.server, args))}]
+            if args.rounds > 1:
+                print(f"== round {i + 1} of {args.rounds}")
+            print(format_table(runs))
+            per_round.append(baseline_ratios(runs))
+            for name, ratio in per_round[-1].items():
+                print(f"{name}: {ratio:.2f}x transformers generate (output tokens/s)")
+            for run in runs:
+                run.pop("requests", None)
+            rounds.append(runs)
     except (KvloomError, launcher.ClusterError) as exc:
         print(f"serving benchmark: error: {exc}", file=sys.stderr)
         return 1
-    print(format_table(runs))
-    if len(runs) > 1 and runs[-1]["name"] == "transformers":
-        base = runs[-1]["metrics"]["output_throughput"]
-        for run in runs[:-1]:
-            ratio = run["metrics"]["output_throughput"] / base if base else 0.0
-            print(f"{run['name']}: {ratio:.2f}x transformers generate (output tokens/s)")
-    for run in runs:
-        run.pop("requests", None)
+    if args.rounds > 1:
+        print("\n".join(ratio_summary(per_round)))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json",)}
-        payload = {"config": json.loads(json.dumps(config, default=str)), "runs": runs}
+        payload = {"config": json.loads(json.dumps(config, default=str)), "runs": rounds[-1]}
+        if args.rounds > 1:
+            payload["rounds"] = rounds
+            payload["ratios"] = per_round
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    return 0 if all(run["metrics"]["failed"] == 0 for run in runs) else 1
+    return 0 if all(run["metrics"]["failed"] == 0 for runs in rounds for run in runs) else 1
 
 
 if __name__ == "__main__":

@@ -325,6 +325,61 @@ def test_benchmark_against_fake(fake_server, tmp_path):
     assert "TTFT median (ms)" in table and "6/6" in table
 
 
+def test_benchmark_rounds_are_bounded_and_need_a_baseline(capsys):
+    serving = _load_serving()
+    assert serving.parse_rounds("5") == 5
+    for hostile in ("0", "-1", "21", "2.5", "", "1e1"):
+        with pytest.raises(Exception, match="bad --rounds"):
+            serving.parse_rounds(hostile)
+    for flags in (["--rounds", "2"], ["--rounds", "2", "--launch"]):
+        with pytest.raises(SystemExit):
+            serving.main(flags)
+        assert "--rounds needs --launch and --hf-baseline" in capsys.readouterr().err
+
+
+def test_benchmark_rounds_report_each_round_ratio_and_the_median(fake_daemons, tmp_path,
+                                                                  capsys, monkeypatch):
+    fake_daemons()
+    serving = _load_serving()
+    bases = iter([100.0, 50.0, 400.0])
+    zeros = dict.fromkeys(("duration_s", "request_throughput", "ttft_ms_median", "ttft_ms_p99",
+                           "tpot_ms_median", "tpot_ms_p99", "itl_ms_median", "itl_ms_p99"), 0.0)
+    fake_hf = argparse.Namespace(run=lambda model, requests, *a: {
+        **zeros, "output_throughput": next(bases), "failed": 0, "requests": len(requests),
+        "completed": len(requests)})
+    monkeypatch.setitem(sys.modules, "hf_baseline", fake_hf)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nworld\n")
+    out = tmp_path / "bench.json"
+    code = serving.main(["--launch", "--model", "/fake/model", "--num-requests", "4",
+                         "--dataset", str(prompts), "--max-tokens", "2", "--hf-baseline",
+                         "--rounds", "3", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    payload = json.loads(out.read_text())
+    engine = [r[0]["metrics"]["output_throughput"] for r in payload["rounds"]]
+    want = [e / b for e, b in zip(engine, (100.0, 50.0, 400.0), strict=True)]
+    assert [r["tp1 pp1"] for r in payload["ratios"]] == pytest.approx(want)
+    text = capsys.readouterr().out
+    assert text.count("== round") == 3
+    assert f"{sorted(want)[1]:.2f}x transformers generate, median of 3 rounds" in text
+
+
+def test_static_batch_work_counts_the_padding():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import hf_baseline
+
+    requests = [([7, 7], 3), ([7] * 4, 1), ([7], 5)]
+    work = hf_baseline.static_batch_work(requests, 2)
+    # Batch 1 runs 2 rows x 3 tokens over prompts padded to 4; batch 2 is one request.
+    assert (work["padded_output_rows"], work["padded_prompt_tokens"]) == (2 * 3 + 5, 2 * 4 + 1)
+    assert work["output_padding"] == pytest.approx(11 / 9)
+    assert work["prompt_padding"] == pytest.approx(9 / 7)
+    assert hf_baseline.static_batch_work(requests, 3)["output_padding"] == pytest.approx(15 / 9)
+    assert hf_baseline.static_batch_work(requests, 1)["output_padding"] == 1.0
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        hf_baseline.static_batch_work(requests, 0)
+
+
 def test_benchmark_launch_mode_runs_each_layout(fake_daemons, tmp_path, capsys):
     fake_daemons()
     serving = _load_serving()

@@ -47,3 +47,36 @@ def test_run_counts_every_token_within_the_concurrency(tiny_model_dir, tmp_path,
 def test_sizes_below_one_are_refused(tiny_model_dir, flag):
     with pytest.raises(SystemExit, match=f"{flag} must be >= 1"):
         engine_core.main(["--model", tiny_model_dir, flag, "0"])
+
+
+def test_rounds_need_a_baseline_and_a_bound(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit, match="--rounds needs --hf-baseline"):
+        engine_core.main(["--model", tiny_model_dir, "--rounds", "2"])
+    for hostile in ("0", "21", "x"):
+        with pytest.raises(SystemExit):
+            engine_core.main(["--model", tiny_model_dir, "--rounds", hostile])
+        assert "bad --rounds" in capsys.readouterr().err
+
+
+def test_rounds_report_each_ratio_and_the_median(tiny_model_dir, tmp_path, capsys,
+                                                 monkeypatch):
+    bases = iter([10.0, 1e9, 1.0])  # a slow, an impossible and a fast baseline
+
+    def fake_run(model, requests, concurrency, dtype, threads):
+        from benchmarks.hf_baseline import static_batch_work
+
+        return {"output_throughput": next(bases), **static_batch_work(requests, concurrency)}
+
+    monkeypatch.setattr(engine_core.hf_baseline, "run", fake_run)
+    out = tmp_path / "engine.json"
+    code = engine_core.main(["--model", tiny_model_dir, "--num-requests", "3",
+                             "--concurrency", "2", "--prompt-len", "4", "--max-tokens-range",
+                             "2,6", "--hf-baseline", "--rounds", "3", "--json", str(out)])
+    assert code == 0
+    payload = json.loads(out.read_text())
+    engine = [r["engine core"]["output_throughput"] for r in payload["rounds"]]
+    want = [e / b for e, b in zip(engine, (10.0, 1e9, 1.0), strict=True)]
+    assert [r["engine core"] for r in payload["ratios"]] == pytest.approx(want)
+    text = capsys.readouterr().out
+    assert f"engine core: {sorted(want)[1]:.2f}x transformers generate, median of 3" in text
+    assert "static batches: output rows x" in text

@@ -31,7 +31,10 @@ def test_frozen_worker_turns_not_serving(tiny_model_dir, monkeypatch):
     # Workers read this (the launcher passes the environment on); it must be
     # well under the controlplane's 3 s heartbeat timeout.
     monkeypatch.setenv("KVLOOM_HEARTBEAT_INTERVAL", "0.5")
-    with running_cluster(tiny_model_dir, args=("--heartbeat-timeout", "3")) as cluster:
+    # A request sent while the group is down is held for the recovery timeout
+    # before it fails: 2 s, not the 120 s default this test once sat through.
+    args = ("--heartbeat-timeout", "3", "--engine-recovery-timeout", "2")
+    with running_cluster(tiny_model_dir, args=args) as cluster:
         assert _health(cluster.api_address) == "SERVING"
         worker = next(p.popen for p in cluster.processes if p.name == "rank 0")
         worker.send_signal(signal.SIGSTOP)

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                  "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.rounds > 1 and not args.hf_baseline:
+        raise SystemExit("--rounds needs --hf-baseline (a ratio per round)")
     if args.model is None:
         from kvloom.server.default_model import default_model_dir
 
@@ -149,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     info = read_model_info(args.model)
     prompts = serving.random_prompts(info.vocab_size, info.eos_token_ids, args)
     requests = list(zip(prompts, serving.output_lengths(args), strict=True))
-    if args.rounds > 1 and not args.hf_baseline:
-        raise SystemExit("--rounds needs --hf-baseline (a ratio per round)")
     # One untimed warm-up request, as serving.py and the baseline get.
     run_engine(args.model, requests[:1], 1, args.dtype, args.max_num_batched_tokens)
     rounds, per_round = [], []
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = (runs["engine core"]["output_throughput"]
                      / runs["transformers"]["output_throughput"])
             per_round.append({"engine core": ratio})
-            print(f"engine core: {ratio:.2f}x transformers generate (output tokens/s)")
+            print("\n".join(serving.ratio_lines(per_round[-1])))
         rounds.append(runs)
     if args.rounds > 1:
         print("\n".join(serving.ratio_summary(per_round)))

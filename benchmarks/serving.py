@@ -357,6 +357,12 @@ def baseline_ratios(runs: list[dict]) -> dict[str, float]:
             for run in runs[:-1]}
 
 
+def ratio_lines(ratios: dict[str, float]) -> list[str]:
+    """One round's ratios, a line per run."""
+    return [f"{name}: {ratio:.2f}x transformers generate (output tokens/s)"
+            for name, ratio in ratios.items()]
+
+
 def ratio_summary(per_round: list[dict[str, float]]) -> list[str]:
     """One line per run: the median ratio over the rounds and its range. The
     box is shared and noisy, so each round runs the engine and transformers
@@ -495,10 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds needs --launch and --hf-baseline (a ratio per round)")
     rounds: list[list[dict]] = []
     per_round: list[dict[str, float]] = []
+    if args.launch:
+        args.layouts = args.layouts or [(args.tp, args.pp)]
     try:
         for i in range(args.rounds):
             if args.launch:
-                args.layouts = args.layouts or [(args.tp, args.pp)]
                 runs = run_launched(args)
             else:
                 runs = [{"name": args.server, **asyncio.run(benchmark(args.server, args))}]
@@ -506,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== round {i + 1} of {args.rounds}")
             print(format_table(runs))
             per_round.append(baseline_ratios(runs))
-            for name, ratio in per_round[-1].items():
-                print(f"{name}: {ratio:.2f}x transformers generate (output tokens/s)")
+            for line in ratio_lines(per_round[-1]):
+                print(line)
             for run in runs:
                 run.pop("requests", None)
             rounds.append(runs)

@@ -193,10 +193,13 @@ class DecodeGraphs:
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """A decode-only step (one query token per request, no padding tokens
-        of its own) small enough for a captured size."""
+        of its own) small enough for a captured size, whose positions are all
+        in the rotary cache: the graphs were captured reading it, and a step
+        beyond it computes its tables eagerly instead."""
         n = md.num_reqs
         return (0 < n <= self.max_batch and md.num_actual_tokens == n
-                and md.max_query_len == 1)
+                and md.max_query_len == 1
+                and md.max_seq_len <= self.model.rotary_emb.cached_positions)
 
     def size_for(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)

@@ -31,9 +31,10 @@ GREEDY_BELOW = 1e-5
 class SamplingMetadata:
     """Batched sampling parameters of the rows of one logits tensor."""
 
-    temperature: torch.Tensor  # [n] float32; 0 for greedy rows
-    top_k: torch.Tensor  # [n] int64; 0 = disabled
-    top_p: torch.Tensor  # [n] float32; 1 = disabled
+    # None, all three, when every row is greedy (the sampler then reads none).
+    temperature: torch.Tensor | None  # [n] float32; 0 for greedy rows
+    top_k: torch.Tensor | None  # [n] int64; 0 = disabled
+    top_p: torch.Tensor | None  # [n] float32; 1 = disabled
     # row -> that request's generator, already seeded for this token.
     generators: dict[int, torch.Generator]
     all_greedy: bool
@@ -60,12 +61,18 @@ class SamplingMetadata:
         top_ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
         min_ps = [p.min_p if 0.0 < p.min_p <= 1.0 else 0.0 for p in params]
         sampled = [t > 0.0 for t in temps]
+        all_greedy = not any(sampled)
+
+        def tensor(values, dtype):
+            # An all-greedy batch (the common one) builds no parameter tensors.
+            return None if all_greedy else torch.tensor(values, dtype=dtype, device=device)
+
         md = cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            temperature=tensor(temps, torch.float32),
+            top_k=tensor(top_ks, torch.int64),
+            top_p=tensor(top_ps, torch.float32),
             generators={i: g for i, g in enumerate(generators) if g is not None and sampled[i]},
-            all_greedy=not any(sampled),
+            all_greedy=all_greedy,
             any_top_k=any(k > 0 and s for k, s in zip(top_ks, sampled, strict=True)),
             any_top_p=any(p < 1.0 and s for p, s in zip(top_ps, sampled, strict=True)),
         )

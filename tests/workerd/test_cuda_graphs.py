@@ -177,6 +177,29 @@ def test_decode_graphs_give_the_eager_tokens_and_transformers(tiny_model_dir, gr
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_steps_past_the_rotary_cache_run_eagerly(tiny_model_dir, graphs_on_cpu, monkeypatch):
+    """The graphs index the rotary cache with their positions buffer: a decode
+    step whose context reaches past the cache runs eagerly (computing its
+    tables) instead of reading past the cache's end."""
+    runner = _runner(tiny_model_dir, "flashinfer")
+    monkeypatch.setattr(runner.model.rotary_emb, "cached_positions", 16)
+    seen = []
+    real = runner.graphs.can_run
+
+    def can_run(md):
+        ok = real(md)
+        seen.append((md.max_query_len, md.max_seq_len, ok))
+        return ok
+
+    monkeypatch.setattr(runner.graphs, "can_run", can_run)
+    got = _serve(runner)
+    for i, (n, m) in enumerate(_REQUESTS):
+        assert got[f"q{i}"] == hf_greedy(tiny_model_dir, list(range(5, 5 + n)), m)
+    decodes = [(seq, ok) for q, seq, ok in seen if q == 1]
+    assert any(ok for _, ok in decodes) and any(seq > 16 for seq, _ in decodes)
+    assert not any(ok for seq, ok in decodes if seq > 16)
+
+
 def test_enforce_eager_and_a_new_cache(tiny_model_dir, graphs_on_cpu):
     eager = _runner(tiny_model_dir, "flashinfer", enforce_eager=True)
     assert eager.graphs is None and eager.kv_caches[0].shape[1] == NUM_BLOCKS

@@ -93,3 +93,36 @@ def test_shared_tables_give_identical_logits(tiny_model_dir, monkeypatch):
     reference = run()
     for ours, ref in zip(shared, reference, strict=True):
         assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_tables_are_the_computed_ones(dtype):
+    """Positions inside the cache read rows built once per dtype; a step
+    reaching past it computes its tables. Both bitwise what forward() gives."""
+    rot = RotaryEmbedding(16, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}, 300)
+    assert rot.cached_positions == 300
+    inside = torch.tensor([299, 0, 7, 8, 255, 7])
+    expect = rotary_tables(*rot(inside), dtype)
+    got = rot.tables(inside, 300, dtype)
+    assert torch.equal(got.cos, expect.cos) and torch.equal(got.signed_sin, expect.signed_sin)
+    assert got.cos.shape == (6, 1, 16) and got.cos.dtype == dtype
+    first = rot._cache[(dtype, torch.device("cpu"))]
+    rot.tables(torch.tensor([1, 2]), 3, dtype)
+    assert rot._cache[(dtype, torch.device("cpu"))] is first  # built once
+    # A step whose context runs past the cache: computed, nothing indexed out of range.
+    beyond = torch.tensor([5, 300, 4095])
+    got = rot.tables(beyond, 4096, dtype)
+    expect = rotary_tables(*rot(beyond), dtype)
+    assert torch.equal(got.cos, expect.cos) and torch.equal(got.signed_sin, expect.signed_sin)
+
+
+def test_cache_length_is_bounded():
+    from workerd.layers.rotary import MAX_CACHED_POSITIONS
+
+    rot = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0}, 1 << 20)
+    assert rot.cached_positions == MAX_CACHED_POSITIONS
+    rot.tables(torch.tensor([3]), 4, torch.float32)
+    (cache,) = rot._cache.values()
+    assert cache.cos.shape[0] == MAX_CACHED_POSITIONS

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,8 +63,9 @@ class _Group:
         layer's call."""
         mask = self._additive.get(dtype)
         if mask is None:
-            mask = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            mask.masked_fill_(~self.mask, float("-inf"))
+            mask = torch.full(self.mask.shape, float("-inf"), dtype=dtype,
+                              device=self.mask.device)
+            mask.masked_fill_(self.mask, 0.0)
             self._additive[dtype] = mask
         return mask
 
@@ -158,9 +160,9 @@ def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Grou
             unpad.extend(range(i * max_q, i * max_q + q_lens[r]))
         token_index = torch.tensor(token_list, dtype=torch.int64, device=device)
         unpad_index = torch.tensor(unpad, dtype=torch.int64, device=device)
-        q_start = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
-        query_index = (q_start[:, None] + torch.arange(max_q, device=device)).clamp(
-            max=max(md.num_actual_tokens - 1, 0))
+        q_start = np.array([starts[r] for r in rows], dtype=np.int64)
+        query_index = _to(np.minimum(q_start[:, None] + np.arange(max_q),
+                                     max(md.num_actual_tokens - 1, 0)), device)
 
     # Whole blocks are gathered, so keys run to a block boundary; key j is
     # visible iff j <= the query's absolute position (never past seq_len).
@@ -173,25 +175,29 @@ def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Grou
     else:  # rows past their own table repeat its last block; masked anyway
         cols = torch.arange(num_blocks, device=device).clamp(max=table.shape[1] - 1)
         context_blocks = table[:, cols].reshape(-1)
-    kj = torch.arange(num_blocks * bs, device=device)
+    # The masks are built in numpy (a few host ops instead of torch
+    # dispatches, every step) and handed over without a copy on CPU.
+    kj = np.arange(num_blocks * bs)
+    seq = np.array(ss, dtype=np.int64)
     if max_q == 1:
         # Decodes: each row's one query sits at position seq_len - 1.
-        seq_t = torch.tensor(ss, dtype=torch.int64, device=device)
-        mask = (kj[None, :] < seq_t[:, None]).view(len(rows), 1, 1, -1)
+        mask = (kj[None, :] < seq[:, None]).reshape(len(rows), 1, 1, -1)
     else:
-        first = torch.tensor([s - q for s, q in zip(ss, qs, strict=True)],
-                             dtype=torch.int64, device=device)
-        q_pos = first[:, None] + torch.arange(max_q, device=device)
-        mask = (kj[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
+        q_pos = (seq - np.array(qs, dtype=np.int64))[:, None] + np.arange(max_q)
+        mask = (kj[None, None, :] <= q_pos[:, :, None])[:, None]
     return _Group(
         query_index=query_index,
         token_index=token_index,
         unpad_index=unpad_index,
         context_blocks=context_blocks,
-        mask=mask,
+        mask=_to(mask, device),
         max_query_len=max_q,
         token_slice=token_slice,
     )
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device)
 
 
 def write_kv_cache(
@@ -201,12 +207,21 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     num_actual_tokens: int,
 ) -> None:
-    """Scatter k/v [num_tokens, num_kv_heads, head_dim] into their slots."""
+    """Scatter k/v [num_tokens, num_kv_heads, head_dim] into their slots.
+
+    Runs in every layer of every step, so it skips the slices and casts that
+    would be no-ops (each still costs a dispatch)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    slots = slot_mapping[:num_actual_tokens]
-    flat[0].index_copy_(0, slots, k[:num_actual_tokens].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v[:num_actual_tokens].to(kv_cache.dtype))
+    flat_k, flat_v = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim).unbind(0)
+    slots = slot_mapping
+    if slot_mapping.shape[0] != num_actual_tokens:
+        slots = slot_mapping[:num_actual_tokens]
+    if k.shape[0] != num_actual_tokens:
+        k, v = k[:num_actual_tokens], v[:num_actual_tokens]
+    if k.dtype != kv_cache.dtype:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    flat_k.index_copy_(0, slots, k)
+    flat_v.index_copy_(0, slots, v)
 
 
 def paged_attention(
@@ -260,13 +275,19 @@ def _attend_group(
     num_kv_heads = k.shape[1]
     rows, max_q = g.num_rows, g.max_query_len
     if g.token_slice is not None:
-        queries = q[g.token_slice].view(rows, max_q, num_heads, head_dim)
+        # Every op here runs per layer and group: a slice of all the tokens
+        # is skipped (on the tiny model a decode step is bound by dispatches).
+        whole = g.token_slice == slice(0, q.shape[0])
+        queries = (q if whole else q[g.token_slice]).view(rows, max_q, num_heads, head_dim)
     else:
         queries = q[g.query_index]
     if kv_cache is not None:
         kv = kv_cache.index_select(1, g.context_blocks)  # K and V blocks in one copy
-        kv = kv.view(2, rows, -1, num_kv_heads, head_dim).to(q.dtype)
-        keys, values = kv[0], kv[1]
+        kv = kv.view(2, rows, -1, num_kv_heads, head_dim)
+        if kv.dtype != q.dtype:
+            kv = kv.to(q.dtype)
+        # [2, rows, heads, context, head_dim]: SDPA's layout for K and V at once.
+        keys, values = kv.transpose(2, 3).unbind(0)
         mask = g.additive_mask(q.dtype)
     else:
         # Keys laid out exactly like the padded queries: context = this step only.
@@ -276,7 +297,7 @@ def _attend_group(
         else:
             keys, values = k[g.query_index], v[g.query_index]
         mask = g.additive_mask(q.dtype)[..., :max_q]
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     if max_q == 1:
         # Decode: the query heads of one KV head are consecutive (HF's
         # repeat_kv order), so they attend as that head's rows: one

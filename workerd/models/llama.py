@@ -24,7 +24,6 @@ from workerd.layers.rotary import (
     RotaryTables,
     apply_rotary_tables,
     rope_parameters,
-    rotary_tables,
 )
 from workerd.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -132,14 +131,14 @@ class LlamaAttention(nn.Module):
         plan,  # the backend's, from its build_plan for this forward
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
         num_qk = self.num_heads + self.num_kv_heads
         # q and k are adjacent columns of the fused output: rotate both in one
-        # pass over a view, then split the rotated heads (views, no copies).
-        qk = apply_rotary_tables(qkv[:, : num_qk * self.head_dim].view(n, num_qk, self.head_dim),
-                                 rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, num_qk * self.head_dim :].view(n, self.num_kv_heads, self.head_dim)
+        # pass over a view, then split the rotated heads (views, no copies;
+        # one split op each rather than two slices).
+        qk, v = self.qkv_proj(hidden_states).view(
+            n, num_qk + self.num_kv_heads, self.head_dim).split(
+            [num_qk, self.num_kv_heads], dim=1)
+        q, k = apply_rotary_tables(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn_backend.forward(q, k, v, kv_cache, md, self.scale, plan)
         return self.o_proj(out)
 
@@ -244,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         plan = attn_plan
         if plan is None:
             plan = self.attn_backend.build_plan(attn_metadata, positions.shape[0])
-        rope = rotary_tables(*self.rotary_emb(positions), hidden_states.dtype)
+        rope = self.rotary_emb.tables(positions, attn_metadata.max_seq_len, hidden_states.dtype)
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
             hidden_states, residual = layer(

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workerd.layers.direct_call import DirectCallModule
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(DirectCallModule):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)

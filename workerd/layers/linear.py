@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workerd.distributed import ParallelState, tp_all_reduce
+from workerd.layers.direct_call import DirectCallModule
 
 
 def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
@@ -32,7 +33,7 @@ def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(DirectCallModule):
     """y = x W^T with W's rows (output features) split into num_shards pieces; this
     rank holds piece shard_index. Defaults to one piece per TP rank; K/V
     projections with fewer KV heads than TP ranks pass num_shards=num_kv_heads so
@@ -67,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(DirectCallModule):
     """y = all_reduce(x_local W_local^T) + b with W's columns (input features)
     split across TP ranks; x arrives already split (output of a column layer)."""
 
@@ -92,7 +93,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(DirectCallModule):
     """Column-parallel projections of one input fused into one matmul.
 
     parts: (checkpoint name, output_size, num_shards or None, shard_index or

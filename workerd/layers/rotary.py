@@ -16,7 +16,8 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import nn
+
+from workerd.layers.direct_call import DirectCallModule
 
 
 def rope_parameters(config) -> dict:
@@ -69,7 +70,7 @@ def compute_inv_freq(head_dim: int, params: dict, max_position_embeddings: int) 
 MAX_CACHED_POSITIONS = 32768
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(DirectCallModule):
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int):
         super().__init__()
         if params.get("partial_rotary_factor", 1.0) != 1.0:

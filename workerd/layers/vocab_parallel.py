@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workerd.distributed import ParallelState, tp_all_gather, tp_all_reduce
+from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.linear import set_shard
 
 
@@ -19,7 +20,7 @@ def pad_vocab(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(DirectCallModule):
     def __init__(self, vocab_size: int, hidden_size: int, ps: ParallelState):
         super().__init__()
         self.ps = ps

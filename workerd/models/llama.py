@@ -17,6 +17,7 @@ from torch import nn
 from workerd.attn_metadata import AttentionMetadata
 from workerd.distributed import IntermediateTensors, ParallelState
 from workerd.layers.attention_backend import AttentionBackend, TorchAttentionBackend
+from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.layernorm import RMSNorm
 from workerd.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workerd.layers.rotary import (
@@ -98,7 +99,7 @@ def tp_head_layout(
     )
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCallModule):
     def __init__(self, config, ps: ParallelState):
         super().__init__()
         hidden = config.hidden_size
@@ -143,7 +144,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCallModule):
     def __init__(self, config, ps: ParallelState):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -159,7 +160,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))  # silu's output is ours to reuse
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCallModule):
     def __init__(self, config, ps: ParallelState):
         super().__init__()
         self.self_attn = LlamaAttention(config, ps)

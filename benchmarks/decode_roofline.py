@@ -20,6 +20,12 @@ see the same machine noise:
 matmul is the floor the step cannot beat (on CPU, reading the weights once);
 everything else in `step` is overhead: attention, norms, rotary, Python. The
 issue's goal is step <= 1.5x matmul. Medians over --steps iterations.
+
+`dispatches` counts the torch ops one whole decode step calls from Python
+(counted once, outside the timings, with a TorchDispatchMode). On a small
+model each costs more than its arithmetic (~10 us in a real step on the
+2-core box), so this is the overhead's machine-independent measure; it must
+not grow with the batch: no per-request torch op in the hot path.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workerd.distributed import single_process_state
 from workerd.layers.linear import (
@@ -143,6 +150,23 @@ class DecodeDriver:
         self.runner.execute_model(self._so([], CachedRequestData(), {}, self.req_ids))
 
 
+class _CountDispatches(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_dispatches(fn) -> int:
+    """Torch ops fn calls from Python (composite ops count once)."""
+    with _CountDispatches() as mode:
+        fn()
+    return mode.count
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -184,6 +208,7 @@ def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: i
         if i >= warmup:
             for key, t in zip(times, (t_step, t_prep, t_fwd, t_mm), strict=True):
                 times[key].append(t)
+    dispatches = count_dispatches(driver.decode)
     driver.finish()
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
@@ -196,6 +221,7 @@ def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: i
         "matmul_ms": med["matmul"],
         "ratio": med["step"] / med["matmul"],
         "forward_ratio": med["forward"] / med["matmul"],
+        "dispatches": dispatches,
         "step_ms_all": [t * 1e3 for t in times["step"]],
         "matmul_ms_all": [t * 1e3 for t in times["matmul"]],
     }
@@ -203,11 +229,11 @@ def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: i
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'batch':>5} {'step ms':>9} {'prepare':>8} {'forward':>9} {'matmul ms':>10} "
-             f"{'ratio':>6} {'fwd/mm':>7}"]
+             f"{'ratio':>6} {'fwd/mm':>7} {'dispatches':>10}"]
     for r in rows:
         lines.append(f"{r['batch']:>5} {r['step_ms']:>9.2f} {r['prepare_ms']:>8.2f} "
                      f"{r['forward_ms']:>9.2f} {r['matmul_ms']:>10.2f} {r['ratio']:>6.2f} "
-                     f"{r['forward_ratio']:>7.2f}")
+                     f"{r['forward_ratio']:>7.2f} {r['dispatches']:>10}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from benchmarks.decode_roofline import main, matmul_weights
+from benchmarks.decode_roofline import count_dispatches, main, matmul_weights
 from workerd.distributed import single_process_state
 from workerd.model_loader import load_model
 
@@ -45,3 +45,12 @@ def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys):
         assert row["step_ms"] > 0 and row["matmul_ms"] > 0
         assert row["ratio"] == row["step_ms"] / row["matmul_ms"]
     assert "ratio" in capsys.readouterr().out
+    # The step's torch ops are per layer and per step, none per request.
+    counts = [r["dispatches"] for r in payload["results"]]
+    assert counts[0] == counts[1] > 4 * 4  # four layers, several ops each
+
+
+def test_count_dispatches_counts_torch_ops():
+    x = torch.ones(3)
+    assert count_dispatches(lambda: (x + 1).mul_(2).sum()) == 3
+    assert count_dispatches(lambda: None) == 0

@@ -55,6 +55,9 @@ class _Group:
     # The group's padded queries are exactly tokens[start:stop] (consecutive
     # requests, all of max_query_len tokens): read and written through views.
     token_slice: slice | None
+    # token_slice is every token of the step: queries and output are the
+    # step's own tensors (decided once per step, not in every layer).
+    covers_all_tokens: bool = False
     _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -134,13 +137,14 @@ def build_plan(md: AttentionMetadata, num_tokens: int) -> PagedAttentionPlan:
     groups = [
         # Which rows share a call is what bounds the padding; their order
         # within it is free, and batch order lets a group be a slice of tokens.
-        _build_group(md, sorted(rows), starts, q_lens, seq_lens)
+        _build_group(md, num_tokens, sorted(rows), starts, q_lens, seq_lens)
         for rows in _group_rows(q_lens[: md.num_reqs], seq_lens[: md.num_reqs])
     ]
     return PagedAttentionPlan(groups=groups, num_actual_tokens=md.num_actual_tokens)
 
 
-def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Group:
+def _build_group(md: AttentionMetadata, num_tokens: int, rows, starts, q_lens,
+                 seq_lens) -> _Group:
     """rows: sorted. The common groups (a run of consecutive decodes, or of
     equal chunks) are slices of the step's tokens: they need no query or
     unpad indices, and their block-table rows are a slice too. The plan is
@@ -193,6 +197,7 @@ def _build_group(md: AttentionMetadata, rows, starts, q_lens, seq_lens) -> _Grou
         mask=_to(mask, device),
         max_query_len=max_q,
         token_slice=token_slice,
+        covers_all_tokens=token_slice == slice(0, num_tokens),
     )
 
 
@@ -250,7 +255,7 @@ def paged_attention(
     out = None
     for g in plan.groups:
         grouped = _attend_group(g, q, k, v, kv_cache if with_cache else None, scale)
-        if g.token_slice is not None and g.token_slice == slice(0, num_tokens):
+        if g.covers_all_tokens:
             return grouped  # the only group, covering every token in order
         if out is None:
             out = q.new_zeros(num_tokens, num_heads * head_dim)
@@ -275,10 +280,10 @@ def _attend_group(
     num_kv_heads = k.shape[1]
     rows, max_q = g.num_rows, g.max_query_len
     if g.token_slice is not None:
-        # Every op here runs per layer and group: a slice of all the tokens
-        # is skipped (on the tiny model a decode step is bound by dispatches).
-        whole = g.token_slice == slice(0, q.shape[0])
-        queries = (q if whole else q[g.token_slice]).view(rows, max_q, num_heads, head_dim)
+        # A slice of all the tokens is skipped: every op here runs per layer
+        # and group (on the tiny model a decode step is bound by dispatches).
+        queries = (q if g.covers_all_tokens else q[g.token_slice]).view(
+            rows, max_q, num_heads, head_dim)
     else:
         queries = q[g.query_index]
     if kv_cache is not None:

@@ -126,3 +126,18 @@ def test_cache_length_is_bounded():
     rot.tables(torch.tensor([3]), 4, torch.float32)
     (cache,) = rot._cache.values()
     assert cache.cos.shape[0] == MAX_CACHED_POSITIONS
+
+
+@pytest.mark.parametrize("max_position_embeddings", [0, -5, 1])
+def test_hostile_max_position_embeddings_never_index_past_the_cache(max_position_embeddings):
+    """A checkpoint config claiming 0, negative or 1 positions builds an empty
+    (or one-row) cache and every longer step computes its tables: no negative
+    arange, no out-of-range index_select, the values forward() gives."""
+    rot = RotaryEmbedding(16, {"rope_type": "default", "rope_theta": 10000.0},
+                          max_position_embeddings)
+    assert rot.cached_positions == max(0, max_position_embeddings)
+    positions = torch.tensor([0, 1, 9])
+    got = rot.tables(positions, 10, torch.float32)
+    expect = rotary_tables(*rot(positions), torch.float32)
+    assert torch.equal(got.cos, expect.cos) and torch.equal(got.signed_sin, expect.signed_sin)
+    assert not rot._cache  # never built: every step reached past it

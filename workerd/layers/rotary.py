@@ -77,7 +77,8 @@ class RotaryEmbedding(DirectCallModule):
             raise ValueError("partial_rotary_factor != 1 is not supported")
         inv_freq = compute_inv_freq(head_dim, params, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.cached_positions = min(max_position_embeddings, MAX_CACHED_POSITIONS)
+        # Clamped both ways: a config claiming <= 0 positions caches none.
+        self.cached_positions = max(0, min(max_position_embeddings, MAX_CACHED_POSITIONS))
         # (dtype, device) -> RotaryTables of positions [0, cached_positions).
         # Not buffers: derived, and no part of the checkpoint.
         self._cache: dict[tuple[torch.dtype, torch.device], RotaryTables] = {}

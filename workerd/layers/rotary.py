@@ -23,11 +23,9 @@ from workerd.layers.direct_call import DirectCallModule
 def rope_parameters(config) -> dict:
     """Normalise HF's two spellings: transformers 5 `rope_parameters` (theta inside)
     and transformers 4 `rope_theta` + optional `rope_scaling`."""
-    params = getattr(config, "rope_parameters", None)
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params = dict(params)
+    params = dict(getattr(config, "rope_parameters", None)
+                  or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 

@@ -74,8 +74,44 @@ def read_model_info(model_path: str) -> ModelInfo:
     )
 
 
+# AutoTokenizer imports transformers' config classes, and with them torch and
+# torch.distributed.tensor: ~4.8 s of the controlplane's start on the 2-core
+# CI box, against ~1.2 s for the tokenizer class alone. A checkpoint saved by
+# transformers 5 (our GGUF conversion, most recent uploads) names that class,
+# and for these model types AutoTokenizer resolves to it unchanged
+# (tests/controlplane/test_tokenizer_loading.py), so it is built directly.
+_DIRECT_TOKENIZER_CLASS = "TokenizersBackend"
+_DIRECT_MODEL_TYPES = frozenset({"llama"})
+_MAX_TOKENIZER_CONFIG_BYTES = 16 << 20
+
+
+def _json_object(path: str) -> dict:
+    if not os.path.isfile(path) or os.path.getsize(path) > _MAX_TOKENIZER_CONFIG_BYTES:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # AutoTokenizer will say what is wrong with it
+    return value if isinstance(value, dict) else {}
+
+
+def tokenizer_loads_directly(model_path: str) -> bool:
+    """Whether AutoTokenizer would build plain TokenizersBackend from tokenizer.json."""
+    tok_config = _json_object(os.path.join(model_path, "tokenizer_config.json"))
+    config = _json_object(os.path.join(model_path, "config.json"))
+    return (tok_config.get("tokenizer_class") == _DIRECT_TOKENIZER_CLASS
+            and "auto_map" not in tok_config
+            and config.get("model_type") in _DIRECT_MODEL_TYPES
+            and os.path.isfile(os.path.join(model_path, "tokenizer.json")))
+
+
 def load_tokenizer(model_path: str):
     # Imported here: transformers is slow to import and only this edge needs it.
+    if tokenizer_loads_directly(model_path):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(model_path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

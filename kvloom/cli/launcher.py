@@ -462,7 +462,7 @@ class Cluster:
             self.log_sink.write(line + "\n")
             self.log_sink.flush()
 
-    def wait_ready(self, timeout: float = 600.0, poll_interval: float = 0.5) -> None:
+    def wait_ready(self, timeout: float = 600.0, poll_interval: float = 0.1) -> None:
         """Block until the controlplane reports kvloom.v1.Generation SERVING."""
         deadline = time.monotonic() + timeout
         with self.client() as client:

@@ -4,12 +4,33 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
 
 from kvloom.server.ports import PortInUse
 
 logger = logging.getLogger(__name__)
+
+# serve_forever's select timeout, and so how long close() waits: http.server's
+# default 0.5 s was most of a worker's exit time after SIGTERM (0.75 s), paid
+# at every stop and every restart.
+POLL_INTERVAL_S = 0.05
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
+        pass  # one line per scrape would drown the daemon's log
+
+
+def _server_class(host: str, port: int) -> type[WSGIServer]:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    # A class per server: address_family is read from the class at bind time.
+    return type("MetricsServer", (ThreadingMixIn, WSGIServer),
+                {"address_family": family, "daemon_threads": True})
 
 
 class MetricsEndpoint:
@@ -24,13 +45,14 @@ class MetricsEndpoint:
         sets only SO_REUSEADDR, which on Linux never lets two sockets listen
         on one port.)"""
         try:
-            self._http, _ = prometheus_client.start_http_server(
-                port, addr=host, registry=self.registry
-            )
+            self._http = make_server(host, port, prometheus_client.make_wsgi_app(self.registry),
+                                     _server_class(host, port), handler_class=_QuietHandler)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUse(port, what) from None
             raise
+        threading.Thread(target=self._http.serve_forever, args=(POLL_INTERVAL_S,),
+                         name="metrics-http", daemon=True).start()
         logger.info("metrics on http://%s:%d/metrics", host, port)
 
     def close(self) -> None:

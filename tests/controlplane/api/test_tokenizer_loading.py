@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from controlplane.model_info import load_tokenizer, tokenizer_loads_directly
+from tests.imports import modules_imported
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -100,14 +99,7 @@ def test_no_tokenizer_json_goes_through_autotokenizer(tiny_model_dir, tmp_path):
 
 def test_the_controlplane_never_imports_torch(tiny_model_dir):
     """What the direct path is for: the API edge starts without torch."""
-    code = (
-        "import sys\n"
-        "import controlplane.__main__, controlplane.server\n"
-        "from controlplane.model_info import load_tokenizer\n"
-        f"load_tokenizer({tiny_model_dir!r})\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).parents[3])
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    code = ("import controlplane.__main__, controlplane.server\n"
+            "from controlplane.model_info import load_tokenizer\n"
+            f"load_tokenizer({tiny_model_dir!r})\n")
+    assert modules_imported(code, "torch") == []

@@ -276,6 +276,17 @@ class Restart:
     pid: int  # the new process
 
 
+# wait_ready's channel: its first polls find no listener, and gRPC's default
+# reconnect back-off (1 s, growing 1.6x) then hid a ready cluster for up to
+# ~2.5 s (SmolLM2 PP=2: ready at 3.9 s, noticed at 5.4 s). Loopback or a
+# local network: retry at 0.1-0.5 s.
+READINESS_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+)
+
+
 class Cluster:
     """A controlplane and its workers as children of this process."""
 
@@ -465,7 +476,7 @@ class Cluster:
     def wait_ready(self, timeout: float = 600.0, poll_interval: float = 0.1) -> None:
         """Block until the controlplane reports kvloom.v1.Generation SERVING."""
         deadline = time.monotonic() + timeout
-        with self.client() as client:
+        with self.client(options=READINESS_CHANNEL_OPTIONS) as client:
             while True:
                 self.check_alive()
                 try:
@@ -477,12 +488,12 @@ class Cluster:
                     raise ClusterError(f"cluster not ready after {timeout:.0f}s")
                 time.sleep(poll_interval)
 
-    def client(self) -> KvloomClient:
+    def client(self, options: tuple = ()) -> KvloomClient:
         """A client of this cluster's API (with the client certificate under TLS)."""
         tls = self.spec.tls
         if tls is None:
-            return KvloomClient(self.api_address)
-        return KvloomClient(self.api_address, ssl_ca_certs=tls.ca_certs,
+            return KvloomClient(self.api_address, options=options)
+        return KvloomClient(self.api_address, options=options, ssl_ca_certs=tls.ca_certs,
                             ssl_certfile=tls.client.certfile, ssl_keyfile=tls.client.keyfile)
 
     def stop(self, grace: float = 10.0) -> None:

@@ -117,3 +117,30 @@ def test_launcher_tells_each_rank_how_many_share_the_host(monkeypatch):
     env = launcher.child_env(spec)
     assert env["KVLOOM_NUM_LOCAL_WORKERS"] == "6"
     assert kv_cache.num_local_workers(env) == 6
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cpu_kv_cache_is_zeros_that_commit_memory_only_when_written(dtype_name):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    shape = (2, 4096, 16, 2, 64)  # 32 MiB in float32
+    nbytes = 2 * 4096 * 16 * 2 * 64 * dtype.itemsize
+    before = _rss_bytes()
+    cache = kv_cache.zeroed_cpu_tensor(shape, dtype)
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    # Nothing written yet: no page of it is resident (torch.zeros wrote all).
+    assert _rss_bytes() - before < nbytes // 4
+    assert not cache.any()  # reads every page: zeros, as the kernel hands them out
+    view = cache[1, 7]
+    del cache  # a view keeps the mapping alive
+    view.fill_(2.5)
+    assert float(view.sum()) == 2.5 * view.numel()
+    assert kv_cache.zeroed_cpu_tensor((0, 16), dtype).numel() == 0

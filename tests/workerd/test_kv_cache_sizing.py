@@ -131,8 +131,8 @@ def test_cpu_kv_cache_is_zeros_that_commit_memory_only_when_written(dtype_name):
     import torch
 
     dtype = getattr(torch, dtype_name)
-    shape = (2, 4096, 16, 2, 64)  # 32 MiB in float32
-    nbytes = 2 * 4096 * 16 * 2 * 64 * dtype.itemsize
+    shape = (2, 4096, 16, 8, 64)  # 128 MiB in float32: far above RSS noise
+    nbytes = 2 * 4096 * 16 * 8 * 64 * dtype.itemsize
     before = _rss_bytes()
     cache = kv_cache.zeroed_cpu_tensor(shape, dtype)
     assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()

@@ -448,8 +448,9 @@ class Cluster:
                              f"{loop.window:.0f}s (a crash loop; giving up)")
                     raise ClusterError(describe_exit(proc, code, phase)) from None
                 self._exited[proc.name] = (code, delay)
-                self._note(f"kvloom: {proc.name} {exit_how(code)}; restarting it in "
-                           f"{delay:.1f}s (same rank and flags)")
+                when = f"in {delay:.1f}s" if delay > 0 else "now"
+                self._note(f"kvloom: {proc.name} {exit_how(code)}; restarting it {when} "
+                           f"(same rank and flags)")
             return [self._restart(name) for name in self.supervisor.due()]
 
     def _restart(self, name: str) -> Restart:

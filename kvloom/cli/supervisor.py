@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """Restart after initial_delay, doubling per quick failure up to max_delay;
-    a child that ran healthy_after seconds starts over at initial_delay. More
+    """The first restart of a failure streak is immediate: a rank killed once
+    (the OOM killer, a stray signal) should cost clients no more than its own
+    start-up. Each further quick failure waits initial_delay, doubling up to
+    max_delay; a child that ran healthy_after seconds starts a new streak. More
     than max_restarts restarts within window seconds is a crash loop."""
 
     initial_delay: float = 0.5
@@ -29,7 +31,9 @@ class RestartPolicy:
 
     def delay(self, attempt: int) -> float:
         """The back-off before restart number attempt + 1 of a failure streak."""
-        return min(self.max_delay, self.initial_delay * 2 ** min(attempt, 62))
+        if attempt <= 0:
+            return 0.0
+        return min(self.max_delay, self.initial_delay * 2 ** min(attempt - 1, 62))
 
 
 class CrashLoop(Exception):

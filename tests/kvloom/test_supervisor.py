@@ -39,7 +39,8 @@ def _crash_right_away(supervisor: Supervisor, clock: FakeClock, name: str = "ran
     """The child exits 1 s after it started; wait out the delay and restart it."""
     clock.now += 1.0
     delay = supervisor.exited(name)
-    assert supervisor.pending(name) and supervisor.due() == []
+    # Not due before its delay (a first restart's delay is 0: due at once).
+    assert supervisor.pending(name) and (delay == 0 or supervisor.due() == [])
     clock.now += delay
     assert supervisor.due() == [name] and not supervisor.pending(name)
     supervisor.started(name)
@@ -49,19 +50,18 @@ def _crash_right_away(supervisor: Supervisor, clock: FakeClock, name: str = "ran
 def test_backoff_doubles_and_caps():
     supervisor, clock = _supervisor(max_restarts=100)
     delays = [_crash_right_away(supervisor, clock) for _ in range(7)]
-    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0]
     assert RestartPolicy().delay(10_000) == 10.0  # no overflow on a long streak
 
 
 def test_backoff_resets_after_a_healthy_run():
     supervisor, clock = _supervisor(max_restarts=100)
-    assert [_crash_right_away(supervisor, clock) for _ in range(3)] == [0.5, 1.0, 2.0]
-    clock.now += 60.0  # ran for a minute: healthy
-    assert supervisor.exited("rank 0") == 0.5
-    clock.now += 0.5
+    assert [_crash_right_away(supervisor, clock) for _ in range(3)] == [0.0, 0.5, 1.0]
+    clock.now += 60.0  # ran for a minute: healthy, a new streak
+    assert supervisor.exited("rank 0") == 0.0
     assert supervisor.due() == ["rank 0"]
     supervisor.started("rank 0")
-    assert _crash_right_away(supervisor, clock) == 1.0
+    assert _crash_right_away(supervisor, clock) == 0.5
 
 
 def test_crash_loop_gives_up_after_max_restarts_in_the_window():
@@ -79,7 +79,7 @@ def test_restarts_older_than_the_window_are_forgotten():
     for _ in range(5):
         _crash_right_away(supervisor, clock)  # 5 restarts in ~21 s
     clock.now += 120.0
-    assert supervisor.exited("rank 0") == 0.5  # healthy run, and the window is empty again
+    assert supervisor.exited("rank 0") == 0.0  # healthy run, and the window is empty again
     assert supervisor.restarts_in_window("rank 0") == 1
 
 
@@ -88,7 +88,7 @@ def test_ranks_are_supervised_independently():
     supervisor.started("rank 1")
     _crash_right_away(supervisor, clock, "rank 0")
     _crash_right_away(supervisor, clock, "rank 0")
-    assert _crash_right_away(supervisor, clock, "rank 1") == 0.5
+    assert _crash_right_away(supervisor, clock, "rank 1") == 0.0
 
 
 # --- Cluster with fake daemons ----------------------------------------------
@@ -146,7 +146,8 @@ def test_dead_worker_is_restarted_with_its_rank_and_backoff(fake_daemons):
         _supervise_until(cluster, up(3))
         first, second = cluster.restarts
         assert (first.name, first.rank, first.exit_code) == ("rank 1", 1, -signal.SIGKILL)
-        assert (first.delay, second.delay) == (0.05, 0.1)  # a quick second death backs off
+        # The first death restarts at once; a quick second one backs off.
+        assert (first.delay, second.delay) == (0.0, 0.05)
         assert cluster.restart_counts == {1: 2}
         # The same slot and name in cluster.processes, the same argv (rank, metrics port).
         assert [p.name for p in cluster.processes] == ["controlplane", "rank 0", "rank 1"]
@@ -159,6 +160,7 @@ def test_dead_worker_is_restarted_with_its_rank_and_backoff(fake_daemons):
         cluster.stop(grace=5)
     assert all(p.popen.returncode is not None for p in cluster.processes)
     logs = sink.getvalue()
+    assert "kvloom: rank 1 was killed by signal 9 (SIGKILL); restarting it now" in logs
     assert "kvloom: rank 1 was killed by signal 9 (SIGKILL); restarting it in 0.1s" in logs
     assert logs.count("[rank 0] worker rank 0 up") == 1
 
@@ -292,7 +294,7 @@ def test_up_foreground_restarts_a_worker_and_records_it_for_down(fake_daemons, t
         states.append(state)
         old = state.processes["rank 1"][0]
         os.kill(old, signal.SIGKILL)
-        _read_until(proc.stderr, "rank 1 was killed by signal 9 (SIGKILL); restarting it in 0.5s")
+        _read_until(proc.stderr, "rank 1 was killed by signal 9 (SIGKILL); restarting it now")
         _read_until(proc.stderr, "[rank 1] worker rank 1 up")
         deadline = time.monotonic() + 10
         while launcher.ClusterState.load(state_file).processes["rank 1"][0] == old:

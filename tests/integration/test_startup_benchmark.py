@@ -1,0 +1,43 @@
+"""benchmarks/startup.py: each start of a real cluster is timed to readiness
+and through its stop, every process it started is gone afterwards, its CPU is
+counted, and a hostile --repeats is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import startup
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_starts_are_timed_and_leave_nothing_running(tiny_model_dir, tmp_path, capsys,
+                                                        monkeypatch):
+    clusters = []
+    real = startup.launcher.Cluster
+
+    def tracked(*args, **kwargs):
+        clusters.append(real(*args, **kwargs))
+        return clusters[-1]
+
+    monkeypatch.setattr(startup.launcher, "Cluster", tracked)
+    out = tmp_path / "startup.json"
+    assert startup.main(["--model", tiny_model_dir, "--layouts", "1x1", "--repeats", "2",
+                         "--kv-cache-mib", "16", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["layout"] == "1x1" and len(row["runs"]) == 2 and len(clusters) == 2
+    for run in row["runs"]:
+        # Ready means the cluster answered SERVING: a TP=1 start is a
+        # controlplane and a worker, each a Python process that imports.
+        assert 0 < run["ready_s"] < 600 and run["stop_s"] >= 0 and run["children_cpu_s"] > 0.5
+    assert all(p.popen.poll() is not None for c in clusters for p in c.processes)
+    assert "1x1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("hostile", ["0", "-1", "101", "many"])
+def test_hostile_repeats_are_refused(hostile, capsys):
+    with pytest.raises(SystemExit) as info:
+        startup.main(["--repeats", hostile])
+    assert info.value.code == 2 and "--repeats" in capsys.readouterr().err

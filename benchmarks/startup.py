@@ -24,7 +24,11 @@ from pathlib import Path
 
 from kvloom.cli import launcher
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from benchmarks.serving import parse_layouts  # noqa: E402
+
 MAX_REPEATS = 100
+WIDTHS = (7, 24, 6, 17, 6, 7, 15)  # the table's columns
 
 
 def _children_cpu_s() -> float:
@@ -63,7 +67,8 @@ def _repeats(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint dir; default: the embedded model")
-    p.add_argument("--layouts", default="1x1,1x2", help="comma-separated TPxPP")
+    p.add_argument("--layouts", type=parse_layouts, default="1x1,1x2",
+                   help="comma-separated TPxPP")
     p.add_argument("--repeats", type=_repeats, default=3,
                    help=f"starts per layout, 1..{MAX_REPEATS}")
     p.add_argument("--worker-threads", type=int, default=1)
@@ -74,21 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = args.model or launcher._default_model()
     rows = []
-    for layout in args.layouts.split(","):
-        tp, pp = (int(x) for x in layout.lower().split("x"))
+    for tp, pp in args.layouts:
         runs = [one_start(model, tp, pp, args) for _ in range(args.repeats)]
         rows.append({"layout": f"{tp}x{pp}", "model": Path(model).name, "runs": runs,
                      **{f"median_{k}": statistics.median(r[k] for r in runs) for k in runs[0]}})
-    print(f"{'layout':>7} {'model':>24} {'starts':>6} {'ready s (median)':>17} "
-          f"{'min':>6} {'stop s':>7} {'children CPU s':>15}")
+    header = ("layout", "model", "starts", "ready s (median)", "min", "stop s", "children CPU s")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, WIDTHS, strict=True)))
     for row in rows:
-        print(f"{row['layout']:>7} {row['model'][:24]:>24} {len(row['runs']):>6} "
-              f"{row['median_ready_s']:>17.2f} {min(r['ready_s'] for r in row['runs']):>6.2f} "
-              f"{row['median_stop_s']:>7.2f} {row['median_children_cpu_s']:>15.1f}")
+        cells = (row["layout"], row["model"][:24], len(row["runs"]),
+                 f"{row['median_ready_s']:.2f}", f"{min(r['ready_s'] for r in row['runs']):.2f}",
+                 f"{row['median_stop_s']:.2f}", f"{row['median_children_cpu_s']:.1f}")
+        print(" ".join(f"{c:>{w}}" for c, w in zip(cells, WIDTHS, strict=True)))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,6 @@
 """benchmarks/startup.py: each start of a real cluster is timed to readiness
 and through its stop, every process it started is gone afterwards, its CPU is
-counted, and a hostile --repeats is refused."""
+counted, and a hostile --repeats or --layouts is refused."""
 
 from __future__ import annotations
 
@@ -36,8 +36,11 @@ def test_two_starts_are_timed_and_leave_nothing_running(tiny_model_dir, tmp_path
     assert "1x1" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("hostile", ["0", "-1", "101", "many"])
-def test_hostile_repeats_are_refused(hostile, capsys):
+@pytest.mark.parametrize(("flag", "hostile"), [
+    ("--repeats", "0"), ("--repeats", "-1"), ("--repeats", "101"), ("--repeats", "many"),
+    ("--layouts", "0x1"), ("--layouts", "2x"), ("--layouts", "1x1,-1x2"),
+])
+def test_hostile_flags_are_refused(flag, hostile, capsys):
     with pytest.raises(SystemExit) as info:
-        startup.main(["--repeats", hostile])
-    assert info.value.code == 2 and "--repeats" in capsys.readouterr().err
+        startup.main([flag, hostile])
+    assert info.value.code == 2 and flag in capsys.readouterr().err

@@ -79,7 +79,7 @@ def read_model_info(model_path: str) -> ModelInfo:
 # CI box, against ~1.2 s for the tokenizer class alone. A checkpoint saved by
 # transformers 5 (our GGUF conversion, most recent uploads) names that class,
 # and for these model types AutoTokenizer resolves to it unchanged
-# (tests/controlplane/test_tokenizer_loading.py), so it is built directly.
+# (tests/controlplane/api/test_tokenizer_loading.py), so it is built directly.
 _DIRECT_TOKENIZER_CLASS = "TokenizersBackend"
 _DIRECT_MODEL_TYPES = frozenset({"llama"})
 _MAX_TOKENIZER_CONFIG_BYTES = 16 << 20

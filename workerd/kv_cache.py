@@ -202,7 +202,7 @@ def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     page: SmolLM2 PP=2's 2.9 GiB cache took 5-11 s to allocate on the 2-core
     box. Pages are committed as blocks are first written; the budget above
     already sized the cache to what the host can hold."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor keeps the mapping alive; unmapped when the tensor is freed.

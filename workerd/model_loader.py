@@ -20,17 +20,12 @@ from safetensors import safe_open
 from torch import nn
 
 from workerd.distributed import ParallelState
-from workerd.model_config import ModelConfig, load_model_config
+from workerd.model_config import load_model_config
 from workerd.models import get_model_class
 
 logger = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
-
-
-def load_config(model_path: str | Path) -> ModelConfig:
-    # Not AutoConfig: importing transformers costs a starting rank ~2.7 s.
-    return load_model_config(model_path)
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -127,7 +122,8 @@ def load_model(
     """Build this rank's shard of the checkpoint at model_path (the class from
     config.json's architectures, via the workerd.models registry) and load its
     weights."""
-    config = load_config(model_path)
+    # Not AutoConfig: importing transformers costs a starting rank ~2.7 s.
+    config = load_model_config(model_path)
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise ValueError(f"{model_path}/config.json names no architectures")

@@ -39,7 +39,6 @@ instead; their pids go into a state file that `kvloom down` reads.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -47,17 +46,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from kvloom.cli.cluster_state import (  # noqa: F401 (the detached-cluster API)
+    ClusterState,
+    default_state_file,
+    running_processes,
+    stop_detached,
+)
 from kvloom.cli.cluster_tls import (  # noqa: F401 (ClusterTls, issue_cluster_tls: API)
     ClusterTls,
     issue_cluster_tls,
     tls_controlplane_args,
     tls_worker_args,
 )
-from kvloom.cli.procs import (  # noqa: F401 (Terminated, exit_how, termination_as_exception: API)
+from kvloom.cli.procs import (  # noqa: F401 (Terminated, alive, exit_how, termination_as_exception: API)
     Terminated,
     alive,
     exit_how,
@@ -115,34 +120,6 @@ class ClusterSpec:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-@dataclass
-class ClusterState:
-    """What `kvloom down` needs to find a detached cluster again."""
-
-    api: str
-    metrics: str
-    worker_port: int
-    model: str
-    # name -> [pid, start time in clock ticks]; the start time tells our
-    # process apart from an unrelated one that reused its pid.
-    processes: dict[str, list[int]] = field(default_factory=dict)
-    log_dir: str = ""
-    # Per rank, in rank order.
-    worker_metrics: list[str] = field(default_factory=list)
-    # Set by `kvloom down` before it stops the processes.
-    stopping: bool = False
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: Path) -> ClusterState:
-        return cls(**json.loads(path.read_text()))
 
 
 class Ports(NamedTuple):
@@ -576,29 +553,9 @@ def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up
     return f"{proc.name} {how} {phase}; its last log lines:\n{shown}"
 
 
-def running_processes(state: ClusterState) -> list[tuple[str, int]]:
-    """(name, pid) of the recorded processes still running, pid reuse excluded."""
-    return [
-        (name, pid)
-        for name, (pid, started) in state.processes.items()
-        if process_start_time(pid) == started and alive(pid)
-    ]
-
-
-def stop_detached(state: ClusterState, grace: float = 10.0) -> list[str]:
-    """Stop a cluster recorded by `kvloom up --detach`; returns names that were SIGKILLed."""
-    return stop_pids(running_processes(state), grace)
-
-
 def _default_model() -> str:
     # Resolved here, once, so the conversion (first run only) happens before any
     # daemon starts instead of racing the controlplane's start-up timeout.
     from kvloom.server.default_model import default_model_dir
 
     return default_model_dir()
-
-
-def default_state_file() -> Path:
-    from kvloom.server.default_model import cache_root
-
-    return cache_root() / "cluster.json"

@@ -57,11 +57,14 @@ def one_start(model: str, tp: int, pp: int, args) -> dict[str, float]:
     return {"ready_s": ready, "stop_s": stop, "children_cpu_s": _children_cpu_s() - cpu0}
 
 
-def _repeats(text: str) -> int:
-    n = int(text)
-    if not 1 <= n <= MAX_REPEATS:
-        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_REPEATS}")
-    return n
+def _bounded(kind, lo, hi):
+    """An argparse type: kind(text) within [lo, hi]."""
+    def parse(text: str):
+        value = kind(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="checkpoint dir; default: the embedded model")
     p.add_argument("--layouts", type=parse_layouts, default="1x1,1x2",
                    help="comma-separated TPxPP")
-    p.add_argument("--repeats", type=_repeats, default=3,
+    p.add_argument("--repeats", type=_bounded(int, 1, MAX_REPEATS), default=3,
                    help=f"starts per layout, 1..{MAX_REPEATS}")
-    p.add_argument("--worker-threads", type=int, default=1)
-    p.add_argument("--kv-cache-mib", type=int, default=64,
+    p.add_argument("--worker-threads", type=_bounded(int, 1, 1024), default=1)
+    p.add_argument("--kv-cache-mib", type=_bounded(int, 0, 1 << 20), default=64,
                    help="KV cache per rank; 0 = the worker's default (a share of free memory)")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=_bounded(float, 1.0, 86400.0), default=600.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     model = args.model or launcher._default_model()

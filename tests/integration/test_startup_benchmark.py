@@ -1,6 +1,6 @@
 """benchmarks/startup.py: each start of a real cluster is timed to readiness
 and through its stop, every process it started is gone afterwards, its CPU is
-counted, and a hostile --repeats or --layouts is refused."""
+counted, and every flag refuses a hostile value."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def test_two_starts_are_timed_and_leave_nothing_running(tiny_model_dir, tmp_path
 @pytest.mark.parametrize(("flag", "hostile"), [
     ("--repeats", "0"), ("--repeats", "-1"), ("--repeats", "101"), ("--repeats", "many"),
     ("--layouts", "0x1"), ("--layouts", "2x"), ("--layouts", "1x1,-1x2"),
+    ("--worker-threads", "0"), ("--kv-cache-mib", "-1"), ("--kv-cache-mib", str(1 << 40)),
+    ("--ready-timeout", "-5"), ("--ready-timeout", "nan"),
 ])
 def test_hostile_flags_are_refused(flag, hostile, capsys):
     with pytest.raises(SystemExit) as info:

@@ -91,6 +91,16 @@ def test_anything_else_goes_through_autotokenizer(tiny_model_dir, tmp_path, name
     assert not tokenizer_loads_directly(_copy(tiny_model_dir, tmp_path / "m", edit_file, edit))
 
 
+def test_an_oversized_tokenizer_config_is_not_read(tiny_model_dir, tmp_path, monkeypatch):
+    from controlplane import model_info
+
+    model_dir = _copy(tiny_model_dir, tmp_path / "m")
+    assert tokenizer_loads_directly(model_dir)
+    size = (Path(model_dir) / "tokenizer_config.json").stat().st_size
+    monkeypatch.setattr(model_info, "_MAX_TOKENIZER_CONFIG_BYTES", size - 1)
+    assert not tokenizer_loads_directly(model_dir)
+
+
 def test_no_tokenizer_json_goes_through_autotokenizer(tiny_model_dir, tmp_path):
     model_dir = _copy(tiny_model_dir, tmp_path / "m")
     (Path(model_dir) / "tokenizer.json").unlink()

@@ -2,7 +2,7 @@
 
     python benchmarks/decode_roofline.py [--model DIR] [--batch-sizes 1,8,16] \\
         [--context 64] [--steps 20] [--threads 1] [--dtype float32] \\
-        [--out benchmarks/results/decode_roofline.json]
+        [--linear-kernels onednn,aten] [--out benchmarks/results/decode_roofline.json]
 
 Builds one single-process ModelRunner on CPU (default model: the embedded
 SmolLM2-135M), prefills `batch` greedy requests of --context random prompt
@@ -15,7 +15,12 @@ see the same machine noise:
   * forward: model.forward + compute_logits + sampling on prepared inputs;
   * matmul:  only that step's weight matmuls: qkv, o, gate_up and down of
              every layer on [batch, in] random inputs, plus the LM head on the
-             batch's sampled rows, with the model's own weight tensors.
+             batch's sampled rows, with the model's own weights and kernels
+             (packed oneDNN weights on CPU float32, F.linear otherwise).
+
+With --linear-kernels onednn,aten it builds one runner per kernel (aten keeps
+F.linear on plain weights) and alternates them per batch size, so the packed
+weights' gain is measured side by side.
 
 matmul is the floor the step cannot beat (on CPU, reading the weights once);
 everything else in `step` is overhead: attention, norms, rotary, Python. The
@@ -41,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workerd.distributed import single_process_state
@@ -50,6 +55,7 @@ from workerd.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from workerd.layers.packed_linear import linear, packed_bytes
 from workerd.limits import WorkerLimits
 from workerd.model_runner import ModelRunner
 from workerd.sched_output import (
@@ -63,27 +69,33 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)
 DEFAULT_OUT = Path(__file__).parent / "results" / "decode_roofline.json"
+LINEAR_KERNELS = ("onednn", "aten")
 
 
-def matmul_weights(model) -> list[tuple[str, torch.Tensor]]:
-    """(name, weight [out, in]) of every weight matmul one forward runs, in
-    model order: the fused projections of each decoder layer, then the LM head
-    (applied to sampled rows only). Norm weights and the embedding are lookups
-    or elementwise, not matmuls."""
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, (MergedColumnParallelLinear, ColumnParallelLinear,
-                               RowParallelLinear)):
-            out.append((name, module.weight))
+def matmul_layers(model) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every weight matmul one forward runs, in model order:
+    the fused projections of each decoder layer, then the LM head (applied to
+    sampled rows only). Norm weights and the embedding are lookups or
+    elementwise, not matmuls."""
+    out = [(name, module) for name, module in model.named_modules()
+           if isinstance(module, (MergedColumnParallelLinear, ColumnParallelLinear,
+                                  RowParallelLinear))]
     if getattr(model, "lm_head", None) is not None:
-        out.append(("lm_head", model.lm_head.weight))
+        out.append(("lm_head", model.lm_head))
     return out
 
 
-def run_matmuls(weights: list[tuple[str, torch.Tensor]], inputs: dict[int, torch.Tensor]):
-    """One pass over the step's matmuls; inputs maps in_features -> [batch, in]."""
-    for _, w in weights:
-        F.linear(inputs[w.shape[1]], w)
+def matmul_shape(module: nn.Module) -> tuple[int, int]:
+    """(out, in) features of the module's weight, packed or plain."""
+    w = module.packed_weight if module.packed_weight is not None else module.weight
+    return tuple(w.shape)
+
+
+def run_matmuls(layers: list[tuple[str, nn.Module]], inputs: dict[int, torch.Tensor]):
+    """One pass over the step's matmuls, each through the kernel the model
+    itself uses (packed or F.linear); inputs maps in_features -> [batch, in]."""
+    for _, m in layers:
+        linear(inputs[matmul_shape(m)[1]], m.weight, None, m.packed_weight)
 
 
 def _cached_has_token_ids() -> bool:
@@ -187,12 +199,13 @@ def forward_only(runner: ModelRunner, inputs) -> None:
         runner._sample(logits, states)
 
 
-def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: int,
+def bench_batch(runner: ModelRunner, layers, batch: int, context: int, steps: int,
                 warmup: int, seed: int) -> dict:
     vocab = runner.model.vocab_size
     driver = DecodeDriver(runner, batch, context, steps + warmup, vocab, seed)
     dtype = runner.dtype
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for _, w in weights}
+    inputs = {matmul_shape(m)[1]: torch.randn(batch, matmul_shape(m)[1], dtype=dtype)
+              for _, m in layers}
     driver.prefill()
     times: dict[str, list[float]] = {"step": [], "prepare": [], "forward": [], "matmul": []}
     for i in range(warmup + steps):
@@ -204,7 +217,7 @@ def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: i
         t_prep = _timed(lambda so=so: runner._prepare_inputs(so))
         t_fwd = _timed(lambda p=prepared: forward_only(runner, p))
         with torch.inference_mode():
-            t_mm = _timed(lambda: run_matmuls(weights, inputs))
+            t_mm = _timed(lambda: run_matmuls(layers, inputs))
         if i >= warmup:
             for key, t in zip(times, (t_step, t_prep, t_fwd, t_mm), strict=True):
                 times[key].append(t)
@@ -212,6 +225,7 @@ def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: i
     driver.finish()
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
+        "linear": "onednn" if packed_bytes(runner.model) else "aten",
         "batch": batch,
         "context": context,
         "steps": steps,
@@ -228,13 +242,32 @@ def bench_batch(runner: ModelRunner, weights, batch: int, context: int, steps: i
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'batch':>5} {'step ms':>9} {'prepare':>8} {'forward':>9} {'matmul ms':>10} "
-             f"{'ratio':>6} {'fwd/mm':>7} {'dispatches':>10}"]
+    lines = [f"{'linear':>7} {'batch':>5} {'step ms':>9} {'prepare':>8} {'forward':>9} "
+             f"{'matmul ms':>10} {'ratio':>6} {'fwd/mm':>7} {'dispatches':>10}"]
     for r in rows:
-        lines.append(f"{r['batch']:>5} {r['step_ms']:>9.2f} {r['prepare_ms']:>8.2f} "
-                     f"{r['forward_ms']:>9.2f} {r['matmul_ms']:>10.2f} {r['ratio']:>6.2f} "
-                     f"{r['forward_ratio']:>7.2f} {r['dispatches']:>10}")
+        lines.append(f"{r['linear']:>7} {r['batch']:>5} {r['step_ms']:>9.2f} "
+                     f"{r['prepare_ms']:>8.2f} {r['forward_ms']:>9.2f} {r['matmul_ms']:>10.2f} "
+                     f"{r['ratio']:>6.2f} {r['forward_ratio']:>7.2f} {r['dispatches']:>10}")
     return "\n".join(lines)
+
+
+def parse_kernels(text: str) -> list[str]:
+    kernels = [k.strip() for k in text.split(",")]
+    bad = [k for k in kernels if k not in LINEAR_KERNELS]
+    if bad or len(set(kernels)) != len(kernels):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct kernels from {', '.join(LINEAR_KERNELS)}, comma-separated")
+    return kernels
+
+
+def build_runner(args, kernel: str, max_batch: int, max_len: int) -> ModelRunner:
+    runner = ModelRunner(single_process_state(), args.model, DTYPES[args.dtype], seed=args.seed,
+                         limits=WorkerLimits(max(max_batch * args.context, 1), max_batch,
+                                             max_len),
+                         pack_weights=kernel == "onednn")
+    runner.load_model()
+    runner.init_kv_cache(max_batch * -(-max_len // BLOCK_SIZE), BLOCK_SIZE)
+    return runner
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -246,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--linear-kernels", type=parse_kernels, default=["onednn"],
+                   help="onednn (weights packed at load, the worker's default on CPU "
+                        "float32), aten (F.linear), or both: one runner each, alternated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--json", type=Path, default=DEFAULT_OUT,
                    help="write the results here (JSON)")
@@ -258,20 +294,17 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     max_batch = max(batches)
     max_len = args.context + args.steps + args.warmup + 1
-    runner = ModelRunner(single_process_state(), args.model, DTYPES[args.dtype], seed=args.seed,
-                         limits=WorkerLimits(max(max_batch * args.context, 1), max_batch,
-                                             max_len))
-    runner.load_model()
-    blocks_per_req = -(-max_len // BLOCK_SIZE)
-    runner.init_kv_cache(max_batch * blocks_per_req, BLOCK_SIZE)
-    weights = matmul_weights(runner.model)
-    rows = [bench_batch(runner, weights, b, args.context, args.steps, args.warmup, args.seed)
-            for b in batches]
+    runners = {k: build_runner(args, k, max_batch, max_len) for k in args.linear_kernels}
+    layers = {k: matmul_layers(r.model) for k, r in runners.items()}
+    # Kernels alternate within each batch size, so both see the same noise.
+    rows = [bench_batch(runners[k], layers[k], b, args.context, args.steps, args.warmup,
+                        args.seed)
+            for b in batches for k in args.linear_kernels]
     print(format_table(rows))
     payload = {
         "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                    "torch": torch.__version__, "python": platform.python_version(),
-                   "cpus": os.cpu_count(), "num_matmuls": len(weights)},
+                   "cpus": os.cpu_count(), "num_matmuls": len(next(iter(layers.values())))},
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

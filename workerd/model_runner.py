@@ -48,6 +48,7 @@ from workerd.kv_cache import (
     num_blocks_for_budget,
 )
 from workerd.layers.attention_backend import make_attention_backend
+from workerd.layers.packed_linear import pack_linear_weights, packed_bytes, packing_unavailable
 from workerd.limits import WorkerLimits
 from workerd.logprobs import (
     PromptLogprobsTarget,
@@ -99,6 +100,7 @@ class ModelRunner:
         limits: WorkerLimits,
         attention_backend: str = "torch",
         enforce_eager: bool = False,
+        pack_weights: bool = True,
     ) -> None:
         self.ps = ps
         self.model_path = model_path
@@ -112,6 +114,10 @@ class ModelRunner:
         # --enforce-eager: no CUDA graphs (workerd/cuda_graphs.py) even where
         # they apply. Read at init_kv_cache, which captures them.
         self.enforce_eager = enforce_eager
+        # CPU float32 ranks pack their linear weights at load
+        # (workerd/layers/packed_linear.py); False keeps F.linear, for
+        # benchmarks that compare the two in one run.
+        self.pack_weights = pack_weights
         self.graphs: DecodeGraphs | None = None
         # How graphs are captured (None: torch.cuda.graph); tests stand in.
         self.graph_capture = None
@@ -138,9 +144,16 @@ class ModelRunner:
         self.model = load_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
         self.model.set_attention_backend(
             make_attention_backend(self.attention_backend, self.device))
+        reason = packing_unavailable(self.device, self.dtype) if self.pack_weights else "off"
+        if reason is None:
+            n = pack_linear_weights(self.model, self.limits.max_num_seqs)
+            logger.info("packed %d linear weights into oneDNN's layout", n)
+        else:
+            logger.info("linear layers run F.linear (weights not packed: %s)", reason)
 
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return plain + packed_bytes(self.model)
 
     def profile_num_blocks(
         self, block_size: int, kv_cache_memory_bytes: int, gpu_memory_utilization: float

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from benchmarks.decode_roofline import count_dispatches, main, matmul_weights
+from benchmarks.decode_roofline import count_dispatches, main, matmul_layers, matmul_shape
 from workerd.distributed import single_process_state
+from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
 from workerd.model_loader import load_model
 
 
-def test_matmul_weights_are_the_models_projections_and_lm_head(tiny_model_dir):
+def test_matmul_layers_are_the_models_projections_and_lm_head(tiny_model_dir):
     model = load_model(tiny_model_dir, single_process_state(), torch.float32)
     cfg = model.config
-    weights = matmul_weights(model)
+    layers = matmul_layers(model)
+    weights = [(n, m.weight) for n, m in layers]
     names = [n for n, _ in weights]
     assert len(weights) == 4 * cfg.num_hidden_layers + 1
     assert names[:4] == ["layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj",
@@ -33,21 +36,37 @@ def test_matmul_weights_are_the_models_projections_and_lm_head(tiny_model_dir):
         p.data_ptr() for n, p in model.named_parameters() if n.endswith("norm.weight")}
     assert {p.data_ptr() for p in model.parameters()} == ours | others
     assert len(ours) == len(weights)
+    # Packed, the floor keeps the same layers and shapes (now the packed ones').
+    shapes = [matmul_shape(m) for _, m in layers]
+    if packing_unavailable(torch.device("cpu"), torch.float32) is None:
+        pack_linear_weights(model, 4)
+        assert [matmul_shape(m) for _, m in matmul_layers(model)] == shapes
+        assert all(m.packed_weight is not None for _, m in matmul_layers(model))
 
 
 def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "roofline.json"
     payload = main(["--model", tiny_model_dir, "--batch-sizes", "1,3", "--context", "6",
-                    "--steps", "2", "--warmup", "1", "--out", str(out)])
+                    "--steps", "2", "--warmup", "1", "--linear-kernels", "onednn,aten",
+                    "--out", str(out)])
     assert json.loads(out.read_text()) == payload
-    assert [r["batch"] for r in payload["results"]] == [1, 3]
+    assert [(r["batch"], r["linear"]) for r in payload["results"]] == [
+        (1, "onednn"), (1, "aten"), (3, "onednn"), (3, "aten")]
     for row in payload["results"]:
         assert row["step_ms"] > 0 and row["matmul_ms"] > 0
         assert row["ratio"] == row["step_ms"] / row["matmul_ms"]
     assert "ratio" in capsys.readouterr().out
     # The step's torch ops are per layer and per step, none per request.
     counts = [r["dispatches"] for r in payload["results"]]
-    assert counts[0] == counts[1] > 4 * 4  # four layers, several ops each
+    assert counts[0] == counts[2] > 4 * 4  # four layers, several ops each
+    assert counts[1] == counts[3]
+
+
+@pytest.mark.parametrize("kernels", ["", "onednn,onednn", "mkl", "onednn,"])
+def test_hostile_linear_kernels_are_refused(kernels, capsys):
+    with pytest.raises(SystemExit):
+        main(["--linear-kernels", kernels])
+    assert "give distinct kernels" in capsys.readouterr().err
 
 
 def test_count_dispatches_counts_torch_ops():

@@ -14,11 +14,11 @@ checkpoint tensor, so the loader can read just this rank's slice from disk.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workerd.distributed import ParallelState, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
+from workerd.layers.packed_linear import linear
 
 
 def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
@@ -33,7 +33,13 @@ def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(DirectCallModule):
+class _PackableLinear(DirectCallModule):
+    # Set by workerd.layers.packed_linear.pack_linear_weights on CPU ranks;
+    # None: the forward runs F.linear on self.weight.
+    packed_weight: torch.Tensor | None = None
+
+
+class ColumnParallelLinear(_PackableLinear):
     """y = x W^T with W's rows (output features) split into num_shards pieces; this
     rank holds piece shard_index. Defaults to one piece per TP rank; K/V
     projections with fewer KV heads than TP ranks pass num_shards=num_kv_heads so
@@ -65,10 +71,10 @@ class ColumnParallelLinear(DirectCallModule):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
-class RowParallelLinear(DirectCallModule):
+class RowParallelLinear(_PackableLinear):
     """y = all_reduce(x_local W_local^T) + b with W's columns (input features)
     split across TP ranks; x arrives already split (output of a column layer)."""
 
@@ -89,11 +95,11 @@ class RowParallelLinear(DirectCallModule):
         self.bias = _empty_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight), self.ps)
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight), self.ps)
         return y if self.bias is None else y + self.bias
 
 
-class MergedColumnParallelLinear(DirectCallModule):
+class MergedColumnParallelLinear(_PackableLinear):
     """Column-parallel projections of one input fused into one matmul.
 
     parts: (checkpoint name, output_size, num_shards or None, shard_index or
@@ -139,7 +145,7 @@ class MergedColumnParallelLinear(DirectCallModule):
         return dict(self._views)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 def _view(param: nn.Parameter, offset: int, size: int) -> nn.Parameter:

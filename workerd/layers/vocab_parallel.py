@@ -14,6 +14,7 @@ from torch import nn
 from workerd.distributed import ParallelState, tp_all_gather, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.linear import set_shard
+from workerd.layers.packed_linear import linear
 
 
 def pad_vocab(vocab_size: int, tp_size: int) -> int:
@@ -48,11 +49,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Same row split as the embedding, so tied checkpoints load into both the
     same way (and share the parameter when both live on one stage)."""
 
+    # Set by pack_linear_weights on CPU ranks (a tied head packs a copy: the
+    # embedding keeps the plain weight).
+    packed_weight: torch.Tensor | None = None
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied through compute_logits, not forward")
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] float32 on every TP rank."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight)
         logits = tp_all_gather(logits, self.ps, dim=-1)
         return logits[:, : self.vocab_size].float()

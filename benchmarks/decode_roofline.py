@@ -55,7 +55,7 @@ from workerd.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from workerd.layers.packed_linear import linear, packed_bytes
+from workerd.layers.packed_linear import linear
 from workerd.limits import WorkerLimits
 from workerd.model_runner import ModelRunner
 from workerd.sched_output import (
@@ -225,7 +225,8 @@ def bench_batch(runner: ModelRunner, layers, batch: int, context: int, steps: in
     driver.finish()
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
-        "linear": "onednn" if packed_bytes(runner.model) else "aten",
+        "linear": "onednn" if runner.pack_weights else "aten",
+        "packed_layers": sum(m.packed_weight is not None for _, m in layers),
         "batch": batch,
         "context": context,
         "steps": steps,
@@ -242,12 +243,13 @@ def bench_batch(runner: ModelRunner, layers, batch: int, context: int, steps: in
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'linear':>7} {'batch':>5} {'step ms':>9} {'prepare':>8} {'forward':>9} "
-             f"{'matmul ms':>10} {'ratio':>6} {'fwd/mm':>7} {'dispatches':>10}"]
+    lines = [f"{'linear':>7} {'packed':>6} {'batch':>5} {'step ms':>9} {'prepare':>8} "
+             f"{'forward':>9} {'matmul ms':>10} {'ratio':>6} {'fwd/mm':>7} {'dispatches':>10}"]
     for r in rows:
-        lines.append(f"{r['linear']:>7} {r['batch']:>5} {r['step_ms']:>9.2f} "
-                     f"{r['prepare_ms']:>8.2f} {r['forward_ms']:>9.2f} {r['matmul_ms']:>10.2f} "
-                     f"{r['ratio']:>6.2f} {r['forward_ratio']:>7.2f} {r['dispatches']:>10}")
+        lines.append(f"{r['linear']:>7} {r['packed_layers']:>6} {r['batch']:>5} "
+                     f"{r['step_ms']:>9.2f} {r['prepare_ms']:>8.2f} {r['forward_ms']:>9.2f} "
+                     f"{r['matmul_ms']:>10.2f} {r['ratio']:>6.2f} {r['forward_ratio']:>7.2f} "
+                     f"{r['dispatches']:>10}")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.decode_roofline import count_dispatches, main, matmul_layers, matmul_shape
 from workerd.distributed import single_process_state
+from workerd.layers import packed_linear
 from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
 from workerd.model_loader import load_model
 
@@ -39,12 +40,14 @@ def test_matmul_layers_are_the_models_projections_and_lm_head(tiny_model_dir):
     # Packed, the floor keeps the same layers and shapes (now the packed ones').
     shapes = [matmul_shape(m) for _, m in layers]
     if packing_unavailable(torch.device("cpu"), torch.float32) is None:
-        pack_linear_weights(model, 4)
+        pack_linear_weights(model, 4, min_elements=0)
         assert [matmul_shape(m) for _, m in matmul_layers(model)] == shapes
         assert all(m.packed_weight is not None for _, m in matmul_layers(model))
 
 
-def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys):
+def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    # The tiny weights are below the packing threshold: pack them anyway.
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
     out = tmp_path / "roofline.json"
     payload = main(["--model", tiny_model_dir, "--batch-sizes", "1,3", "--context", "6",
                     "--steps", "2", "--warmup", "1", "--linear-kernels", "onednn,aten",
@@ -52,6 +55,8 @@ def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys):
     assert json.loads(out.read_text()) == payload
     assert [(r["batch"], r["linear"]) for r in payload["results"]] == [
         (1, "onednn"), (1, "aten"), (3, "onednn"), (3, "aten")]
+    layers = 4 * 4 + 1  # four decoder layers' projections and the LM head
+    assert [r["packed_layers"] for r in payload["results"]] == [layers, 0, layers, 0]
     for row in payload["results"]:
         assert row["step_ms"] > 0 and row["matmul_ms"] > 0
         assert row["ratio"] == row["step_ms"] / row["matmul_ms"]

@@ -17,6 +17,7 @@ from tests.factories import make_tiny_llama
 from tests.inprocess import runner_limits
 from tests.integration.reference import hf_greedy
 from workerd.distributed import single_process_state
+from workerd.layers import packed_linear
 from workerd.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -76,7 +77,7 @@ def test_packed_layers_compute_what_f_linear_computes(bias, rows):
             want = want[:, :37].float() if name == "lm_head" else want
             plain = _apply(name, module, x)
             torch.testing.assert_close(plain, want, rtol=0, atol=0)
-            pack_linear_weights(module, rows)
+            pack_linear_weights(module, rows, min_elements=0)
             assert module.packed_weight is not None and module.weight.numel() == 0
             got = _apply(name, module, x)
             assert got.shape == want.shape
@@ -87,16 +88,39 @@ def test_packed_layers_compute_what_f_linear_computes(bias, rows):
 def test_packing_twice_is_a_no_op_and_views_are_dropped():
     merged = _layers(False)["merged"]
     assert merged.checkpoint_params()
-    assert pack_linear_weights(merged, 4) == 1
+    assert pack_linear_weights(merged, 4, min_elements=0) == 1
     first = merged.packed_weight
     # The checkpoint views shared the fused weight's storage: dropped with it.
     assert merged.checkpoint_params() == {}
-    assert pack_linear_weights(merged, 4) == 0 and merged.packed_weight is first
+    assert pack_linear_weights(merged, 4, min_elements=0) == 0
+    assert merged.packed_weight is first
+
+
+@needs_packing
+def test_only_weights_past_the_threshold_are_packed():
+    ps = single_process_state()
+    # 1 << 18 elements is the default floor: 512x512 is packed, 511x512 not.
+    at, below = ColumnParallelLinear(512, 512, ps), ColumnParallelLinear(512, 511, ps)
+    model = torch.nn.ModuleList([at, below])
+    assert pack_linear_weights(model, 16) == 1
+    assert at.packed_weight is not None and below.packed_weight is None
+    assert below.weight.shape == (511, 512)
 
 
 def _checkpoint_bytes(model_dir: str) -> dict[str, int]:
     with safe_open(f"{model_dir}/model.safetensors", framework="pt") as f:
         return {k: math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()}  # noqa: SIM118
+
+
+@pytest.fixture
+def pack_tiny_weights(monkeypatch):
+    # Every tiny weight is below the packing threshold: lower it to 0 so the
+    # runner tests exercise the packed path.
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
+
+
+def test_the_tiny_model_keeps_f_linear_by_default(tiny_model_dir):
+    assert packed_bytes(_runner(tiny_model_dir, pack=True).model) == 0
 
 
 def _runner(model_dir: str, pack: bool) -> ModelRunner:
@@ -108,7 +132,8 @@ def _runner(model_dir: str, pack: bool) -> ModelRunner:
 
 @needs_packing
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_packed_runner_holds_each_weight_once(tied, tiny_model_dir, tmp_path):
+def test_a_packed_runner_holds_each_weight_once(tied, tiny_model_dir, tmp_path,
+                                               pack_tiny_weights):
     model_dir = str(make_tiny_llama(tmp_path, tie_word_embeddings=True)) if tied \
         else tiny_model_dir
     runner = _runner(model_dir, pack=True)
@@ -152,7 +177,8 @@ def _greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
 
 
 @needs_packing
-def test_a_packed_runner_generates_transformers_greedy_tokens(tiny_model_dir):
+def test_a_packed_runner_generates_transformers_greedy_tokens(tiny_model_dir,
+                                                             pack_tiny_weights):
     prompt = list(range(3, 40, 3))
     runner = _runner(tiny_model_dir, pack=True)
     assert packed_bytes(runner.model) > 0

@@ -63,10 +63,11 @@ def _worker(rank, world_size, tp, pp, port, model_dir, out_dir):
     ps = init_parallel_state(rank, world_size, tp, pp, "127.0.0.1", port, 60.0, torch.device("cpu"))
     try:
         model = load_model(model_dir, ps, torch.float32)
-        # Ranks run as workers do: their shards' weights packed for oneDNN,
-        # checked against the unpacked single process.
+        # Ranks run as big models' workers do: their shards' weights packed
+        # for oneDNN (tiny ones too here), checked against the unpacked
+        # single process.
         if packing_unavailable(torch.device(ps.device), torch.float32) is None:
-            pack_linear_weights(model, 4)
+            pack_linear_weights(model, 4, min_elements=0)
         outputs = _run_schedule(model, ps)
         if ps.is_last_pp_rank:
             torch.save(outputs, os.path.join(out_dir, f"logits_tp{ps.tp_rank}.pt"))

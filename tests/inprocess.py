@@ -251,6 +251,9 @@ class SlotProbeModel:
     def parameters(self):
         return iter(())
 
+    def modules(self):  # no layers, so no packed weights (ModelRunner.weights_bytes)
+        return iter(())
+
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
         cache = kv_caches[0]
         cache.view(-1)[attn_metadata.slot_mapping] = input_ids.to(cache.dtype)

@@ -18,7 +18,7 @@ from torch import nn
 
 from workerd.distributed import ParallelState, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
-from workerd.layers.packed_linear import linear
+from workerd.layers.packed_linear import Packable, linear
 
 
 def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
@@ -33,13 +33,7 @@ def _empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class _PackableLinear(DirectCallModule):
-    # Set by workerd.layers.packed_linear.pack_linear_weights on CPU ranks;
-    # None: the forward runs F.linear on self.weight.
-    packed_weight: torch.Tensor | None = None
-
-
-class ColumnParallelLinear(_PackableLinear):
+class ColumnParallelLinear(Packable, DirectCallModule):
     """y = x W^T with W's rows (output features) split into num_shards pieces; this
     rank holds piece shard_index. Defaults to one piece per TP rank; K/V
     projections with fewer KV heads than TP ranks pass num_shards=num_kv_heads so
@@ -74,7 +68,7 @@ class ColumnParallelLinear(_PackableLinear):
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 
-class RowParallelLinear(_PackableLinear):
+class RowParallelLinear(Packable, DirectCallModule):
     """y = all_reduce(x_local W_local^T) + b with W's columns (input features)
     split across TP ranks; x arrives already split (output of a column layer)."""
 
@@ -99,7 +93,7 @@ class RowParallelLinear(_PackableLinear):
         return y if self.bias is None else y + self.bias
 
 
-class MergedColumnParallelLinear(_PackableLinear):
+class MergedColumnParallelLinear(Packable, DirectCallModule):
     """Column-parallel projections of one input fused into one matmul.
 
     parts: (checkpoint name, output_size, num_shards or None, shard_index or

@@ -39,6 +39,14 @@ MIN_BATCH_HINT = 16
 MIN_PACKED_ELEMENTS = 1 << 18
 
 
+class Packable:
+    """Mixin of the layers whose weight pack_linear_weights may pack (the
+    linear layers and the LM head). packed_weight stays None, and the forward
+    runs F.linear on `weight`, until it does."""
+
+    packed_weight: torch.Tensor | None = None
+
+
 def packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why this rank keeps F.linear, or None when it packs its weights."""
     if device.type != "cpu":
@@ -70,15 +78,15 @@ def _shared_params(model: nn.Module) -> set[int]:
 
 def pack_linear_weights(model: nn.Module, batch_hint: int,
                         min_elements: int | None = None) -> int:
-    """Pack the weight of every module that has a `packed_weight` slot (the
-    linear layers and the LM head) and at least min_elements elements
+    """Pack the weight of every Packable module (the linear layers and the LM
+    head) with at least min_elements elements
     (default MIN_PACKED_ELEMENTS); returns how many it packed."""
     shared = _shared_params(model)
     hint = max(MIN_BATCH_HINT, batch_hint)
     floor = MIN_PACKED_ELEMENTS if min_elements is None else min_elements
     count = 0
     for module in model.modules():
-        if not hasattr(module, "packed_weight") or module.packed_weight is not None:
+        if not isinstance(module, Packable) or module.packed_weight is not None:
             continue
         weight = module.weight
         if weight.numel() < floor or weight.numel() == 0:
@@ -97,4 +105,4 @@ def pack_linear_weights(model: nn.Module, batch_hint: int,
 def packed_bytes(model: nn.Module) -> int:
     """Bytes the packed weights take (the plain parameters are counted apart)."""
     return sum(m.packed_weight.numel() * m.packed_weight.element_size()
-               for m in model.modules() if getattr(m, "packed_weight", None) is not None)
+               for m in model.modules() if isinstance(m, Packable) and m.packed_weight is not None)

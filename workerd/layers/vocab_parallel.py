@@ -14,7 +14,7 @@ from torch import nn
 from workerd.distributed import ParallelState, tp_all_gather, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.linear import set_shard
-from workerd.layers.packed_linear import linear
+from workerd.layers.packed_linear import Packable, linear
 
 
 def pad_vocab(vocab_size: int, tp_size: int) -> int:
@@ -45,13 +45,11 @@ class VocabParallelEmbedding(DirectCallModule):
         return tp_all_reduce(out, self.ps)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(Packable, VocabParallelEmbedding):
     """Same row split as the embedding, so tied checkpoints load into both the
-    same way (and share the parameter when both live on one stage)."""
-
-    # Set by pack_linear_weights on CPU ranks (a tied head packs a copy: the
-    # embedding keeps the plain weight).
-    packed_weight: torch.Tensor | None = None
+    same way (and share the parameter when both live on one stage). Packed on
+    CPU ranks like the linear layers; a tied head packs a copy, the embedding
+    keeps the plain weight."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied through compute_logits, not forward")

@@ -54,6 +54,7 @@ from controlplane.core.scheduler import Scheduler
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.records import RecoveryRecord, StepRecord
 from controlplane.recovery import Recovery
+from controlplane.step_pacing import StepPacing
 from controlplane.step_queue import InFlightStep, ReadyOutput
 from kvloom.server.logs import flush_log_handlers
 
@@ -112,6 +113,11 @@ class EngineCore:
             self.max_steps_in_flight = pipeline_parallel_size
         else:
             self.max_steps_in_flight = ASYNC_STEPS_IN_FLIGHT
+        # How many of those to use now, and how long to hold a step for
+        # requests replacing finished ones (step_pacing.py).
+        self.pacing = StepPacing(
+            self.max_steps_in_flight,
+            adaptive=scheduler_config.async_scheduling and pipeline_parallel_size == 1)
         # Steps broadcast and not yet applied, oldest first.
         self._in_flight: deque[InFlightStep] = deque()
         self._emit = emit
@@ -213,10 +219,15 @@ class EngineCore:
                 return
             self._handle_safely(*item)
         while not self._stopped:
+            # Hidden behind the steps in flight: a replacement for a request
+            # that just finished may still make the next step.
+            wait = self.pacing.join_wait_s(time.monotonic()) if self._in_flight else 0.0
             try:
-                item = self.input_queue.get_nowait()
+                item = self.input_queue.get(timeout=wait) if wait else self.input_queue.get_nowait()
             except queue.Empty:
                 return
+            if item[0] is _Kind.ADD:
+                self.pacing.joined()
             self._handle_safely(*item)
 
     def _handle_safely(self, kind: _Kind, payload) -> None:
@@ -313,11 +324,12 @@ class EngineCore:
         there is nothing more to schedule."""
         assert self.scheduler is not None
         queue = self._in_flight
-        if len(queue) < self.max_steps_in_flight:
+        depth = self.pacing.depth
+        if len(queue) < depth:
             submitted = self._schedule_and_submit()
             if submitted is None:
                 return  # the group failed while sending
-            if submitted and len(queue) < self.max_steps_in_flight:
+            if submitted and len(queue) < depth:
                 return  # room for another step before waiting on this one
             if not queue:
                 # Nothing fits right now (e.g. waiting on blocks); don't spin hot.
@@ -395,6 +407,8 @@ class EngineCore:
         self.num_steps += 1
         self.last_stats = stats = sched.make_stats()
         t_end = time.monotonic()
+        self.pacing.observe(model_output.forward_time_s, sum(o.finished for o in outputs),
+                            len(self._in_flight), t_end)
         # Only timestamps and counts here; histograms are observed on the loop.
         record = StepRecord(
             self.generation, step.t_start, step.t_scheduled, t_executed, t_end,

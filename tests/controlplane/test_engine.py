@@ -88,16 +88,20 @@ class Client:
 
 class IdleProbe(queue.Queue):
     """The engine's input queue, noting when the loop blocks on it with nothing
-    queued (a blocking get, bounded by the idle tick: the engine is idle)."""
+    queued and no step in flight (a blocking get, bounded by the idle tick:
+    the engine is idle). With steps in flight a blocking get is the short
+    wait for replacement requests (controlplane/step_pacing.py), not idling."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine) -> None:
         super().__init__()
+        self.engine = engine
         self.cond = threading.Condition()
         self.num_idle_waits = 0
         self.blocked = False
 
     def get(self, block: bool = True, timeout: float | None = None):
-        idle = block and self.empty()
+        # Called on the engine's own thread: reading its queue of steps is safe.
+        idle = block and self.empty() and not self.engine._in_flight
         if idle:
             self._set_blocked(True)
         try:
@@ -153,7 +157,7 @@ def engine_parts(tiny_model_dir):
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=NUM_BLOCKS)
     client = Client()
     engine = make_engine(executor, client.emit, max_num_batched_tokens=16)
-    engine.input_queue = IdleProbe()
+    engine.input_queue = IdleProbe(engine)
     engine.start()
     engine.group_ready(executor.num_gpu_blocks)
     yield engine, executor, client
@@ -301,7 +305,7 @@ def test_an_idle_engine_blocks_instead_of_spinning(tiny_model_dir):
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=NUM_BLOCKS)
     client = Client()
     engine = make_engine(executor, client.emit)
-    probe = engine.input_queue = IdleProbe()
+    probe = engine.input_queue = IdleProbe(engine)
     steps = []
     step = engine.step
     engine.step = lambda: (steps.append(1), step())[1]

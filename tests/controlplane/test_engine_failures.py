@@ -82,7 +82,7 @@ def parts(tiny_model_dir):
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=NUM_BLOCKS)
     client = FaultyClient()
     engine = make_engine(executor, client.emit, max_num_batched_tokens=16)
-    engine.input_queue = IdleProbe()
+    engine.input_queue = IdleProbe(engine)
     exits = engine.exit_process = Exits()
     engine.start()
     num_idle_waits = engine.input_queue.num_idle_waits

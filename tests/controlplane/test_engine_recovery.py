@@ -112,7 +112,7 @@ def make(tiny_model_dir):
             execute or executor.execute_model, client.emit,
             recovery_timeout_s=timeout_s, on_recovery=log,
         )
-        engine.input_queue = IdleProbe()
+        engine.input_queue = IdleProbe(engine)
         made.append((engine, executor, client))
         engine.start()
         engine.group_ready(executor.num_gpu_blocks)

@@ -142,8 +142,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
-        self.model.set_attention_backend(
-            make_attention_backend(self.attention_backend, self.device))
+        self.model.set_attention_backend(make_attention_backend(
+            self.attention_backend, self.device,
+            kv_width=self.model.num_kv_heads * self.model.head_dim))
         reason = packing_unavailable(self.device, self.dtype) if self.pack_weights else "off"
         if reason is None:
             n = pack_linear_weights(self.model, self.limits.max_num_seqs)

@@ -133,6 +133,7 @@ def test_worker_runs_torch_on_cpu_and_auto_reuses_it(tiny_model_dir):
 
 class _Recording(TorchAttentionBackend):
     def __init__(self):
+        super().__init__()
         self.plans, self.layers_seen = [], []
 
     def build_plan(self, md, num_tokens):

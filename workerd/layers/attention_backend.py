@@ -51,12 +51,17 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """The plain-PyTorch paged attention; stateless."""
+    """The plain-PyTorch paged attention; stateless but for the cache's width."""
 
     name = "torch"
 
+    def __init__(self, kv_width: int | None = None) -> None:
+        # K elements per cached token on this rank (kv heads x head_dim); lets
+        # the plan split decodes by what padding costs (attention._group_rows).
+        self.kv_width = kv_width
+
     def build_plan(self, md: AttentionMetadata, num_tokens: int):
-        return build_plan(md, num_tokens)
+        return build_plan(md, num_tokens, self.kv_width)
 
     def forward(self, q, k, v, kv_cache, md, scale, plan):
         return paged_attention(q, k, v, kv_cache, md, scale, plan)
@@ -112,10 +117,12 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
     return "flashinfer"
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend object for a resolved name (resolve_attention_backend's)."""
+def make_attention_backend(name: str, device: torch.device,
+                           kv_width: int | None = None) -> AttentionBackend:
+    """The backend object for a resolved name (resolve_attention_backend's);
+    kv_width: K elements per cached token on this rank."""
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(kv_width)
     if name == "flashinfer":
         from workerd.layers.flashinfer_backend import FlashInferBackend
 

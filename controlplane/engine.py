@@ -407,7 +407,9 @@ class EngineCore:
         self.num_steps += 1
         self.last_stats = stats = sched.make_stats()
         t_end = time.monotonic()
-        self.pacing.observe(model_output.forward_time_s, sum(o.finished for o in outputs),
+        # The scheduler's own set of ids ended since it last scheduled (this
+        # step's finishes, and any abort since): no pass over the outputs.
+        self.pacing.observe(model_output.forward_time_s, len(sched.finished_req_ids),
                             len(self._in_flight), t_end)
         # Only timestamps and counts here; histograms are observed on the loop.
         record = StepRecord(

@@ -59,8 +59,9 @@ class StepPacing:
                 now: float) -> None:
         """A step's output was applied: forward_time_s is the output rank's
         forward time for it (from the wire: anything not a finite, positive
-        number counts as unknown), num_finished the requests it ended,
-        steps_in_flight the steps still out."""
+        number counts as unknown), num_finished the requests that ended since
+        the last step was scheduled (its own, and aborts: each frees a row a
+        client may refill), steps_in_flight the steps still out."""
         if not (math.isfinite(forward_time_s) and forward_time_s > 0):
             forward_time_s = 0.0
         self._expected_joins = 0
@@ -68,9 +69,10 @@ class StepPacing:
             return
         if forward_time_s:
             self._recent.append(forward_time_s)
-            if min(self._recent) < LONG_STEP_S / 2:
+            shortest = min(self._recent)
+            if shortest < LONG_STEP_S / 2:
                 self.depth = self.max_steps_in_flight
-            elif len(self._recent) == DEPTH_WINDOW and min(self._recent) >= LONG_STEP_S:
+            elif len(self._recent) == DEPTH_WINDOW and shortest >= LONG_STEP_S:
                 self.depth = 2
         hold = min(JOIN_WAIT_MAX_S, JOIN_WAIT_FRACTION * forward_time_s * steps_in_flight)
         if num_finished > 0 and hold > 0:

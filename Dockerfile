@@ -79,6 +79,13 @@ RUN set -eux; \
 
 FROM base AS runtime
 ARG KVLOOM_UID=10001
+# A C compiler for the workers' cpu attention kernel, built for the host's own
+# CPU on first use (workerd/layers/cpu_attention.py); without one a CPU worker
+# falls back to the slower torch backend.
+RUN set -eux; \
+    apt-get update; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
+    rm -rf /var/lib/apt/lists/*
 # A fixed uid, so volumes and Kubernetes securityContext (runAsUser) agree on
 # who owns the model cache.
 RUN set -eux; \

@@ -39,13 +39,14 @@ BLOCK_SIZE = 16
 
 
 def run_engine(model: str, requests: list[tuple[list[int], int]], concurrency: int,
-               dtype: str, max_num_batched_tokens: int) -> dict:
-    """Steps the scheduler over one in-process worker until every request is done."""
+               dtype: str, max_num_batched_tokens: int, attention_backend: str = "") -> dict:
+    """Steps the scheduler over one in-process worker until every request is
+    done. attention_backend: the LoadModel field ("" = auto)."""
     longest = max(len(p) + n for p, n in requests)
     # Every in-flight request's whole context fits: no preemption skews the figures.
     blocks = concurrency * (-(-longest // BLOCK_SIZE) + 1) + 1
     executor = InProcessExecutor(model, block_size=BLOCK_SIZE, num_gpu_blocks=blocks,
-                                 dtype=dtype)
+                                 dtype=dtype, attention_backend=attention_backend)
     try:
         scheduler = make_scheduler(executor, max_num_seqs=concurrency,
                                    max_num_batched_tokens=max_num_batched_tokens,
@@ -131,8 +132,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=serving.parse_rounds, default=1,
                    help="with --hf-baseline: engine and baseline back to back this many "
                         f"times (1-{serving.MAX_ROUNDS}); the median ratio is reported")
+    p.add_argument("--attention-backends", type=_backends, default=[""],
+                   metavar="NAME[,NAME]",
+                   help="run the engine with each of these attention backends (auto, torch, "
+                        "cpu), alternated within every round; default: auto")
     p.add_argument("--json", type=Path, help="write results here")
     return p
+
+
+def _backends(text: str) -> list[str]:
+    names = text.split(",")
+    for name in names:
+        if name not in ("auto", "torch", "cpu"):
+            raise argparse.ArgumentTypeError(
+                f"bad --attention-backends {text!r}: each of auto, torch or cpu")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"bad --attention-backends {text!r}: a name twice")
+    return names
+
+
+def _engine_name(backend: str, backends: list[str]) -> str:
+    return "engine core" if len(backends) == 1 else f"engine core ({backend})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,12 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     info = read_model_info(args.model)
     prompts = serving.random_prompts(info.vocab_size, info.eos_token_ids, args)
     requests = list(zip(prompts, serving.output_lengths(args), strict=True))
-    # One untimed warm-up request, as serving.py and the baseline get.
-    run_engine(args.model, requests[:1], 1, args.dtype, args.max_num_batched_tokens)
+    backends = args.attention_backends
+    for backend in backends:  # one untimed warm-up request each, as serving.py's
+        run_engine(args.model, requests[:1], 1, args.dtype, args.max_num_batched_tokens,
+                   backend)
     rounds, per_round = [], []
     for i in range(args.rounds):
-        runs = {"engine core": run_engine(args.model, requests, args.concurrency, args.dtype,
-                                          args.max_num_batched_tokens)}
+        # Alternated: odd rounds run the backends in reverse, so neither
+        # always goes first on a box whose speed drifts.
+        order = backends if i % 2 == 0 else backends[::-1]
+        runs = {_engine_name(b, backends): run_engine(
+            args.model, requests, args.concurrency, args.dtype,
+            args.max_num_batched_tokens, b) for b in order}
+        runs = {_engine_name(b, backends): runs[_engine_name(b, backends)] for b in backends}
         if args.hf_baseline:
             runs["transformers"] = hf_baseline.run(args.model, requests, args.concurrency,
                                                    args.dtype, args.threads)
@@ -164,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== round {i + 1} of {args.rounds}")
         print(format_table(runs))
         if args.hf_baseline:
-            ratio = (runs["engine core"]["output_throughput"]
-                     / runs["transformers"]["output_throughput"])
-            per_round.append({"engine core": ratio})
+            base = runs["transformers"]["output_throughput"]
+            per_round.append({name: run["output_throughput"] / base
+                              for name, run in runs.items() if name != "transformers"})
             print("\n".join(serving.ratio_lines(per_round[-1])))
         rounds.append(runs)
     if args.rounds > 1:

@@ -26,12 +26,14 @@ class ModelConfig:
         "float32", "bfloat16", "float16"))
     seed: int = option(0, "seed of the workers' default generator", ge=0)
     # Resolved by each worker (auto: flashinfer on a CUDA device where the
-    # package imports and the dtype is 16-bit, else torch); see
+    # package imports and the dtype is 16-bit, cpu on a float32 CPU worker
+    # whose kernel builds, else torch); see
     # workerd/layers/attention_backend.py.
     attention_backend: str = option(
-        "auto", "workers' attention kernels: auto, torch (plain PyTorch, the reference) or "
+        "auto", "workers' attention kernels: auto, torch (plain PyTorch, the reference), "
+        "cpu (a C kernel built on the worker: CPU, float32, needs a C compiler) or "
         "flashinfer (CUDA, float16/bfloat16, needs flashinfer-python)",
-        choices=("auto", "torch", "flashinfer"))
+        choices=("auto", "torch", "cpu", "flashinfer"))
     # vLLM's flag. Graphs are captured only where they apply (a CUDA worker,
     # the flashinfer backend, TP=1, PP=1; workerd/cuda_graphs.py).
     enforce_eager: bool = option(

@@ -100,6 +100,7 @@ def handshake(
     pp: int = 1,
     master_port: int | None = None,
     call_ids: Callable[[], int] | None = None,
+    attention_backend: str = "",
 ) -> int:
     """The group start-up on one rank; returns the KV block count it was given.
 
@@ -126,7 +127,8 @@ def handshake(
     )
     if isinstance(model, str | os.PathLike):
         call(load_model=worker_pb2.LoadModel(model_path=str(model), dtype=dtype, seed=seed,
-                                             limits=limits_pb()))
+                                             limits=limits_pb(),
+                                             attention_backend=attention_backend))
     else:
         # Stand-in models skip the checkpoint load, nothing else.
         runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed,
@@ -155,6 +157,7 @@ class InProcessExecutor:
         kv_cache_memory_bytes: int = 0,
         seed: int = 0,
         dtype: str = "float32",
+        attention_backend: str = "",
     ):
         if num_gpu_blocks is None and not kv_cache_memory_bytes:
             raise ValueError("size the KV cache: num_gpu_blocks or kv_cache_memory_bytes")
@@ -164,6 +167,7 @@ class InProcessExecutor:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             seed=seed,
             dtype=dtype,
+            attention_backend=attention_backend,
         )
         self.model = model
         self.block_size = block_size

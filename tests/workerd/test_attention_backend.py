@@ -19,6 +19,7 @@ from workerd.layers.attention_backend import (
     TorchAttentionBackend,
     resolve_attention_backend,
 )
+from workerd.layers.cpu_attention import CpuAttentionBackend
 from workerd.model_loader import load_model
 from workerd.worker import Worker
 
@@ -36,10 +37,53 @@ def flashinfer_present(monkeypatch):
     monkeypatch.setattr(ab, "flashinfer_import_error", lambda: None)
 
 
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """The cpu kernel cannot be built: no compiler and nothing cached."""
+    from workerd.layers import cpu_attention
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
+    cpu_attention.load_kernel.cache_clear()
+    yield
+    cpu_attention.load_kernel.cache_clear()
+
+
 @pytest.mark.parametrize("requested", ["auto", "", "torch"])
-def test_cpu_resolves_to_torch(requested, flashinfer_present):
-    assert resolve_attention_backend(requested, CPU, torch.float32) == "torch"
+def test_cpu_in_16_bits_resolves_to_torch(requested, flashinfer_present):
     assert resolve_attention_backend(requested, CPU, torch.bfloat16) == "torch"
+    assert resolve_attention_backend(requested, CPU, torch.float16) == "torch"
+
+
+@pytest.mark.parametrize("requested", ["auto", ""])
+def test_auto_on_a_float32_cpu_takes_the_cpu_kernel(requested, flashinfer_present):
+    assert resolve_attention_backend(requested, CPU, torch.float32) == "cpu"
+    assert resolve_attention_backend("torch", CPU, torch.float32) == "torch"
+    assert resolve_attention_backend("cpu", CPU, torch.float32) == "cpu"
+
+
+def test_auto_without_a_compiler_keeps_torch(no_compiler):
+    assert resolve_attention_backend("auto", CPU, torch.float32) == "torch"
+
+
+def test_cpu_without_a_compiler_says_what_to_install(no_compiler):
+    with pytest.raises(ValueError) as err:
+        resolve_attention_backend("cpu", CPU, torch.float32)
+    message = str(err.value)
+    assert message.startswith("attention backend 'cpu' requested but its kernel cannot be "
+                              "built on this worker (no C compiler: ")
+    assert "no-such-cc" in message and "--attention-backend torch" in message
+
+
+@pytest.mark.parametrize("device,dtype,named", [
+    (CPU, torch.bfloat16, "cpu / bfloat16"), (CPU, torch.float16, "cpu / float16"),
+    (CUDA, torch.float32, "cuda / float32")])
+def test_cpu_backend_where_it_cannot_run_is_refused(device, dtype, named):
+    with pytest.raises(ValueError) as err:
+        resolve_attention_backend("cpu", device, dtype)
+    assert str(err.value) == (
+        f"attention backend 'cpu' runs on a CPU worker in float32, not {named}; use --dtype "
+        f"float32 or --attention-backend torch (or auto)")
 
 
 def test_auto_on_cuda_takes_flashinfer_only_where_it_runs(flashinfer_present):
@@ -84,7 +128,7 @@ def test_values_outside_the_closed_set_are_refused(hostile, flashinfer_present):
     with pytest.raises(ValueError) as err:
         resolve_attention_backend(hostile, CUDA, torch.bfloat16)
     assert str(err.value) == (
-        f"unknown attention backend {hostile!r}; use one of auto, torch, flashinfer")
+        f"unknown attention backend {hostile!r}; use one of auto, torch, cpu, flashinfer")
 
 
 def _loaded_worker(model_dir: str, backend: str) -> tuple[Worker, worker_pb2.WorkerMessage]:
@@ -99,7 +143,7 @@ def _loaded_worker(model_dir: str, backend: str) -> tuple[Worker, worker_pb2.Wor
 
 
 @pytest.mark.parametrize(("backend", "expected"), [
-    ("bogus", "CommandError: unknown attention backend 'bogus'; use one of auto, torch, "
+    ("bogus", "CommandError: unknown attention backend 'bogus'; use one of auto, torch, cpu, "
               "flashinfer"),
     ("flashinfer", "CommandError: attention backend 'flashinfer' needs a CUDA device but this "
                    "worker runs on cpu; start the controlplane with --attention-backend torch "
@@ -115,18 +159,22 @@ def test_worker_refuses_before_loading(tiny_model_dir, backend, expected):
         worker.close()
 
 
-def test_worker_runs_torch_on_cpu_and_auto_reuses_it(tiny_model_dir):
+def test_worker_runs_the_cpu_kernel_on_cpu_and_auto_reuses_it(tiny_model_dir):
     worker, reply = _loaded_worker(tiny_model_dir, "")  # an older controlplane: auto
     try:
         assert reply.model_loaded.reused is False
         model = worker.runner.model
-        assert isinstance(model.attn_backend, TorchAttentionBackend)
+        assert isinstance(model.attn_backend, CpuAttentionBackend)
         assert all(layer.self_attn.attn_backend is model.attn_backend for layer in model.layers)
-        # Explicit torch resolves to what auto did here: the same model, kept.
-        load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32",
-                                    limits=limits_pb(), attention_backend="torch")
-        again = worker.handle(worker_pb2.ControlMessage(call_id=3, load_model=load))
-        assert again.model_loaded.reused is True and worker.runner.model is model
+        # Explicit cpu resolves to what auto did here: the same model, kept;
+        # torch is another backend, so another model.
+        for call_id, (backend, reused) in enumerate([("cpu", True), ("torch", False)], 3):
+            load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32",
+                                        limits=limits_pb(), attention_backend=backend)
+            again = worker.handle(worker_pb2.ControlMessage(call_id=call_id, load_model=load))
+            assert again.model_loaded.reused is reused
+            assert (worker.runner.model is model) is reused
+        assert isinstance(worker.runner.model.attn_backend, TorchAttentionBackend)
     finally:
         worker.close()
 

@@ -80,3 +80,22 @@ def test_rounds_report_each_ratio_and_the_median(tiny_model_dir, tmp_path, capsy
     text = capsys.readouterr().out
     assert f"engine core: {sorted(want)[1]:.2f}x transformers generate, median of 3" in text
     assert "static batches: output rows x" in text
+
+
+def test_two_attention_backends_run_side_by_side(tiny_model_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    code = engine_core.main(["--model", tiny_model_dir, "--num-requests", "4",
+                             "--concurrency", "2", "--prompt-len", "5", "--max-tokens", "3",
+                             "--attention-backends", "cpu,torch", "--json", str(out)])
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["engine core (cpu)", "engine core (torch)"]
+    assert runs["engine core (cpu)"]["output_tokens"] == runs["engine core (torch)"][
+        "output_tokens"] == 12
+
+
+@pytest.mark.parametrize("hostile", ["flashinfer", "cpu,cpu", "", "cpu,", "CPU", "x" * 300])
+def test_attention_backends_outside_the_set_are_refused(tiny_model_dir, hostile, capsys):
+    with pytest.raises(SystemExit):
+        engine_core.main(["--model", tiny_model_dir, "--attention-backends", hostile])
+    assert "bad --attention-backends" in capsys.readouterr().err

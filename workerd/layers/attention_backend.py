@@ -1,15 +1,19 @@
 """Which attention implementation a worker runs, behind one small interface.
 
-vLLM's `--attention-backend` names the kernel family; kvloom has two:
+vLLM's `--attention-backend` names the kernel family; kvloom has three:
 
 * `torch`: workerd/layers/attention.py, plain PyTorch (SDPA over gathered
-  blocks). Runs everywhere and is the reference the other is checked against.
+  blocks). Runs everywhere and is the reference the others are checked against.
+* `cpu`: workerd/layers/cpu_attention.py, a C kernel that attends straight
+  from the cache blocks, built with the machine's C compiler on first use.
+  CPU, float32; calls it cannot take run the torch code.
 * `flashinfer`: workerd/layers/flashinfer_backend.py, FlashInfer's paged-KV
   kernels. CUDA only, float16/bfloat16 only, and the package is optional,
   so it is imported only once selected.
 
 `auto` picks flashinfer where it can run (a CUDA device, the package imports,
-a dtype its kernels take) and torch everywhere else. An explicit request that
+a dtype its kernels take), cpu on a CPU rank in float32 whose kernel builds,
+and torch everywhere else. An explicit request that
 cannot be honoured is refused rather than quietly downgraded: whoever asked
 for flashinfer is measuring it.
 
@@ -28,7 +32,7 @@ import torch
 from workerd.attn_metadata import AttentionMetadata
 from workerd.layers.attention import build_plan, paged_attention
 
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 # What FlashInfer's kernels take for q and the cache.
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -89,6 +93,8 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
         )
     if requested == "torch":
         return "torch"
+    if requested == "cpu" or (requested == "auto" and device.type == "cpu"):
+        return _resolve_cpu(requested == "cpu", device, dtype)
     explicit = requested == "flashinfer"
     if device.type != "cuda":
         if explicit:
@@ -117,12 +123,38 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
     return "flashinfer"
 
 
+def _resolve_cpu(explicit: bool, device: torch.device, dtype: torch.dtype) -> str:
+    # Imported here: the module compiles nothing at import, but keeps the
+    # kernel's loader off CUDA ranks' start-up path.
+    from workerd.layers.cpu_attention import kernel_unavailable
+
+    if device.type != "cpu" or dtype != torch.float32:
+        if explicit:
+            raise ValueError(
+                f"attention backend 'cpu' runs on a CPU worker in float32, not "
+                f"{device.type} / {str(dtype).removeprefix('torch.')}; use --dtype float32 "
+                f"or --attention-backend torch (or auto)")
+        return "torch"
+    error = kernel_unavailable()
+    if error is not None:
+        if explicit:
+            raise ValueError(
+                f"attention backend 'cpu' requested but its kernel cannot be built on this "
+                f"worker ({error}); install a C compiler (gcc) or use --attention-backend torch")
+        return "torch"
+    return "cpu"
+
+
 def make_attention_backend(name: str, device: torch.device,
                            kv_width: int | None = None) -> AttentionBackend:
     """The backend object for a resolved name (resolve_attention_backend's);
     kv_width: K elements per cached token on this rank."""
     if name == "torch":
         return TorchAttentionBackend(kv_width)
+    if name == "cpu":
+        from workerd.layers.cpu_attention import CpuAttentionBackend
+
+        return CpuAttentionBackend(kv_width)
     if name == "flashinfer":
         from workerd.layers.flashinfer_backend import FlashInferBackend
 

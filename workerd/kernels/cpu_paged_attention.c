@@ -1,0 +1,268 @@
+/* Paged attention for CPU ranks in float32: kvloom's `cpu` attention backend
+ * (workerd/layers/cpu_attention.py compiles this file once per machine and
+ * calls it through ctypes; no torch headers, so it builds in about a second).
+ *
+ * One call per layer does what the torch backend does in a dozen ops: write
+ * the step's new K/V into their cache slots, then let every query attend to
+ * its own request's context straight from the cache blocks: no gather of the
+ * context into a padded copy, no mask, no padding. Each (query token, KV
+ * head) pair walks its context once, block by block, with an online softmax;
+ * the query heads that share the KV head (GQA) reuse every K and V row it
+ * loads.
+ *
+ * Every index that comes from the step's metadata is checked before anything
+ * is written (slots, block ids, lengths): a bad step is refused with an error
+ * code, never turned into an out-of-bounds read or write.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KEYS_PER_CHUNK 16
+
+enum {
+    KV_OK = 0,
+    KV_ERR_SHAPE = 1,      /* sizes or strides the kernel does not take */
+    KV_ERR_QUERY_LOC = 2,  /* query_start_loc not increasing from 0 to num_actual_tokens */
+    KV_ERR_SEQ_LEN = 3,    /* a seq_len shorter than its query length or beyond the block table */
+    KV_ERR_BLOCK_ID = 4,   /* a block id outside the cache */
+    KV_ERR_SLOT = 5,       /* a slot outside the cache */
+    KV_ERR_NOMEM = 6,
+};
+
+/* e^x for x <= 0 (scores minus their running maximum), Cephes' expf
+ * polynomial: within 2 ulp of expf, and branch-free so the loops over a chunk
+ * of keys vectorize. Below -87 it returns ~1e-38 rather than 0, which only
+ * ever multiplies terms already negligible beside the maximum's 1. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float f = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t *query_start_loc,
+                      const int64_t *seq_lens, const int64_t *block_table, int64_t bt_stride,
+                      int64_t bt_cols, int64_t num_blocks, int64_t block_size,
+                      const int64_t *slot_mapping) {
+    if (query_start_loc[0] != 0 || query_start_loc[num_reqs] != num_actual_tokens)
+        return KV_ERR_QUERY_LOC;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        int64_t ql = query_start_loc[r + 1] - query_start_loc[r];
+        if (ql < 0) return KV_ERR_QUERY_LOC;
+        int64_t sl = seq_lens[r];
+        if (sl < ql || sl > bt_cols * block_size) return KV_ERR_SEQ_LEN;
+        const int64_t *bt = block_table + r * bt_stride;
+        for (int64_t b = 0, nb = (sl + block_size - 1) / block_size; b < nb; b++)
+            if (bt[b] < 0 || bt[b] >= num_blocks) return KV_ERR_BLOCK_ID;
+    }
+    int64_t num_slots = num_blocks * block_size;
+    for (int64_t t = 0; t < num_actual_tokens; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return KV_ERR_SLOT;
+    return KV_OK;
+}
+
+/* Eight floats; loads and stores through it may be unaligned (the cache's
+ * rows are 4-byte aligned only). GCC lowers it to AVX (or SSE, NEON) itself. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+static inline float hsum(v8 a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* One query token against one KV head: out[g] for G query heads that share
+ * it, G a compile-time constant so that the G accumulators of every loop stay
+ * in registers. q holds those heads' rows already multiplied by the scale;
+ * head_dim is a multiple of 8 (the caller checks); acc is G * head_dim floats.
+ *
+ * Per chunk of up to KEYS_PER_CHUNK keys (never crossing a block): the
+ * scores of two keys at a time for all G heads (2G independent FMA chains,
+ * each K row loaded once), the online-softmax update, then the weighted sum
+ * of V rows, two 8-wide column slices at a time (again 2G chains, each
+ * probability broadcast once). Single-chain loops ran ~3x slower: every FMA
+ * waited for the previous one. */
+#define DEFINE_ATTEND(G)                                                                    \
+    static void attend_##G(const float *q, int64_t head_dim, const float *k_cache,         \
+                           const float *v_cache, int64_t row_stride, const int64_t *blocks, \
+                           int64_t block_size, int64_t num_keys, float *acc, float *out,    \
+                           int64_t out_head_stride) {                                       \
+        const int64_t nv = head_dim / 8;                                                    \
+        float m[G], l[G], s[G][KEYS_PER_CHUNK];                                             \
+        for (int g = 0; g < G; g++) {                                                       \
+            m[g] = -INFINITY;                                                               \
+            l[g] = 0.0f;                                                                    \
+        }                                                                                   \
+        memset(acc, 0, sizeof(float) * G * head_dim);                                       \
+        for (int64_t start = 0; start < num_keys;) {                                        \
+            int64_t in_block = start % block_size;                                          \
+            int64_t n = block_size - in_block;                                              \
+            if (n > KEYS_PER_CHUNK) n = KEYS_PER_CHUNK;                                     \
+            if (n > num_keys - start) n = num_keys - start;                                 \
+            int64_t slot = blocks[start / block_size] * block_size + in_block;              \
+            const float *k = k_cache + slot * row_stride;                                   \
+            const float *v = v_cache + slot * row_stride;                                   \
+            int64_t j = 0;                                                                  \
+            for (; j + 1 < n; j += 2) {                                                     \
+                const v8 *k0 = (const v8 *)(k + j * row_stride);                            \
+                const v8 *k1 = (const v8 *)(k + (j + 1) * row_stride);                      \
+                v8 a0[G], a1[G];                                                            \
+                for (int g = 0; g < G; g++) a0[g] = a1[g] = (v8){0};                        \
+                for (int64_t c = 0; c < nv; c++) {                                          \
+                    v8 x0 = k0[c], x1 = k1[c];                                              \
+                    for (int g = 0; g < G; g++) {                                           \
+                        v8 qg = ((const v8 *)(q + g * head_dim))[c];                        \
+                        a0[g] += qg * x0;                                                   \
+                        a1[g] += qg * x1;                                                   \
+                    }                                                                       \
+                }                                                                           \
+                for (int g = 0; g < G; g++) {                                               \
+                    s[g][j] = hsum(a0[g]);                                                  \
+                    s[g][j + 1] = hsum(a1[g]);                                              \
+                }                                                                           \
+            }                                                                               \
+            if (j < n) {                                                                    \
+                const v8 *k0 = (const v8 *)(k + j * row_stride);                            \
+                v8 a0[G];                                                                   \
+                for (int g = 0; g < G; g++) a0[g] = (v8){0};                                \
+                for (int64_t c = 0; c < nv; c++)                                            \
+                    for (int g = 0; g < G; g++)                                             \
+                        a0[g] += ((const v8 *)(q + g * head_dim))[c] * k0[c];               \
+                for (int g = 0; g < G; g++) s[g][j] = hsum(a0[g]);                          \
+            }                                                                               \
+            for (int g = 0; g < G; g++) {                                                   \
+                float cm = s[g][0];                                                         \
+                for (int64_t i = 1; i < n; i++) cm = s[g][i] > cm ? s[g][i] : cm;           \
+                float new_m = cm > m[g] ? cm : m[g];                                        \
+                float sum = 0.0f;                                                           \
+                for (int64_t i = 0; i < KEYS_PER_CHUNK; i++) {                              \
+                    /* all lanes, so the loop vectorizes; keys past n weigh 0 */            \
+                    float p = exp_nonpositive(s[g][i] - new_m);                             \
+                    s[g][i] = i < n ? p : 0.0f;                                             \
+                    sum += s[g][i];                                                         \
+                }                                                                           \
+                if (new_m != m[g]) {                                                        \
+                    /* m[g] = -inf before the first chunk: all so far is 0 */               \
+                    float corr = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - new_m);  \
+                    v8 *ag = (v8 *)(acc + g * head_dim);                                    \
+                    for (int64_t c = 0; c < nv; c++) ag[c] *= corr;                         \
+                    l[g] *= corr;                                                           \
+                    m[g] = new_m;                                                           \
+                }                                                                           \
+                l[g] += sum;                                                                \
+            }                                                                               \
+            int64_t c = 0;                                                                  \
+            for (; c + 1 < nv; c += 2) {                                                    \
+                v8 b0[G], b1[G];                                                            \
+                for (int g = 0; g < G; g++) {                                               \
+                    b0[g] = ((v8 *)(acc + g * head_dim))[c];                                \
+                    b1[g] = ((v8 *)(acc + g * head_dim))[c + 1];                            \
+                }                                                                           \
+                for (int64_t i = 0; i < n; i++) {                                           \
+                    const v8 *vi = (const v8 *)(v + i * row_stride);                        \
+                    v8 y0 = vi[c], y1 = vi[c + 1];                                          \
+                    for (int g = 0; g < G; g++) {                                           \
+                        float p = s[g][i];                                                  \
+                        b0[g] += p * y0;                                                    \
+                        b1[g] += p * y1;                                                    \
+                    }                                                                       \
+                }                                                                           \
+                for (int g = 0; g < G; g++) {                                               \
+                    ((v8 *)(acc + g * head_dim))[c] = b0[g];                                \
+                    ((v8 *)(acc + g * head_dim))[c + 1] = b1[g];                            \
+                }                                                                           \
+            }                                                                               \
+            if (c < nv) {                                                                   \
+                v8 b0[G];                                                                   \
+                for (int g = 0; g < G; g++) b0[g] = ((v8 *)(acc + g * head_dim))[c];        \
+                for (int64_t i = 0; i < n; i++)                                             \
+                    for (int g = 0; g < G; g++)                                             \
+                        b0[g] += s[g][i] * ((const v8 *)(v + i * row_stride))[c];           \
+                for (int g = 0; g < G; g++) ((v8 *)(acc + g * head_dim))[c] = b0[g];        \
+            }                                                                               \
+            start += n;                                                                     \
+        }                                                                                   \
+        for (int g = 0; g < G; g++) {                                                       \
+            float inv = 1.0f / l[g];                                                        \
+            float *o = out + g * out_head_stride;                                           \
+            const float *ag = acc + g * head_dim;                                           \
+            for (int64_t d = 0; d < head_dim; d++) o[d] = ag[d] * inv;                      \
+        }                                                                                   \
+    }
+
+DEFINE_ATTEND(1)
+DEFINE_ATTEND(2)
+DEFINE_ATTEND(3)
+DEFINE_ATTEND(4)
+
+typedef void (*attend_fn)(const float *, int64_t, const float *, const float *, int64_t,
+                          const int64_t *, int64_t, int64_t, float *, float *, int64_t);
+
+/* q: [num_tokens, num_heads, head_dim] rows q_stride apart (heads contiguous);
+ * k, v: [num_tokens, num_kv_heads, head_dim] rows k_stride / v_stride apart;
+ * kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous;
+ * out: [num_tokens, num_heads * head_dim] contiguous, rows past
+ * num_actual_tokens (padding) set to 0. Returns KV_OK or an error code, in
+ * which case nothing has been written. */
+int kvloom_paged_attention_f32(
+    const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+    int64_t v_stride, float *kv_cache, int64_t num_blocks, int64_t block_size,
+    const int64_t *slot_mapping, int64_t num_tokens, int64_t num_actual_tokens,
+    const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
+    const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, float scale, float *out) {
+    if (num_reqs < 0 || num_tokens < num_actual_tokens || num_actual_tokens < 0 ||
+        num_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || num_heads % num_kv_heads || block_size <= 0 ||
+        num_blocks < 0 || bt_cols < 0 || bt_stride < bt_cols)
+        return KV_ERR_SHAPE;
+    int rc = check_step(num_reqs, num_actual_tokens, query_start_loc, seq_lens, block_table,
+                        bt_stride, bt_cols, num_blocks, block_size, slot_mapping);
+    if (rc != KV_OK) return rc;
+    int64_t group = num_heads / num_kv_heads;
+    /* The widest specialization that divides the group; a group of 8 runs
+     * as two of 4, one of 5 as five of 1. */
+    int64_t sub = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+    attend_fn attend = sub == 4 ? attend_4 : sub == 3 ? attend_3 : sub == 2 ? attend_2 : attend_1;
+    int64_t width = num_kv_heads * head_dim; /* one slot's K (or V) */
+    float *scratch = malloc(sizeof(float) * 2 * sub * head_dim);
+    if (scratch == NULL) return KV_ERR_NOMEM;
+    float *qs = scratch, *acc = qs + sub * head_dim;
+
+    float *k_cache = kv_cache, *v_cache = kv_cache + num_blocks * block_size * width;
+    for (int64_t t = 0; t < num_actual_tokens; t++) {
+        memcpy(k_cache + slot_mapping[t] * width, k + t * k_stride, sizeof(float) * width);
+        memcpy(v_cache + slot_mapping[t] * width, v + t * v_stride, sizeof(float) * width);
+    }
+    for (int64_t r = 0; r < num_reqs; r++) {
+        int64_t first = query_start_loc[r], ql = query_start_loc[r + 1] - first;
+        int64_t first_pos = seq_lens[r] - ql;
+        const int64_t *blocks = block_table + r * bt_stride;
+        for (int64_t i = 0; i < ql; i++) {
+            int64_t t = first + i;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                for (int64_t g0 = 0; g0 < group; g0 += sub) {
+                    int64_t head = h * group + g0;
+                    const float *qt = q + t * q_stride + head * head_dim;
+                    for (int64_t e = 0; e < sub * head_dim; e++) qs[e] = qt[e] * scale;
+                    attend(qs, head_dim, k_cache + h * head_dim, v_cache + h * head_dim, width,
+                           blocks, block_size, first_pos + i + 1, acc,
+                           out + t * num_heads * head_dim + head * head_dim, head_dim);
+                }
+            }
+        }
+    }
+    free(scratch);
+    memset(out + num_actual_tokens * num_heads * head_dim, 0,
+           sizeof(float) * (num_tokens - num_actual_tokens) * num_heads * head_dim);
+    return KV_OK;
+}

@@ -219,14 +219,14 @@ def test_dockerfile_matches_the_package():
 
 
 def test_the_cpu_kernel_ships_and_the_image_can_build_it():
-    """The C source is package data of the installed (non-editable) package,
+    """The C sources are package data of the installed (non-editable) package,
     and the runtime image has the compiler a CPU worker builds it with."""
-    from workerd.layers.cpu_attention import KERNEL_SOURCE
+    from workerd.layers.cpu_kernels import HEADERS, SOURCES
 
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["workerd"]
     shipped = {p for pattern in package_data for p in (ROOT / "workerd").glob(pattern)}
-    assert KERNEL_SOURCE in shipped
+    assert set(SOURCES) | set(HEADERS) <= shipped
     runtime = (ROOT / "Dockerfile").read_text().split("FROM base AS runtime", 1)[1]
     assert re.search(r"apt-get install [^\n]*\bgcc\b[^\n]*\blibc6-dev\b", runtime)
 

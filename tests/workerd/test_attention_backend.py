@@ -40,13 +40,13 @@ def flashinfer_present(monkeypatch):
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
     """The cpu kernel cannot be built: no compiler and nothing cached."""
-    from workerd.layers import cpu_attention
+    from workerd.layers import cpu_kernels
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
-    cpu_attention.load_kernel.cache_clear()
+    cpu_kernels.load_kernels.cache_clear()
     yield
-    cpu_attention.load_kernel.cache_clear()
+    cpu_kernels.load_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("requested", ["auto", "", "torch"])

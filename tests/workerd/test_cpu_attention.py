@@ -9,14 +9,12 @@ parity resolves to this backend on a CPU worker)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from tests.factories import build_attn_metadata
-from workerd.layers import cpu_attention
 from workerd.layers.attention import paged_attention
 from workerd.layers.cpu_attention import CpuAttentionBackend
 
@@ -199,36 +197,3 @@ def test_calls_the_kernel_does_not_take_run_the_torch_code(backend, case, monkey
     out = backend.forward(q, k, v, cache, md, 0.5, plan)
     ref = paged_attention(q, k, v, None if cache is None else cache.clone(), md, 0.5)
     assert torch.equal(out, ref)
-
-
-def test_the_build_is_cached_on_disk_per_source_and_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
-    cpu_attention.load_kernel.cache_clear()
-    try:
-        cpu_attention.load_kernel()
-        built = sorted((tmp_path / "kernels").iterdir())
-        assert [p.suffix for p in built] == [".so"]  # no temporary file left behind
-        stamp = built[0].stat().st_mtime_ns
-        cpu_attention.load_kernel.cache_clear()
-        cpu_attention.load_kernel()
-        assert sorted((tmp_path / "kernels").iterdir()) == built
-        assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    finally:
-        cpu_attention.load_kernel.cache_clear()
-
-
-def test_a_compiler_that_fails_is_reported_with_its_output(tmp_path, monkeypatch):
-    fake = tmp_path / "fake-cc"
-    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake-cc 1.0 && exit 0\n"
-                    "echo 'fake-cc: error: no target' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
-    cpu_attention.load_kernel.cache_clear()
-    try:
-        reason = cpu_attention.kernel_unavailable()
-    finally:
-        cpu_attention.load_kernel.cache_clear()
-    assert reason is not None and reason.startswith(
-        f"{fake} failed to build cpu_paged_attention.c: fake-cc: error: no target")
-    assert os.listdir(tmp_path / "kernels") == []  # the failed build left nothing

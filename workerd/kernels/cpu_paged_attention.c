@@ -1,6 +1,7 @@
 /* Paged attention for CPU ranks in float32: kvloom's `cpu` attention backend
- * (workerd/layers/cpu_attention.py compiles this file once per machine and
- * calls it through ctypes; no torch headers, so it builds in about a second).
+ * (workerd/layers/cpu_kernels.py compiles it with the other kernels once per
+ * machine and calls it through ctypes; no torch headers, so it builds in about a
+ * second).
  *
  * One call per layer does what the torch backend does in a dozen ops: write
  * the step's new K/V into their cache slots, then let every query attend to
@@ -15,10 +16,10 @@
  * code, never turned into an out-of-bounds read or write.
  */
 
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_math.h"
 
 #define KEYS_PER_CHUNK 16
 
@@ -31,26 +32,6 @@ enum {
     KV_ERR_SLOT = 5,       /* a slot outside the cache */
     KV_ERR_NOMEM = 6,
 };
-
-/* e^x for x <= 0 (scores minus their running maximum), Cephes' expf
- * polynomial: within 2 ulp of expf, and branch-free so the loops over a chunk
- * of keys vectorize. Below -87 it returns ~1e-38 rather than 0, which only
- * ever multiplies terms already negligible beside the maximum's 1. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float f = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t *query_start_loc,
                       const int64_t *seq_lens, const int64_t *block_table, int64_t bt_stride,
@@ -71,14 +52,6 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
     for (int64_t t = 0; t < num_actual_tokens; t++)
         if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return KV_ERR_SLOT;
     return KV_OK;
-}
-
-/* Eight floats; loads and stores through it may be unaligned (the cache's
- * rows are 4-byte aligned only). GCC lowers it to AVX (or SSE, NEON) itself. */
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
-static inline float hsum(v8 a) {
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
 /* One query token against one KV head: out[g] for G query heads that share
@@ -147,13 +120,13 @@ static inline float hsum(v8 a) {
                 float sum = 0.0f;                                                           \
                 for (int64_t i = 0; i < KEYS_PER_CHUNK; i++) {                              \
                     /* all lanes, so the loop vectorizes; keys past n weigh 0 */            \
-                    float p = exp_nonpositive(s[g][i] - new_m);                             \
+                    float p = exp_clamped(s[g][i] - new_m);                             \
                     s[g][i] = i < n ? p : 0.0f;                                             \
                     sum += s[g][i];                                                         \
                 }                                                                           \
                 if (new_m != m[g]) {                                                        \
                     /* m[g] = -inf before the first chunk: all so far is 0 */               \
-                    float corr = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - new_m);  \
+                    float corr = m[g] == -INFINITY ? 0.0f : exp_clamped(m[g] - new_m);  \
                     v8 *ag = (v8 *)(acc + g * head_dim);                                    \
                     for (int64_t c = 0; c < nv; c++) ag[c] *= corr;                         \
                     l[g] *= corr;                                                           \

@@ -125,8 +125,8 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
 
 def _resolve_cpu(explicit: bool, device: torch.device, dtype: torch.dtype) -> str:
     # Imported here: the module compiles nothing at import, but keeps the
-    # kernel's loader off CUDA ranks' start-up path.
-    from workerd.layers.cpu_attention import kernel_unavailable
+    # kernels' loader off CUDA ranks' start-up path.
+    from workerd.layers.cpu_kernels import kernels_unavailable
 
     if device.type != "cpu" or dtype != torch.float32:
         if explicit:
@@ -135,7 +135,7 @@ def _resolve_cpu(explicit: bool, device: torch.device, dtype: torch.dtype) -> st
                 f"{device.type} / {str(dtype).removeprefix('torch.')}; use --dtype float32 "
                 f"or --attention-backend torch (or auto)")
         return "torch"
-    error = kernel_unavailable()
+    error = kernels_unavailable()
     if error is not None:
         if explicit:
             raise ValueError(

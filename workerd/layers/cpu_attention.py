@@ -9,12 +9,12 @@ slots and attends every query straight from the cache blocks, with no copy,
 mask or padding: 3.3x faster than the torch backend's attention on a mixed
 step of 12 decodes and 2 prefill chunks (benchmarks/attention_kernels.py).
 
-It is plain C built with the machine's own compiler (`$CC`, else `cc`) the
-first time a worker needs it, for this very CPU (-march=native), and cached
-under the kvloom cache directory keyed by the source, the flags, the
-compiler's version and the CPU's feature flags; no torch headers, so it
-builds in about a second. Without a compiler `auto` keeps the torch backend;
-an explicit `--attention-backend cpu` is refused with the reason.
+It is plain C built with the machine's own compiler the first time a worker
+needs it (workerd/layers/cpu_kernels.py). Without a compiler `auto` keeps the
+torch backend; an explicit `--attention-backend cpu` is refused with the
+reason. The backend also carries the fused residual-add + RMSNorm and
+SiLU-and-mul kernels (workerd/layers/cpu_ops.py), which the model uses
+wherever it attends through this backend: one switch for all the C code.
 
 float32 only (the cache, q, k and v), head_dim a multiple of 8; anything else
 (the memory-profiling forward without a cache, say) runs the torch backend's
@@ -26,28 +26,12 @@ bounds.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-from kvloom.server.default_model import cache_root
 from workerd.attn_metadata import AttentionMetadata
 from workerd.layers.attention import build_plan, paged_attention
+from workerd.layers.cpu_kernels import load_kernels
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu_paged_attention.c"
-# No -ffast-math: a shared object built with it may switch the whole process
-# to flush-to-zero when loaded (GCC 12 links crtfastmath.o), changing
-# torch's own results.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
-COMPILE_TIMEOUT_S = 120.0
 # The kernel's return codes (cpu_paged_attention.c) -> what was wrong.
 _ERRORS = {
     1: "sizes or strides the kernel does not take",
@@ -57,84 +41,6 @@ _ERRORS = {
     5: "a slot outside the KV cache",
     6: "out of memory",
 }
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGTYPES = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-             _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR]
-
-
-class KernelUnavailable(RuntimeError):
-    """The C kernel cannot be built or loaded here; the message says why."""
-
-
-def _cpu_flags() -> str:
-    # -march=native code must not be reused on a CPU with other features
-    # (a cache directory on shared storage, an image moved between hosts).
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compile(compiler: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name and renamed into place: ranks starting
-    # together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".tmp.so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(KERNEL_SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {KERNEL_SOURCE.name}: "
-                                    f"{done.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"cannot build {KERNEL_SOURCE.name} with {compiler}: {exc}") \
-            from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-@functools.cache
-def load_kernel():
-    """The compiled kernel's entry point (built on first use, then cached on
-    disk). KernelUnavailable when there is no working C compiler."""
-    compiler = os.environ.get("CC") or "cc"
-    path = shutil.which(compiler)
-    if path is None:
-        raise KernelUnavailable(f"no C compiler: {compiler!r} is not on PATH "
-                                f"(install gcc, or set CC)")
-    try:
-        version = subprocess.run([path, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout.splitlines()[:1]
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
-    key = hashlib.sha256("\0".join([
-        KERNEL_SOURCE.read_text(), " ".join(CFLAGS), path, *version, platform.machine(),
-        _cpu_flags()]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"cpu_paged_attention-{key}.so"
-    if not target.exists():
-        _compile(path, target)
-    try:
-        fn = ctypes.CDLL(str(target)).kvloom_paged_attention_f32
-    except (OSError, AttributeError) as exc:
-        raise KernelUnavailable(f"cannot load {target}: {exc}") from None
-    fn.argtypes = _ARGTYPES
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def kernel_unavailable() -> str | None:
-    """None when the kernel builds and loads here, else why not."""
-    try:
-        load_kernel()
-    except KernelUnavailable as exc:
-        return str(exc)
-    return None
 
 
 def _int64_table(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +95,8 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self, kv_width: int | None = None) -> None:
-        self._kernel = load_kernel()  # KernelUnavailable here, not mid-step
+        self.kernels = load_kernels()  # KernelUnavailable here, not mid-step
+        self._kernel = self.kernels.paged_attention
         self.kv_width = kv_width
 
     def build_plan(self, md: AttentionMetadata, num_tokens: int) -> CpuAttentionPlan:

@@ -1,5 +1,10 @@
 """RMSNorm with the residual add fused in, as Llama decoder layers use it:
-norm(x + residual) while handing the updated residual stream on."""
+norm(x + residual) while handing the updated residual stream on.
+
+With `kernels` set (the model sets it on a float32 CPU rank whose attention
+runs the cpu backend, workerd/layers/cpu_ops.py) the add and the norm are one
+C call; HF's arithmetic, up to an ulp or two of summation order. Without it,
+the torch code below, which is bitwise HF's."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workerd.layers import cpu_ops
 from workerd.layers.direct_call import DirectCallModule
 
 
@@ -15,6 +21,7 @@ class RMSNorm(DirectCallModule):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.kernels = None  # CpuKernels, set by the model (see the module's doc)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -38,6 +45,10 @@ class RMSNorm(DirectCallModule):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if self.kernels is not None:
+            fused = cpu_ops.rms_norm(self.kernels, x, self.weight, self.eps, residual)
+            if fused is not None:
+                return fused
         if residual is None:
             return self._norm(x)
         x = x + residual

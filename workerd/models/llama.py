@@ -16,6 +16,7 @@ from torch import nn
 
 from workerd.attn_metadata import AttentionMetadata
 from workerd.distributed import IntermediateTensors, ParallelState
+from workerd.layers import cpu_ops
 from workerd.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.layernorm import RMSNorm
@@ -154,9 +155,16 @@ class LlamaMLP(DirectCallModule):
         self.gate_up_proj = MergedColumnParallelLinear(
             h, [("gate_proj", inter, None, None), ("up_proj", inter, None, None)], ps, bias)
         self.down_proj = RowParallelLinear(inter, h, ps, bias)
+        # CpuKernels for a fused SiLU-and-mul (LlamaForCausalLM.set_attention_backend).
+        self.kernels = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            fused = cpu_ops.silu_and_mul(self.kernels, gate_up)
+            if fused is not None:
+                return self.down_proj(fused)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # silu's output is ours to reuse
 
 
@@ -215,10 +223,17 @@ class LlamaForCausalLM(nn.Module):
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Every layer attends through `backend` (workerd/layers/attention_backend.py);
-        the weights and the KV cache layout do not depend on it."""
+        the weights and the KV cache layout do not depend on it. A backend
+        that carries CPU kernels (the cpu backend) also lends the norms and
+        the MLPs its fused elementwise ones: one switch for all the C code."""
         self.attn_backend = backend
+        kernels = getattr(backend, "kernels", None)
         for layer in self.layers:
             layer.self_attn.attn_backend = backend
+            layer.mlp.kernels = kernels
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+        if self.norm is not None:
+            self.norm.kernels = kernels
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)

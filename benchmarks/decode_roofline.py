@@ -55,6 +55,7 @@ from workerd.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from workerd.layers.attention_backend import resolve_attention_backend
 from workerd.layers.packed_linear import linear
 from workerd.limits import WorkerLimits
 from workerd.model_runner import ModelRunner
@@ -265,10 +266,13 @@ def parse_kernels(text: str) -> list[str]:
 
 
 def build_runner(args, kernel: str, max_batch: int, max_len: int) -> ModelRunner:
+    # Resolved as a worker resolves it (auto: the cpu kernels where they build).
+    backend = resolve_attention_backend(args.attention_backend, torch.device("cpu"),
+                                        DTYPES[args.dtype])
     runner = ModelRunner(single_process_state(), args.model, DTYPES[args.dtype], seed=args.seed,
                          limits=WorkerLimits(max(max_batch * args.context, 1), max_batch,
                                              max_len),
-                         pack_weights=kernel == "onednn")
+                         pack_weights=kernel == "onednn", attention_backend=backend)
     runner.load_model()
     runner.init_kv_cache(max_batch * -(-max_len // BLOCK_SIZE), BLOCK_SIZE)
     return runner
@@ -286,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--linear-kernels", type=parse_kernels, default=["onednn"],
                    help="onednn (weights packed at load, the worker's default on CPU "
                         "float32), aten (F.linear), or both: one runner each, alternated")
+    p.add_argument("--attention-backend", choices=("auto", "torch", "cpu"), default="auto",
+                   help="as the workers' flag; auto: the cpu kernels where they build")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--json", type=Path, default=DEFAULT_OUT,
                    help="write the results here (JSON)")

@@ -78,3 +78,22 @@ def test_count_dispatches_counts_torch_ops():
     x = torch.ones(3)
     assert count_dispatches(lambda: (x + 1).mul_(2).sum()) == 3
     assert count_dispatches(lambda: None) == 0
+
+
+def test_the_cpu_kernels_take_torch_ops_off_the_step(tiny_model_dir, tmp_path):
+    """auto resolves as a worker does (the cpu kernels here); each decode
+    step then calls fewer torch ops than with the torch backend."""
+    counts = {}
+    for backend in ("auto", "torch"):
+        payload = main(["--model", tiny_model_dir, "--batch-sizes", "2", "--context", "6",
+                        "--steps", "1", "--warmup", "1", "--attention-backend", backend,
+                        "--out", str(tmp_path / f"{backend}.json")])
+        counts[backend] = payload["results"][0]["dispatches"]
+    assert 0 < counts["auto"] < counts["torch"]
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "CPU", ""])
+def test_attention_backends_it_cannot_measure_are_refused(backend, capsys):
+    with pytest.raises(SystemExit):
+        main(["--attention-backend", backend])
+    assert "--attention-backend" in capsys.readouterr().err

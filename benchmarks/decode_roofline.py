@@ -50,12 +50,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from workerd.distributed import single_process_state
+from workerd.layers.attention_backend import resolve_attention_backend
 from workerd.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from workerd.layers.attention_backend import resolve_attention_backend
 from workerd.layers.packed_linear import linear
 from workerd.limits import WorkerLimits
 from workerd.model_runner import ModelRunner

@@ -62,8 +62,11 @@ def test_auto_on_a_float32_cpu_takes_the_cpu_kernel(requested, flashinfer_presen
     assert resolve_attention_backend("cpu", CPU, torch.float32) == "cpu"
 
 
-def test_auto_without_a_compiler_keeps_torch(no_compiler):
-    assert resolve_attention_backend("auto", CPU, torch.float32) == "torch"
+def test_auto_without_a_compiler_keeps_torch_and_says_why(no_compiler, caplog):
+    with caplog.at_level("WARNING", logger=ab.__name__):
+        assert resolve_attention_backend("auto", CPU, torch.float32) == "torch"
+    assert any("cpu kernels unavailable (no C compiler" in r.getMessage() and
+               "attention runs the torch backend" in r.getMessage() for r in caplog.records)
 
 
 def test_cpu_without_a_compiler_says_what_to_install(no_compiler):

@@ -25,12 +25,15 @@ write the same KV cache layout, model.kv_cache_shape's
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
 
 from workerd.attn_metadata import AttentionMetadata
 from workerd.layers.attention import build_plan, paged_attention
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 # What FlashInfer's kernels take for q and the cache.
@@ -141,6 +144,8 @@ def _resolve_cpu(explicit: bool, device: torch.device, dtype: torch.dtype) -> st
             raise ValueError(
                 f"attention backend 'cpu' requested but its kernel cannot be built on this "
                 f"worker ({error}); install a C compiler (gcc) or use --attention-backend torch")
+        # Slower, not wrong: said at load so an operator can see why.
+        logger.warning("cpu kernels unavailable (%s); attention runs the torch backend", error)
         return "torch"
     return "cpu"
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,7 @@ HEADERS = (KERNELS_DIR / "cpu_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 120.0
 LIBRARY_NAME = "kvloom_cpu_kernels"
+logger = logging.getLogger(__name__)
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # name -> (restype, argtypes), as declared in the sources.
@@ -114,7 +117,9 @@ def load_kernels() -> CpuKernels:
         platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{LIBRARY_NAME}-{key}.so"
     if not target.exists():
+        t0 = time.monotonic()
         _compile(path, target)
+        logger.info("built %s with %s in %.1f s", target, compiler, time.monotonic() - t0)
     try:
         lib = ctypes.CDLL(str(target))
         fns = {}

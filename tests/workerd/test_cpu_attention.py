@@ -197,3 +197,44 @@ def test_calls_the_kernel_does_not_take_run_the_torch_code(backend, case, monkey
     out = backend.forward(q, k, v, cache, md, 0.5, plan)
     ref = paged_attention(q, k, v, None if cache is None else cache.clone(), md, 0.5)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (8, 8, 8),
+                                                     (6, 1, 32)])
+def test_rotary_inside_the_kernel_matches_rotating_first(backend, heads, kv_heads, head_dim):
+    """forward_rotary takes the un-rotated projection and rotates q and k in
+    the kernel: the same output, and the same rotated K in the cache, as
+    apply_rotary_tables followed by the torch backend."""
+    from workerd.layers.rotary import RotaryEmbedding, apply_rotary_tables
+
+    rng = random.Random(heads + head_dim)
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    rotary = RotaryEmbedding(head_dim, {"rope_theta": 10000.0, "rope_type": "default"}, 4096)
+    for _ in range(4):
+        md, positions = _random_step(rng, 16, 80, 300)
+        n = md.num_actual_tokens
+        qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen)
+        rope = rotary.tables(positions, md.max_seq_len, torch.float32)
+        cache = torch.randn(2, 80, 16, kv_heads, head_dim, generator=gen)
+        ref_cache = cache.clone()
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
+        q, k = apply_rotary_tables(qk, rope).split([heads, kv_heads], dim=1)
+        ref = paged_attention(q, k, v, ref_cache, md, head_dim**-0.5)
+        out = backend.forward_rotary(qkv, heads, rope, cache, md, head_dim**-0.5,
+                                     backend.build_plan(md, n))
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(cache, ref_cache, atol=1e-6, rtol=1e-6)
+
+
+def test_rotary_tables_the_kernel_does_not_take_get_none(backend):
+    from workerd.layers.rotary import RotaryTables
+
+    md, _ = build_attn_metadata([2], [3], [[0, 1]], 4)
+    qkv = torch.randn(3, 8, 16)
+    cache = torch.zeros(2, 2, 4, 2, 16)
+    plan = backend.build_plan(md, 3)
+    cos = torch.ones(3, 1, 16)
+    for bad in (RotaryTables(cos.double(), cos.double()), RotaryTables(cos[:2], cos[:2]),
+                RotaryTables(torch.ones(3, 1, 32)[..., ::2], cos)):
+        assert backend.forward_rotary(qkv, 4, bad, cache, md, 0.25, plan) is None
+    assert torch.count_nonzero(cache) == 0  # nothing written

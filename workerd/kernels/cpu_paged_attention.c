@@ -181,9 +181,24 @@ DEFINE_ATTEND(4)
 typedef void (*attend_fn)(const float *, int64_t, const float *, const float *, int64_t,
                           const int64_t *, int64_t, int64_t, float *, float *, int64_t);
 
+/* x (head_dim floats) rotated as HF's NeoX-style rotary does: the two halves
+ * of the head as a pair, x * cos + swap_halves(x) * signed_sin, signed_sin
+ * being sin with its first half negated (workerd/layers/rotary.py). */
+static inline void rotate(const float *x, const float *cos, const float *signed_sin,
+                          int64_t head_dim, float scale, float *dst) {
+    int64_t half = head_dim / 2;
+    for (int64_t d = 0; d < half; d++)
+        dst[d] = (x[d] * cos[d] + x[d + half] * signed_sin[d]) * scale;
+    for (int64_t d = half; d < head_dim; d++)
+        dst[d] = (x[d] * cos[d] + x[d - half] * signed_sin[d]) * scale;
+}
+
 /* q: [num_tokens, num_heads, head_dim] rows q_stride apart (heads contiguous);
  * k, v: [num_tokens, num_kv_heads, head_dim] rows k_stride / v_stride apart;
  * kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] contiguous;
+ * rope_cos, rope_sin: NULL when q and k arrive rotated, else each token's
+ * rotary tables ([num_tokens, head_dim] contiguous; cos and signed sin), and
+ * q and k are rotated here (k on its way into the cache);
  * out: [num_tokens, num_heads * head_dim] contiguous, rows past
  * num_actual_tokens (padding) set to 0. Returns KV_OK or an error code, in
  * which case nothing has been written. */
@@ -193,7 +208,8 @@ int kvloom_paged_attention_f32(
     const int64_t *slot_mapping, int64_t num_tokens, int64_t num_actual_tokens,
     const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
     const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, float scale, float *out) {
+    int64_t num_kv_heads, int64_t head_dim, float scale, const float *rope_cos,
+    const float *rope_sin, float *out) {
     if (num_reqs < 0 || num_tokens < num_actual_tokens || num_actual_tokens < 0 ||
         num_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || num_heads % num_kv_heads || block_size <= 0 ||
         num_blocks < 0 || bt_cols < 0 || bt_stride < bt_cols)
@@ -213,7 +229,14 @@ int kvloom_paged_attention_f32(
 
     float *k_cache = kv_cache, *v_cache = kv_cache + num_blocks * block_size * width;
     for (int64_t t = 0; t < num_actual_tokens; t++) {
-        memcpy(k_cache + slot_mapping[t] * width, k + t * k_stride, sizeof(float) * width);
+        float *k_slot = k_cache + slot_mapping[t] * width;
+        if (rope_cos == NULL) {
+            memcpy(k_slot, k + t * k_stride, sizeof(float) * width);
+        } else {
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                rotate(k + t * k_stride + h * head_dim, rope_cos + t * head_dim,
+                       rope_sin + t * head_dim, head_dim, 1.0f, k_slot + h * head_dim);
+        }
         memcpy(v_cache + slot_mapping[t] * width, v + t * v_stride, sizeof(float) * width);
     }
     for (int64_t r = 0; r < num_reqs; r++) {
@@ -226,7 +249,13 @@ int kvloom_paged_attention_f32(
                 for (int64_t g0 = 0; g0 < group; g0 += sub) {
                     int64_t head = h * group + g0;
                     const float *qt = q + t * q_stride + head * head_dim;
-                    for (int64_t e = 0; e < sub * head_dim; e++) qs[e] = qt[e] * scale;
+                    if (rope_cos == NULL) {
+                        for (int64_t e = 0; e < sub * head_dim; e++) qs[e] = qt[e] * scale;
+                    } else {
+                        for (int64_t g = 0; g < sub; g++)
+                            rotate(qt + g * head_dim, rope_cos + t * head_dim,
+                                   rope_sin + t * head_dim, head_dim, scale, qs + g * head_dim);
+                    }
                     attend(qs, head_dim, k_cache + h * head_dim, v_cache + h * head_dim, width,
                            blocks, block_size, first_pos + i + 1, acc,
                            out + t * num_heads * head_dim + head * head_dim, head_dim);

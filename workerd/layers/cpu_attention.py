@@ -103,19 +103,46 @@ class CpuAttentionBackend:
         return CpuAttentionPlan(md, num_tokens, self.kv_width)
 
     def forward(self, q, k, v, kv_cache, md, scale, plan: CpuAttentionPlan):
-        num_tokens, num_heads, head_dim = q.shape
-        if not (kv_cache is not None and kv_cache.numel() > 0 and md.num_reqs > 0
+        if not self._takes(q, k, v, kv_cache, md, plan):
+            return paged_attention(q, k, v, kv_cache, md, scale, plan.torch_plan())
+        return self._call(q, k, v, kv_cache, scale, plan, None)
+
+    def forward_rotary(self, qkv: torch.Tensor, num_heads: int, rope, kv_cache, md, scale,
+                       plan: CpuAttentionPlan) -> torch.Tensor | None:
+        """Attention over the un-rotated [tokens, heads + 2 kv_heads, head_dim]
+        projection, rotating q and k inside the kernel (k on its way into
+        the cache): four torch ops fewer per layer than apply_rotary_tables
+        first. None when the kernel does not take these tensors; the caller
+        then rotates and calls forward."""
+        num_kv = (qkv.shape[1] - num_heads) // 2
+        q, k, v = qkv.split([num_heads, num_kv, num_kv], dim=1)
+        n, _, head_dim = q.shape
+        cos, sin = rope.cos, rope.signed_sin
+        if not (self._takes(q, k, v, kv_cache, md, plan)
+                and cos.shape == sin.shape == (n, 1, head_dim)
+                and cos.dtype == sin.dtype == torch.float32
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        return self._call(q, k, v, kv_cache, scale, plan, (cos, sin))
+
+    @staticmethod
+    def _takes(q, k, v, kv_cache, md, plan) -> bool:
+        num_tokens, _, head_dim = q.shape
+        return (kv_cache is not None and kv_cache.numel() > 0 and md.num_reqs > 0
                 and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
                 and kv_cache.device.type == "cpu" and head_dim % 8 == 0
                 and _rows(q, head_dim) and _rows(k, head_dim) and _rows(v, head_dim)
                 and k.shape == v.shape == (num_tokens, *kv_cache.shape[3:])
-                and num_tokens == plan.num_tokens):
-            return paged_attention(q, k, v, kv_cache, md, scale, plan.torch_plan())
+                and num_tokens == plan.num_tokens)
+
+    def _call(self, q, k, v, kv_cache, scale, plan, rope) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         out = torch.empty(num_tokens, num_heads * head_dim)
+        cos, sin = (None, None) if rope is None else (rope[0].data_ptr(), rope[1].data_ptr())
         rc = self._kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                           v.stride(0), kv_cache.data_ptr(), num_blocks, block_size, *plan.args,
-                          num_heads, num_kv_heads, head_dim, scale, out.data_ptr())
+                          num_heads, num_kv_heads, head_dim, scale, cos, sin, out.data_ptr())
         if rc:
             raise ValueError(f"cpu attention refused the step: {_ERRORS.get(rc, rc)}")
         return out

@@ -134,12 +134,16 @@ class LlamaAttention(DirectCallModule):
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
         num_qk = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden_states).view(n, num_qk + self.num_kv_heads, self.head_dim)
+        fused = getattr(self.attn_backend, "forward_rotary", None)
+        if fused is not None:  # the cpu backend rotates q and k in its kernel
+            out = fused(qkv, self.num_heads, rope, kv_cache, md, self.scale, plan)
+            if out is not None:
+                return self.o_proj(out)
         # q and k are adjacent columns of the fused output: rotate both in one
         # pass over a view, then split the rotated heads (views, no copies;
         # one split op each rather than two slices).
-        qk, v = self.qkv_proj(hidden_states).view(
-            n, num_qk + self.num_kv_heads, self.head_dim).split(
-            [num_qk, self.num_kv_heads], dim=1)
+        qk, v = qkv.split([num_qk, self.num_kv_heads], dim=1)
         q, k = apply_rotary_tables(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn_backend.forward(q, k, v, kv_cache, md, self.scale, plan)
         return self.o_proj(out)

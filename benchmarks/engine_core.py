@@ -180,10 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         # Alternated: odd rounds run the backends in reverse, so neither
         # always goes first on a box whose speed drifts.
         order = backends if i % 2 == 0 else backends[::-1]
-        runs = {_engine_name(b, backends): run_engine(
-            args.model, requests, args.concurrency, args.dtype,
-            args.max_num_batched_tokens, b) for b in order}
-        runs = {_engine_name(b, backends): runs[_engine_name(b, backends)] for b in backends}
+        by_backend = {b: run_engine(args.model, requests, args.concurrency, args.dtype,
+                                    args.max_num_batched_tokens, b) for b in order}
+        runs = {_engine_name(b, backends): by_backend[b] for b in backends}  # table order
         if args.hf_baseline:
             runs["transformers"] = hf_baseline.run(args.model, requests, args.concurrency,
                                                    args.dtype, args.threads)

@@ -75,12 +75,12 @@ ENV KVLOOM_CACHE_DIR=/opt/kvloom/cache
 # minutes and keeps containers from needing write access to a cache.
 RUN set -eux; \
     mkdir -p "${KVLOOM_CACHE_DIR}"; \
-    if [ "${PRECONVERT_MODEL}" = "1" ]; then python -m kvloom.server.default_model; fi
+    if [ "${PRECONVERT_MODEL}" = "1" ]; then python -m kvloom.common.default_model; fi
 
 FROM base AS runtime
 ARG KVLOOM_UID=10001
 # A C compiler for the workers' cpu attention kernel, built for the host's own
-# CPU on first use (workerd/layers/cpu_attention.py); without one a CPU worker
+# CPU on first use (workerd/layers/attention/cpu.py); without one a CPU worker
 # falls back to the slower torch backend.
 RUN set -eux; \
     apt-get update; \

@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.model:
                 source = args.model
             else:
-                from kvloom.server.default_model import default_model_dir
+                from kvloom.common.default_model import default_model_dir
 
                 source = default_model_dir()
         model = write_null_checkpoint(tmp / "model", source)

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workerd.distributed import single_process_state
-from workerd.layers.attention_backend import resolve_attention_backend
+from workerd.distributed.parallel_state import single_process_state
+from workerd.layers.attention.backend import resolve_attention_backend
 from workerd.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -58,8 +58,8 @@ from workerd.layers.linear import (
 )
 from workerd.layers.packed_linear import linear
 from workerd.limits import WorkerLimits
-from workerd.model_runner import ModelRunner
-from workerd.sched_output import (
+from workerd.runner.model_runner import ModelRunner
+from workerd.runner.sched_output import (
     CachedRequestData,
     NewRequestData,
     SamplingParams,
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from kvloom.server.default_model import default_model_dir
+        from kvloom.common.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     batches = [int(b) for b in args.batch_sizes.split(",")]

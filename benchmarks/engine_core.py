@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1 and not args.hf_baseline:
         raise SystemExit("--rounds needs --hf-baseline (a ratio per round)")
     if args.model is None:
-        from kvloom.server.default_model import default_model_dir
+        from kvloom.common.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     torch.set_num_threads(args.threads)

@@ -48,7 +48,7 @@ from kvloom.cli import launcher
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError, default_server
-from kvloom.server.cpu_cores import available_cores, pin_process  # noqa: E402
+from kvloom.common.cpu_cores import available_cores, pin_process  # noqa: E402
 
 MAX_ROUNDS = 20
 
@@ -389,7 +389,7 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 def run_launched(args) -> list[dict]:
     if args.model is None:
-        from kvloom.server.default_model import default_model_dir
+        from kvloom.common.default_model import default_model_dir
 
         args.model = default_model_dir()
     runs = []

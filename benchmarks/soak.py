@@ -493,7 +493,7 @@ def format_table(result: dict) -> str:
 
 def run_launched(args) -> dict:
     if args.model is None:
-        from kvloom.server.default_model import default_model_dir
+        from kvloom.common.default_model import default_model_dir
 
         args.model = default_model_dir()
     spec = launcher.ClusterSpec(

@@ -32,11 +32,11 @@ from controlplane.config import (
 )
 from controlplane.config_args import add_config_group, config_from_args
 from controlplane.model_info import ModelInfo, read_model_info
+from kvloom.common.logs import setup_logging
+from kvloom.common.ports import PortInUse, port_in_use
+from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
-from kvloom.server.logs import setup_logging
-from kvloom.server.ports import PortInUse, port_in_use
-from kvloom.server.secret_files import read_token_file
 
 logger = logging.getLogger("controlplane")
 
@@ -84,7 +84,7 @@ def fail(message: str) -> NoReturn:
 
 def pin_cpu_cores(spec: str) -> None:
     """--cpu-cores, before any thread starts (later ones inherit the set)."""
-    from kvloom.server.cpu_cores import parse_cores, pin_process
+    from kvloom.common.cpu_cores import parse_cores, pin_process
 
     try:
         pin_process(parse_cores(spec, "--cpu-cores"))
@@ -98,7 +98,7 @@ def build_config(
     """parser: unused, kept for callers that pass it."""
     model_path = args.model
     if not model_path:
-        from kvloom.server.default_model import default_model_dir
+        from kvloom.common.default_model import default_model_dir
 
         model_path = default_model_dir()
     if not os.path.exists(model_path):
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
               f"PP={par.pipeline_parallel_size} and the ports are usable")
         return
     from controlplane.server import run
-    from kvloom.server.gil import shorten_gil_switch_interval
+    from kvloom.common.gil import shorten_gil_switch_interval
 
     shorten_gil_switch_interval()
     try:

@@ -28,14 +28,14 @@ class ModelConfig:
     # Resolved by each worker (auto: flashinfer on a CUDA device where the
     # package imports and the dtype is 16-bit, cpu on a float32 CPU worker
     # whose kernel builds, else torch); see
-    # workerd/layers/attention_backend.py.
+    # workerd/layers/attention/backend.py.
     attention_backend: str = option(
         "auto", "workers' attention kernels: auto, torch (plain PyTorch, the reference), "
         "cpu (a C kernel built on the worker: CPU, float32, needs a C compiler) or "
         "flashinfer (CUDA, float16/bfloat16, needs flashinfer-python)",
         choices=("auto", "torch", "cpu", "flashinfer"))
     # vLLM's flag. Graphs are captured only where they apply (a CUDA worker,
-    # the flashinfer backend, TP=1, PP=1; workerd/cuda_graphs.py).
+    # the flashinfer backend, TP=1, PP=1; workerd/runner/cuda_graphs.py).
     enforce_eager: bool = option(
         False, "run every step eagerly: no CUDA graphs for decode steps (which a CUDA worker "
         "with the flashinfer backend at TP=1, PP=1 otherwise captures)")

@@ -36,7 +36,7 @@ from controlplane.api.offload import Offload, new_pool
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.tls import add_api_port, api_credentials
 from controlplane.config import ControlPlaneConfig
-from controlplane.engine import EngineCore
+from controlplane.engine.core import EngineCore
 from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import FailureKind
 from controlplane.executor.worker_plane import WorkerPlane
@@ -47,8 +47,8 @@ from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import RecoveryRecord
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness, admission_refusal
-from kvloom.server.logs import flush_log_handlers
-from kvloom.server.ports import EXCLUSIVE_PORT
+from kvloom.common.logs import flush_log_handlers
+from kvloom.common.ports import EXCLUSIVE_PORT
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)

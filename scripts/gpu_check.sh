@@ -5,7 +5,7 @@
 #   parity_1x1_bfloat16_torch.json       TP=1 greedy parity vs transformers in bf16
 #   parity_1x1_bfloat16_flashinfer.json  the same through FlashInfer's kernels
 #                               (when flashinfer imports), decode steps as CUDA
-#                               graphs (workerd/cuda_graphs.py)
+#                               graphs (workerd/runner/cuda_graphs.py)
 #   parity_1x1_bfloat16_flashinfer_eager.json  the same with --enforce-eager
 #   parity_2x1_/1x2_*.json      TP=2 and PP=2 over NCCL (when >= 2 GPUs)
 #   serving_*.json              benchmarks/serving.py (and --big-model);
@@ -133,7 +133,7 @@ else
   models=$(mktemp -d)
   parity_model=$(make_model "$models/parity" hidden_size=256 num_heads=4 num_kv_heads=2 \
     intermediate_size=512 num_layers=4)
-  if ! bench_model=$("$PY" -c 'from kvloom.server.default_model import default_model_dir
+  if ! bench_model=$("$PY" -c 'from kvloom.common.default_model import default_model_dir
 print(default_model_dir())' 2>> "$out/env.txt"); then
     echo "default model unavailable: benchmarking a random SmolLM2-shaped model" >> "$out/env.txt"
     bench_model=$(make_model "$models/smollm2-shaped" num_layers=30 hidden_size=576 \
@@ -154,8 +154,8 @@ if [[ $dry_run == 0 ]]; then
       --model "$parity_model" --dtype "$dtype" --device "$device" --layout 1x1 --out "$out" \
       --attention-backend flashinfer --enforce-eager
     step "decode CUDA graphs vs eager, token by token (pytest -m gpu)" "$PY" -m pytest -q \
-      -p no:cacheprovider -m gpu tests/workerd/test_cuda_graphs.py \
-      tests/workerd/test_flashinfer_backend.py
+      -p no:cacheprovider -m gpu tests/workerd/runner/test_cuda_graphs.py \
+      tests/workerd/layers/test_flashinfer_backend.py
   else
     echo "skipped flashinfer parity, graphs and benchmarks: flashinfer does not import" \
       >> "$summary"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workerd.attn_metadata import AttentionMetadata
+from workerd.layers.attention.metadata import AttentionMetadata
 
 # A fixed corpus makes the trained BPE merges (and so token ids) identical on
 # every run; keep it plain English so prompts in tests tokenize into real merges.
@@ -245,7 +245,7 @@ def paged_step(
 def layout_state(tp_size=1, pp_size=1, tp_rank=0, pp_rank=0):
     """A ParallelState for one rank of a layout, with no process group: enough
     to build and load a shard or lay out a step (only collectives need a group)."""
-    from workerd.distributed import ParallelState
+    from workerd.distributed.parallel_state import ParallelState
 
     return ParallelState(
         rank=pp_rank * tp_size + tp_rank,

@@ -37,13 +37,13 @@ from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from controlplane.core.request import Request
 from controlplane.core.scheduler import Scheduler
-from controlplane.engine import EngineCore
+from controlplane.engine.core import EngineCore
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
 from kvloom.worker.v1 import worker_pb2
 from workerd.limits import WorkerLimits
-from workerd.model_runner import ModelRunner
+from workerd.runner.model_runner import ModelRunner
 from workerd.worker import Worker
 
 BLOCK_SIZE = 4

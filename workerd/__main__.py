@@ -25,11 +25,11 @@ import sys
 import threading
 import time
 
+from kvloom.common.logs import flush_log_handlers, setup_logging
+from kvloom.common.ports import PortInUse
+from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
-from kvloom.server.logs import flush_log_handlers, setup_logging
-from kvloom.server.ports import PortInUse
-from kvloom.server.secret_files import read_token_file
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import (
     ControlplaneConnection,
@@ -165,7 +165,7 @@ def _exit(code: int) -> None:
 
 
 def _abort_collectives(args) -> None:
-    from workerd.collective_abort import abort_collectives
+    from workerd.distributed.collective_abort import abort_collectives
 
     controlplane_port = int(args.controlplane.rsplit(":", 1)[1])
     local = {args.metrics_port} if args.metrics_port else set()
@@ -214,7 +214,7 @@ def cpu_placement(args) -> tuple[frozenset[int], frozenset[int]] | None:
             raise ValueError("--io-cpu-cores needs --cpu-cores (the compute cores to keep "
                              "the other threads off)")
         return None
-    from kvloom.server.cpu_cores import available_cores, parse_cores
+    from kvloom.common.cpu_cores import available_cores, parse_cores
 
     compute = parse_cores(args.cpu_cores, "--cpu-cores")
     if args.io_cpu_cores:
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    from kvloom.server.gil import shorten_gil_switch_interval
+    from kvloom.common.gil import shorten_gil_switch_interval
 
     shorten_gil_switch_interval()
     code = run(args)
@@ -294,7 +294,7 @@ def _place_threads(placement) -> None:
     from this thread, so it inherits the compute cores."""
     if placement is None:
         return
-    from kvloom.server.cpu_cores import format_cores, pin_compute_thread
+    from kvloom.common.cpu_cores import format_cores, pin_compute_thread
 
     compute, others = placement
     pin_compute_thread(compute, others)

@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from kvloom.server.secret_files import read_pem
+from kvloom.common.secret_files import read_pem
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class ControlplaneConnection:
         self._reader: threading.Thread | None = None
         self.dial_attempts = 0  # read by tests and logs
         # Called on the reader thread when Reset arrives while a command runs
-        # (workerd/collective_abort.py); None = wait for the command.
+        # (workerd/distributed/collective_abort.py); None = wait for the command.
         self.on_abort = None
         self._deadline = 0.0
         self._timeout_s = 0.0

@@ -22,7 +22,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvloom.server.metrics_http import MetricsEndpoint
+from kvloom.common.metrics_http import MetricsEndpoint
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Protobuf -> plain dataclasses at the worker's edge.
 
-The model runner only sees workerd.sched_output types; this module unpacks the
+The model runner only sees workerd.runner.sched_output types; this module unpacks the
 columnar CachedRequestData (flat token/block lists plus per-request counts)
 and packs the output rank's ModelRunnerOutput.
 """
@@ -8,7 +8,7 @@ and packs the output rank's ModelRunnerOutput.
 from __future__ import annotations
 
 from kvloom.worker.v1 import worker_pb2
-from workerd.sched_output import (
+from workerd.runner.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,

@@ -23,8 +23,8 @@ import torch
 
 from kvloom.worker.v1 import worker_pb2
 from workerd.connection import free_port
-from workerd.devices import claim_device, resolve_device
-from workerd.layers.attention_backend import resolve_attention_backend
+from workerd.distributed.devices import claim_device, resolve_device
+from workerd.layers.attention.backend import resolve_attention_backend
 from workerd.limits import WorkerLimits
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
@@ -73,7 +73,7 @@ class Worker:
     # ---- handlers --------------------------------------------------------
 
     def init_distributed(self, cmd: worker_pb2.InitDistributed) -> worker_pb2.WorkerMessage:
-        from workerd.distributed import init_parallel_state, rebind_parallel_state
+        from workerd.distributed.parallel_state import init_parallel_state, rebind_parallel_state
 
         try:
             device = resolve_device(self.device_spec, cmd.rank)
@@ -107,7 +107,7 @@ class Worker:
         return _ack()
 
     def load_model(self, cmd: worker_pb2.LoadModel) -> worker_pb2.WorkerMessage:
-        from workerd.model_runner import ModelRunner
+        from workerd.runner.model_runner import ModelRunner
 
         if self.ps is None:
             raise CommandError("load_model before init_distributed")
@@ -180,7 +180,7 @@ class Worker:
 
     def reset(self, cmd: worker_pb2.Reset) -> worker_pb2.WorkerMessage:
         """Leave the failed group; keep the weights for the next one."""
-        from workerd.distributed import destroy_parallel_state
+        from workerd.distributed.parallel_state import destroy_parallel_state
 
         if self.ps is not None:
             destroy_parallel_state(self.ps)
@@ -198,7 +198,7 @@ class Worker:
 
     def close(self) -> None:
         if self.ps is not None:
-            from workerd.distributed import destroy_parallel_state
+            from workerd.distributed.parallel_state import destroy_parallel_state
 
             destroy_parallel_state(self.ps)
             self.ps = None

@@ -43,7 +43,7 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.core.kv_cache_utils import blocks_needed
 from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import Request, SamplingParams
-from controlplane.engine import EngineCore
+from controlplane.engine.core import EngineCore
 from controlplane.model_info import ModelInfo
 from kvloom import __version__
 from kvloom.v1 import generation_pb2, generation_pb2_grpc

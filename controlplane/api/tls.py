@@ -16,7 +16,7 @@ import ssl
 import grpc
 
 from controlplane.config import ApiSecurityConfig
-from kvloom.server.ports import add_port
+from kvloom.common.ports import add_port
 
 
 def _readable(flag: str, path: str) -> bytes:

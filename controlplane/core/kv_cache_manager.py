@@ -153,7 +153,7 @@ class KVCacheManager:
         are registered before the step runs, as in vLLM. A request admitted
         later in the same step may hit them: it is in the same batch, and
         workers scatter the whole batch's K/V into the cache before attention
-        reads it (workerd/layers/attention.py), so the hit reads written KV. A
+        reads it (workerd/layers/attention/torch_sdpa.py), so the hit reads written KV. A
         request taken back out of the step undoes this (uncache_blocks_after).
         """
         block_size = self.block_size

@@ -49,8 +49,8 @@ from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import ExecutorStatus
 from controlplane.executor.worker_service import WorkerControlService
 from controlplane.metrics.loop_lag import LoopLagProbe
-from kvloom.server.ports import EXCLUSIVE_PORT, add_port
-from kvloom.server.secret_files import read_pem
+from kvloom.common.ports import EXCLUSIVE_PORT, add_port
+from kvloom.common.secret_files import read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class WorkerPlane:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop_requested = self._loop.create_future()
-        # Exclusive whatever the caller passed (kvloom/server/ports.py).
+        # Exclusive whatever the caller passed (kvloom/common/ports.py).
         server = grpc.aio.server(options=[*self._options, EXCLUSIVE_PORT])
         server.add_generic_rpc_handlers((WorkerControlService(self.executor).generic_handler(),))
         cfg = self.executor.cfg

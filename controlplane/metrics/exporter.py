@@ -47,7 +47,7 @@ from controlplane.metrics.records import (
     TimingBatch,
     priority_class,
 )
-from kvloom.server.metrics_http import MetricsEndpoint
+from kvloom.common.metrics_http import MetricsEndpoint
 
 logger = logging.getLogger(__name__)
 

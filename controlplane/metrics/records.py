@@ -60,7 +60,7 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class RecoveryRecord:
-    """One transition of a recovery episode (controlplane/recovery.py), as
+    """One transition of a recovery episode (controlplane/engine/recovery.py), as
     increments: the engine thread builds it, the metrics apply it on the loop."""
 
     # Whether requests are held for a re-forming group after this transition.

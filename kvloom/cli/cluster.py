@@ -249,7 +249,7 @@ def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
     if args.model is None:
         # Converted here (first run only) so the daemons start from a ready dir.
         print("kvloom: preparing the default model (SmolLM2-135M-Instruct)", file=sys.stderr)
-        from kvloom.server.default_model import default_model_dir
+        from kvloom.common.default_model import default_model_dir
 
         args.model = default_model_dir()
     return cluster_spec(args)

@@ -55,6 +55,6 @@ def stop_detached(state: ClusterState, grace: float = 10.0) -> list[str]:
 
 
 def default_state_file() -> Path:
-    from kvloom.server.default_model import cache_root
+    from kvloom.common.default_model import cache_root
 
     return cache_root() / "cluster.json"

@@ -1,5 +1,5 @@
 """A local secure cluster's TLS material (`kvloom up --tls`): a throw-away CA
-(kvloom.server.certs) and the certificates of the controlplane, the workers
+(kvloom.common.certs) and the certificates of the controlplane, the workers
 and the API's clients, and the flags that hand them to each daemon. The
 launcher (kvloom/cli/launcher.py) decides when; this module decides what.
 """
@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvloom.server.certs import DEFAULT_HOSTS, CertAuthority, CertFiles
+from kvloom.common.certs import DEFAULT_HOSTS, CertAuthority, CertFiles
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,9 @@ from kvloom.cli.procs import (  # noqa: F401 (Terminated, alive, exit_how, termi
 )
 from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
-from kvloom.server import cpu_cores
-from kvloom.server.cpu_cores import CpuPlan, format_cores
-from kvloom.server.ports import (  # noqa: F401 (pick_free_ports: API)
+from kvloom.common import cpu_cores
+from kvloom.common.cpu_cores import CpuPlan, format_cores
+from kvloom.common.ports import (  # noqa: F401 (pick_free_ports: API)
     PortInUse,
     pick_free_ports,
     port_in_use,
@@ -201,7 +201,7 @@ def child_env(spec: ClusterSpec) -> dict[str, str]:
     argv, where any local user could read it from /proc/PID/cmdline."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Every rank runs on this host: each sizes its CPU KV cache to its share
-    # of the memory (workerd/kv_cache.py).
+    # of the memory (workerd/runner/kv_cache.py).
     env["KVLOOM_NUM_LOCAL_WORKERS"] = str(spec.world_size)
     if spec.auth_token is not None:
         env["KVLOOM_AUTH_TOKEN"] = spec.auth_token
@@ -556,6 +556,6 @@ def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up
 def _default_model() -> str:
     # Resolved here, once, so the conversion (first run only) happens before any
     # daemon starts instead of racing the controlplane's start-up timeout.
-    from kvloom.server.default_model import default_model_dir
+    from kvloom.common.default_model import default_model_dir
 
     return default_model_dir()

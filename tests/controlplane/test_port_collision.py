@@ -15,7 +15,7 @@ import pytest
 from controlplane.__main__ import build_config, build_parser
 from controlplane.executor.worker_plane import WorkerPlane
 from controlplane.server import grpc_options
-from kvloom.server.ports import EXCLUSIVE_PORT, PortInUse, add_port
+from kvloom.common.ports import EXCLUSIVE_PORT, PortInUse, add_port
 from tests.checkpoints import config_only_checkpoint
 from tests.controlplane.executor.test_worker_plane import Plane
 

@@ -114,7 +114,7 @@ def test_compose_services_serve_greedy_completions(tiny_model_dir, tmp_path, ove
     secrets_dir.mkdir()
     (secrets_dir / "auth-token").write_text(secrets.token_hex(8) + "\n")
     if overrides:  # deploy/compose.tls.yml's files, as docs/security.md makes them
-        from kvloom.server.certs import CertAuthority
+        from kvloom.common.certs import CertAuthority
 
         tls = secrets_dir / "tls"
         ca = CertAuthority.create(tls, name="ca")

@@ -322,7 +322,7 @@ def test_chart_pods_serve_with_mtls_on_both_ports_and_api_keys(tiny_model_dir, t
     certificates and keys from the mounted Secrets, the group forms over mTLS,
     the exec probes pass over TLS, and a client with a certificate and a key
     gets exact tokens."""
-    from kvloom.server.certs import CertAuthority
+    from kvloom.common.certs import CertAuthority
 
     pki = tmp_path / "pki"
     ca = CertAuthority.create(pki)

@@ -221,7 +221,7 @@ def test_dockerfile_matches_the_package():
 def test_the_cpu_kernel_ships_and_the_image_can_build_it():
     """The C sources are package data of the installed (non-editable) package,
     and the runtime image has the compiler a CPU worker builds it with."""
-    from workerd.layers.cpu_kernels import HEADERS, SOURCES
+    from workerd.kernels.loader import HEADERS, SOURCES
 
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["workerd"]
@@ -236,7 +236,7 @@ def _layout_problem(tp: int, pp: int) -> str | None:
     from types import SimpleNamespace
 
     from controlplane.__main__ import check_layout
-    from kvloom.server.default_model import EXPECTED_CONFIG
+    from kvloom.common.default_model import EXPECTED_CONFIG
 
     config = SimpleNamespace(
         parallel=SimpleNamespace(

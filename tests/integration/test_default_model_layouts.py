@@ -25,7 +25,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def default_model():
-    from kvloom.server.default_model import default_model_dir
+    from kvloom.common.default_model import default_model_dir
 
     return default_model_dir()
 

@@ -128,7 +128,7 @@ def controlplane(tiny_model_dir, tmp_path_factory):
             # One step at a time: "step 1's token arrived, nothing of the bad
             # step 2" is then exact. Pipelined, step 1's output may still be
             # on its way when step 2's bad reply fails the group (applied
-            # only if already in: tests/controlplane/test_engine_recovery.py).
+            # only if already in: tests/controlplane/engine/test_engine_recovery.py).
             "--no-async-scheduling",
         ),
     )

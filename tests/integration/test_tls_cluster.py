@@ -17,7 +17,7 @@ import pytest
 from kvloom.cli.cluster import with_tls
 from kvloom.cli.launcher import Cluster, ClusterSpec
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
-from kvloom.server.certs import CertAuthority
+from kvloom.common.certs import CertAuthority
 from tests.integration.conftest import TEST_KV_CACHE, _Tee
 from tests.integration.reference import hf_greedy
 

@@ -59,7 +59,7 @@ def test_commands():
 
 
 def test_pinned_cluster_gives_each_rank_a_core_and_the_rest_to_everything_else(monkeypatch):
-    from kvloom.server import cpu_cores
+    from kvloom.common import cpu_cores
 
     monkeypatch.setattr(cpu_cores, "available_cores", lambda: frozenset({2, 3, 5, 6, 7}))
     spec = launcher.ClusterSpec(tensor_parallel_size=2, pin_cpus=True)
@@ -78,7 +78,7 @@ def test_pinned_cluster_gives_each_rank_a_core_and_the_rest_to_everything_else(m
 
 
 def test_pinning_refuses_a_machine_without_a_core_to_spare(monkeypatch):
-    from kvloom.server import cpu_cores
+    from kvloom.common import cpu_cores
 
     monkeypatch.setattr(cpu_cores, "available_cores", lambda: frozenset({0, 1}))
     spec = launcher.ClusterSpec(tensor_parallel_size=2, pin_cpus=True)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from benchmarks.decode_roofline import count_dispatches, main, matmul_layers, matmul_shape
-from workerd.distributed import single_process_state
+from workerd.distributed.parallel_state import single_process_state
 from workerd.layers import packed_linear
 from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
-from workerd.model_loader import load_model
+from workerd.models.loader import load_model
 
 
 def test_matmul_layers_are_the_models_projections_and_lm_head(tiny_model_dir):

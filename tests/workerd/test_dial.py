@@ -177,7 +177,7 @@ class _Pki:
     certificates a worker must be refused with: from a second CA, expired."""
 
     def __init__(self, root: Path) -> None:
-        from kvloom.server.certs import CertAuthority
+        from kvloom.common.certs import CertAuthority
 
         self.ca = CertAuthority.create(root / "ca")
         self.other_ca = CertAuthority.create(root / "other", name="other-ca")

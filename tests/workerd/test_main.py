@@ -29,7 +29,7 @@ from workerd.__main__ import build_parser
 CHILD = """
 import sys
 import workerd.__main__ as main
-from kvloom.server.logs import setup_logging
+from kvloom.common.logs import setup_logging
 from kvloom.worker.v1 import worker_pb2
 
 class HeldWorker:
@@ -183,7 +183,7 @@ def test_shutdown_timeout_default_fits_kubernetes_grace_period():
 
 @pytest.fixture(scope="module")
 def worker_pki(tmp_path_factory):
-    from kvloom.server.certs import CertAuthority
+    from kvloom.common.certs import CertAuthority
 
     root = tmp_path_factory.mktemp("worker-pki")
     ca = CertAuthority.create(root / "ca")

@@ -1,5 +1,5 @@
 /* The elementwise work around a Llama layer's matmuls, fused, for CPU ranks
- * in float32 (workerd/layers/cpu_ops.py calls these through ctypes).
+ * in float32 (workerd/kernels/ops.py calls these through ctypes).
  *
  * torch's rms_norm on CPU is a composite of six ops (pow, mean, add, rsqrt,
  * mul, mul), each a dispatch and a pass over the activations; with the

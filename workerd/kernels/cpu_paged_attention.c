@@ -1,5 +1,5 @@
 /* Paged attention for CPU ranks in float32: kvloom's `cpu` attention backend
- * (workerd/layers/cpu_kernels.py compiles it with the other kernels once per
+ * (workerd/kernels/loader.py compiles it with the other kernels once per
  * machine and calls it through ctypes; no torch headers, so it builds in about a
  * second).
  *

@@ -2,7 +2,7 @@
 norm(x + residual) while handing the updated residual stream on.
 
 With `kernels` set (the model sets it on a float32 CPU rank whose attention
-runs the cpu backend, workerd/layers/cpu_ops.py) the add and the norm are one
+runs the cpu backend, workerd/kernels/ops.py) the add and the norm are one
 C call; HF's arithmetic, up to an ulp or two of summation order. Without it,
 the torch code below, which is bitwise HF's."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workerd.layers import cpu_ops
+from workerd.kernels import ops as cpu_ops
 from workerd.layers.direct_call import DirectCallModule
 
 
@@ -26,7 +26,7 @@ class RMSNorm(DirectCallModule):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One call instead of seven: in float32 torch's rms_norm runs HF's
-            # ops in HF's order (bitwise equal, tests/workerd/test_layers_rmsnorm.py);
+            # ops in HF's order (bitwise equal, tests/workerd/layers/test_layers_rmsnorm.py);
             # in bf16/fp16 it multiplies by the weight before rounding, so
             # those keep the explicit form below.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

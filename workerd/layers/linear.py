@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workerd.distributed import ParallelState, tp_all_reduce
+from workerd.distributed.parallel_state import ParallelState, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.packed_linear import Packable, linear
 

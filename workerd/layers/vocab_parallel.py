@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workerd.distributed import ParallelState, tp_all_gather, tp_all_reduce
+from workerd.distributed.parallel_state import ParallelState, tp_all_gather, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.linear import set_shard
 from workerd.layers.packed_linear import Packable, linear

@@ -2,7 +2,7 @@
 
 config.json's `architectures[0]` selects the class; anything not listed is
 refused up front with the supported names, rather than failing mid-load.
-workerd.model_loader asks this registry for the class and builds it; nothing
+workerd.models.loader asks this registry for the class and builds it; nothing
 here knows how weights are loaded.
 """
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workerd.attn_metadata import AttentionMetadata
-from workerd.distributed import IntermediateTensors, ParallelState
-from workerd.layers import cpu_ops
-from workerd.layers.attention_backend import AttentionBackend, TorchAttentionBackend
+from workerd.distributed.parallel_state import IntermediateTensors, ParallelState
+from workerd.kernels import ops as cpu_ops
+from workerd.layers.attention.backend import AttentionBackend, TorchAttentionBackend
+from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.layernorm import RMSNorm
 from workerd.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
-        """Every layer attends through `backend` (workerd/layers/attention_backend.py);
+        """Every layer attends through `backend` (workerd/layers/attention/backend.py);
         the weights and the KV cache layout do not depend on it. A backend
         that carries CPU kernels (the cpu backend) also lends the norms and
         the MLPs its fused elementwise ones: one switch for all the C code."""

@@ -252,7 +252,7 @@ run it: the first does the work, the others find the finished directory.
 - name: convert-default-model
   image: {{ include "kvloom.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: ["python", "-m", "kvloom.server.default_model"]
+  command: ["python", "-m", "kvloom.common.default_model"]
   env:
     - name: KVLOOM_CACHE_DIR
       value: {{ include "kvloom.cacheDir" . | quote }}

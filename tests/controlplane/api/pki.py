@@ -1,4 +1,4 @@
-"""Throw-away certificates for the TLS tests (kvloom.server.certs): a CA, a
+"""Throw-away certificates for the TLS tests (kvloom.common.certs): a CA, a
 server certificate for loopback, a client certificate it signed, and the
 ones a secure server must refuse: a client certificate from a second,
 untrusted CA, and an expired one from the trusted CA."""
@@ -9,7 +9,7 @@ import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvloom.server.certs import CertAuthority, CertFiles
+from kvloom.common.certs import CertAuthority, CertFiles
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from controlplane.config import (
 from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from controlplane.core.request import Request
 from controlplane.core.sched_stats import SchedulerStats
-from controlplane.engine import EngineCore
+from controlplane.engine.core import EngineCore
 from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.model_info import read_model_info

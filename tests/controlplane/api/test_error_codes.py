@@ -12,7 +12,7 @@ from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import EngineErrorCode
 from controlplane.core.request import FinishReason, Request, SamplingParams
 from controlplane.core.scheduler import Scheduler
-from controlplane.engine import EngineCore
+from controlplane.engine.core import EngineCore
 
 
 def test_every_engine_error_code_maps_to_a_grpc_status():

@@ -58,7 +58,7 @@ def test_tiny_checkpoint_tokenizes_like_autotokenizer(tiny_model_dir):
 
 @pytest.mark.slow
 def test_default_model_tokenizes_like_autotokenizer():
-    from kvloom.server.default_model import DefaultModelError, default_model_dir
+    from kvloom.common.default_model import DefaultModelError, default_model_dir
 
     try:
         model_dir = str(default_model_dir())

@@ -86,7 +86,7 @@ def test_long_random_runs_through_preemption_and_failover_pass_the_check():
 
 
 def test_logprobs_and_prompt_logprobs_of_a_real_model_pass_the_check(tiny_model_dir):
-    """The prompt-logprobs scenario of tests/workerd/test_logprobs.py: a prompt
+    """The prompt-logprobs scenario of tests/workerd/sample/test_logprobs.py: a prompt
     split in two chunks, preempted after sampling and recomputed, next to
     requests asking for sampled logprobs (0, 2, 5 candidates) and none."""
     vocab = read_model_info(tiny_model_dir).vocab_size

@@ -14,7 +14,7 @@ from controlplane.core.request import SamplingParams as CpParams
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
 from kvloom.worker.v1 import worker_pb2
 from tests.controlplane.core.helpers import EOS, make_request, make_scheduler
-from workerd.sched_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
+from workerd.runner.sched_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
 

@@ -27,7 +27,7 @@ from controlplane.executor.registration import (
 )
 from controlplane.executor.status import GroupState
 from controlplane.executor.worker_plane import WorkerTlsError, worker_server_credentials
-from kvloom.server.certs import CertAuthority
+from kvloom.common.certs import CertAuthority
 from kvloom.worker.v1 import worker_pb2
 from tests.checkpoints import config_only_checkpoint
 from tests.controlplane.executor.test_grpc_executor import FakeWorker, Harness

@@ -1,0 +1,163 @@
+"""The checkpoint loader: every rank reads only its slice (get_slice, never a
+whole tensor), sharded checkpoints load like single-file ones, and missing
+tensors are reported by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import workerd.models.loader as model_loader
+from tests.factories import layout_state, make_tiny_llama
+from workerd.models.loader import load_model
+
+
+def _full(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in model_loader.checkpoint_files(path):
+        with safe_open(str(f), framework="pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})  # noqa: SIM118
+    return out
+
+
+class _SpySlice:
+    def __init__(self, inner, name, calls):
+        self._inner, self._name, self._calls = inner, name, calls
+
+    def get_shape(self):
+        return self._inner.get_shape()
+
+    def __getitem__(self, index):
+        out = self._inner[index]
+        self._calls.append(("read", self._name, out.numel()))
+        return out
+
+
+class _SpyHandle:
+    def __init__(self, inner, calls):
+        self._inner, self._calls = inner, calls
+
+    def __enter__(self):
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+    def keys(self):
+        return self._inner.keys()
+
+    def get_slice(self, name):
+        self._calls.append(("get_slice", name, 0))
+        return _SpySlice(self._inner.get_slice(name), name, self._calls)
+
+    def get_tensor(self, name):
+        self._calls.append(("get_tensor", name, 0))
+        return self._inner.get_tensor(name)
+
+
+def test_tp_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
+    calls = []
+    real = model_loader.safe_open
+    monkeypatch.setattr(model_loader, "safe_open", lambda *a, **k: _SpyHandle(real(*a, **k), calls))
+    model = load_model(tiny_model_dir, layout_state(tp_size=2, tp_rank=1), torch.float32)
+    assert calls and {kind for kind, _, _ in calls} == {"get_slice", "read"}
+    full = _full(tiny_model_dir)
+    # Only this rank's half of every split tensor ever left the file.
+    read = {name: n for kind, name, n in calls if kind == "read"}
+    assert read["model.layers.3.self_attn.q_proj.weight"] == 32 * 64
+    assert read["model.layers.3.mlp.down_proj.weight"] == 64 * 64
+    assert sum(read.values()) < 0.55 * sum(t.numel() for t in full.values())
+    layer = model.layers[3]
+    p = "model.layers.3."
+    attn = layer.self_attn
+    qkv = attn.qkv_proj.checkpoint_params()
+    torch.testing.assert_close(qkv["q_proj.weight"], full[p + "self_attn.q_proj.weight"][32:])
+    torch.testing.assert_close(qkv["k_proj.weight"], full[p + "self_attn.k_proj.weight"][16:])
+    torch.testing.assert_close(
+        layer.self_attn.o_proj.weight, full[p + "self_attn.o_proj.weight"][:, 32:]
+    )
+    torch.testing.assert_close(layer.mlp.down_proj.weight, full[p + "mlp.down_proj.weight"][:, 64:])
+    torch.testing.assert_close(layer.input_layernorm.weight, full[p + "input_layernorm.weight"])
+    # vocab 511 over 2 ranks: 256 rows each; rank 1 holds 255 real rows + 1 zero pad row.
+    emb = model.embed_tokens.weight
+    assert emb.shape[0] == 256
+    torch.testing.assert_close(emb[:255], full["model.embed_tokens.weight"][256:])
+    assert emb[255].abs().sum() == 0
+    torch.testing.assert_close(model.lm_head.weight[:255], full["lm_head.weight"][256:])
+
+
+def test_replicated_kv_heads_when_tp_exceeds_kv_heads(tiny_model_dir):
+    full = _full(tiny_model_dir)["model.layers.0.self_attn.k_proj.weight"]  # 2 KV heads x 16
+    for tp_rank, kv_head in [(0, 0), (1, 0), (2, 1), (3, 1)]:
+        model = load_model(tiny_model_dir, layout_state(tp_size=4, tp_rank=tp_rank), torch.float32)
+        assert model.num_kv_heads == 1
+        k = model.layers[0].self_attn.qkv_proj.checkpoint_params()["k_proj.weight"]
+        torch.testing.assert_close(k, full[kv_head * 16 : (kv_head + 1) * 16])
+
+
+def test_pp_stage_loads_only_its_layers(tmp_path, monkeypatch):
+    path = make_tiny_llama(tmp_path, tie_word_embeddings=True, num_shards=3)
+    calls = []
+    real = model_loader.safe_open
+    monkeypatch.setattr(model_loader, "safe_open", lambda *a, **k: _SpyHandle(real(*a, **k), calls))
+    model = load_model(str(path), layout_state(pp_size=2, pp_rank=1), torch.float32, (1, 3))
+    assert (model.start_layer, model.end_layer, model.num_local_layers) == (1, 4, 3)
+    assert model.embed_tokens is None
+    read = {name for _, name, _ in calls}
+    assert not any(n.startswith("model.layers.0.") for n in read)
+    full = _full(path)
+    torch.testing.assert_close(
+        model.layers[0].mlp.gate_up_proj.checkpoint_params()["up_proj.weight"],
+        full["model.layers.1.mlp.up_proj.weight"],
+    )
+    # Tied: the last stage's LM head comes from the embedding tensor.
+    torch.testing.assert_close(model.lm_head.weight, full["model.embed_tokens.weight"])
+
+
+def test_sharded_checkpoint_equals_single_file(tmp_path):
+    one = load_model(str(make_tiny_llama(tmp_path / "one")), layout_state(), torch.float32)
+    many = load_model(
+        str(make_tiny_llama(tmp_path / "many", num_shards=4)), layout_state(), torch.float32
+    )
+    a, b = dict(one.named_parameters()), dict(many.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name])
+
+
+def test_bfloat16_load(tiny_model_dir):
+    model = load_model(tiny_model_dir, layout_state(), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = make_tiny_llama(tmp_path)
+    full = _full(path)
+    del full["model.layers.2.mlp.gate_proj.weight"]
+    from safetensors.torch import save_file
+
+    save_file(full, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors: model\.layers\.2\.mlp\.gate_proj"):
+        load_model(str(path), layout_state(), torch.float32)
+
+
+def test_fused_projections_are_one_weight_filled_through_their_views(tiny_model_dir):
+    """q/k/v and gate/up each run as one matmul: the fused weight is the
+    checkpoint tensors stacked, its views share its storage, and the weights
+    are counted once."""
+    model = load_model(tiny_model_dir, layout_state(), torch.float32)
+    full = _full(tiny_model_dir)
+    p = "model.layers.0."
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    torch.testing.assert_close(attn.qkv_proj.weight, torch.cat(
+        [full[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+    torch.testing.assert_close(mlp.gate_up_proj.weight, torch.cat(
+        [full[p + "mlp.gate_proj.weight"], full[p + "mlp.up_proj.weight"]]))
+    view = attn.qkv_proj.checkpoint_params()["k_proj.weight"]
+    assert view.untyped_storage().data_ptr() == attn.qkv_proj.weight.untyped_storage().data_ptr()
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
+    assert sum(t.numel() for t in model.parameters()) == sum(t.numel() for t in full.values())

@@ -1,0 +1,467 @@
+"""ModelRunner: executes one SchedulerOutput on this rank's model shard.
+
+The worker hands every step's SchedulerOutput (already converted from
+protobuf by workerd.wire) to execute_model, which
+  1. folds the diff into per-request state and the persistent input batch
+     (_update_states),
+  2. lays the scheduled tokens out request by request and builds input ids,
+     positions, slot mapping and AttentionMetadata (_prepare_inputs),
+  3. runs the shard: non-first pipeline stages receive hidden states from the
+     previous stage, non-last stages send theirs on and stop there,
+  4. on the last stage computes logits for requests whose context is complete
+     (plus every prompt position of requests that asked for prompt logprobs)
+     and, on the output rank only, samples one token each and takes the
+     logprobs that were asked for (workerd.sample.logprobs).
+  5. appends one token per sampling request on every rank
+     (workerd.runner.sampled_tokens): the output rank its sampled ids, the first PP
+     stage the same ids received from it, every other rank a placeholder.
+The diff does not carry sampled tokens (the controlplane may schedule the next
+step before it has seen them), so this is how all ranks stay identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from workerd.distributed import parallel_state as distributed
+from workerd.distributed.parallel_state import IntermediateTensors, ParallelState
+from workerd.layers.attention.backend import make_attention_backend
+from workerd.layers.attention.metadata import AttentionMetadata
+from workerd.layers.packed_linear import pack_linear_weights, packed_bytes, packing_unavailable
+from workerd.limits import WorkerLimits
+from workerd.models.loader import load_model
+from workerd.runner.cuda_graphs import (
+    DecodeGraphs,
+    capture_sizes,
+    graphs_memory_bytes,
+    graphs_unavailable,
+)
+from workerd.runner.input_batch import CachedRequestState, InputBatch
+from workerd.runner.kv_cache import (
+    allocate_kv_caches,
+    bytes_per_block,
+    cpu_kv_cache_budget,
+    cuda_kv_cache_budget,
+    num_blocks_for_budget,
+)
+from workerd.runner.sampled_tokens import SampledTokens
+from workerd.runner.sched_output import ModelRunnerOutput, SchedulerOutput
+from workerd.sample.logprobs import (
+    PromptLogprobsTarget,
+    compute_token_logprobs,
+    prompt_logprobs,
+    prompt_target,
+)
+from workerd.sample.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """Model inputs of one step, on the runner's device."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    # [num_sampled] rows of the hidden states whose logits are sampled.
+    logits_indices: torch.Tensor
+    # Requests that sample this step, in logits_indices order.
+    sample_states: list[CachedRequestState]
+    # Hidden-state rows whose logits predict prompt_targets' tokens, in order;
+    # empty unless a request asked for prompt logprobs.
+    prompt_logits_indices: list[int] = field(default_factory=list)
+    prompt_targets: list[PromptLogprobsTarget] = field(default_factory=list)
+
+
+class ModelRunner:
+    """One rank's model shard, KV cache and request mirror.
+
+    Life cycle, driven by the worker's command table: load_model ->
+    profile_num_blocks -> init_kv_cache (with the group's minimum) -> one
+    execute_model per step.
+    """
+
+    def __init__(
+        self,
+        ps: ParallelState,
+        model_path: str,
+        dtype: torch.dtype,
+        seed: int,
+        pp_layer_partition: tuple[int, ...] | list[int] = (),
+        *,
+        limits: WorkerLimits,
+        attention_backend: str = "torch",
+        enforce_eager: bool = False,
+        pack_weights: bool = True,
+    ) -> None:
+        self.ps = ps
+        self.model_path = model_path
+        self.dtype = dtype
+        self.pp_layer_partition = tuple(pp_layer_partition)
+        # The scheduler's limits: the profile run's worst case.
+        self.limits = limits
+        self.device = torch.device(ps.device)
+        # Already resolved (torch or flashinfer) by the worker's load_model.
+        self.attention_backend = attention_backend
+        # --enforce-eager: no CUDA graphs (workerd/runner/cuda_graphs.py) even where
+        # they apply. Read at init_kv_cache, which captures them.
+        self.enforce_eager = enforce_eager
+        # CPU float32 ranks pack their linear weights at load
+        # (workerd/layers/packed_linear.py); False keeps F.linear, for
+        # benchmarks that compare the two in one run.
+        self.pack_weights = pack_weights
+        self.graphs: DecodeGraphs | None = None
+        # How graphs are captured (None: torch.cuda.graph); tests stand in.
+        self.graph_capture = None
+        # A private generator keeps unseeded sampling reproducible from
+        # LoadModel.seed without touching torch's global RNG.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.sampler = Sampler(self.generator)
+        self.model: Any = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch()
+        self.sampled_tokens = SampledTokens(ps)
+        # Seconds the last step spent blocked receiving the previous stage's
+        # hidden states (0 on the first stage). Not work: a stage waiting on
+        # the one before it is a pipeline bubble, so it is kept out of
+        # forward_time_s and reported on its own.
+        self.last_recv_wait_s = 0.0
+
+    # ---- start-up -------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
+        self.model.set_attention_backend(make_attention_backend(
+            self.attention_backend, self.device,
+            kv_width=self.model.num_kv_heads * self.model.head_dim))
+        reason = packing_unavailable(self.device, self.dtype) if self.pack_weights else "off"
+        if reason is None:
+            n = pack_linear_weights(self.model, self.limits.max_num_seqs)
+            logger.info("packed %d linear weights into oneDNN's layout", n)
+        else:
+            logger.info("linear layers run F.linear (weights not packed: %s)", reason)
+
+    def weights_bytes(self) -> int:
+        plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return plain + packed_bytes(self.model)
+
+    def profile_num_blocks(
+        self, block_size: int, kv_cache_memory_bytes: int, gpu_memory_utilization: float
+    ) -> tuple[int, int]:
+        """(num_blocks, bytes_per_block) this rank can hold."""
+        block_bytes = bytes_per_block(self.model, block_size, self.dtype)
+        if kv_cache_memory_bytes > 0:
+            budget = kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = cuda_kv_cache_budget(
+                self.device, gpu_memory_utilization, lambda: self._profile_run(block_size)
+            )
+            if self._graphs_unavailable() is None:
+                # init_kv_cache captures them after the cache is allocated.
+                budget -= graphs_memory_bytes(self.limits.max_num_seqs)
+        else:
+            budget = cpu_kv_cache_budget()
+        return num_blocks_for_budget(budget, block_bytes), block_bytes
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.graphs = None  # captured against the old cache, if any
+        reason = self._graphs_unavailable()
+        # Graphs pad decode batches; the padding's K/V goes to one extra
+        # block past the controlplane's pool, which no request ever owns.
+        extra = 1 if reason is None else 0
+        self.kv_caches = allocate_kv_caches(
+            self.model, num_blocks + extra, block_size, self.dtype, self.device
+        )
+        self.block_size = block_size
+        if reason is None:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, block_size, self.dtype, self.device,
+                capture_sizes(self.limits.max_num_seqs), graph=self.graph_capture)
+        else:
+            logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
+
+    def _graphs_unavailable(self) -> str | None:
+        return graphs_unavailable(self.device, self.attention_backend, self.ps.world_size,
+                                  self.enforce_eager)
+
+    def reset_state(self) -> None:
+        """The group failed: forget every request and the KV cache (its blocks
+        mean nothing to the next group's scheduler); the weights stay."""
+        self.requests = {}
+        self.input_batch = InputBatch()
+        self.sampled_tokens.reset()
+        self.kv_caches = []
+        self.graphs = None
+        self.block_size = 0
+
+    # ---- one step -------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.last_recv_wait_s = 0.0
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], []) if self.ps.is_output_rank else None
+        if not self.kv_caches:
+            raise RuntimeError("execute_model before init_kv_cache")
+        if self.sampled_tokens.receives:
+            self.sampled_tokens.resolve(self.input_batch.req_id_to_index)
+        inputs = self._prepare_inputs(scheduler_output)
+        # Every rank advances the same way, so all agree on next step's rows.
+        for target in inputs.prompt_targets:
+            state = self.requests[target.req_id]
+            state.prompt_logprobs_from = target.start_position + len(target.token_ids)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self._forward(inputs)
+            if hidden is None:
+                self.sampled_tokens.append(inputs.sample_states, None)
+                return None
+            num_sample = len(inputs.sample_states)
+            if num_sample == 0 and not inputs.prompt_targets:
+                # Only partial prefill chunks: nothing to sample, but every
+                # last-stage rank takes the same branch, so no collective hangs.
+                out = ModelRunnerOutput([], []) if self.ps.is_output_rank else None
+            else:
+                indices = inputs.logits_indices
+                if inputs.prompt_targets:
+                    extra = torch.tensor(inputs.prompt_logits_indices, device=indices.device)
+                    indices = torch.cat([indices, extra])
+                # compute_logits may gather vocab shards: every last-stage TP rank calls it.
+                logits = self.model.compute_logits(hidden[indices])
+                if not self.ps.is_output_rank:
+                    self.sampled_tokens.append(inputs.sample_states, None)
+                    return None
+                out = self._sample(logits[:num_sample], inputs.sample_states)
+                self.sampled_tokens.append(inputs.sample_states, out.sampled_token_ids)
+                if inputs.prompt_targets:
+                    out.prompt_logprobs = prompt_logprobs(
+                        logits[num_sample:], inputs.prompt_targets
+                    )
+        if out is not None:
+            out.forward_time_s = time.perf_counter() - start - self.last_recv_wait_s
+        return out
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+        if not states:
+            return ModelRunnerOutput([], [])
+        params = [s.sampling_params for s in states]
+        # Output lists are sliced only for rows that read them (penalties,
+        # min_tokens): the common batch copies no token lists at all.
+        output_token_ids = None
+        if any(p.uses_penalties or p.min_tokens > 0 for p in params):
+            output_token_ids = [
+                s.output_token_ids if p.uses_penalties or p.min_tokens > 0 else ()
+                for s, p in zip(states, params, strict=True)
+            ]
+        metadata = SamplingMetadata.from_params(
+            params,
+            [s.generator_for_next_token() for s in states],
+            self.device,
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            output_token_ids=output_token_ids,
+        )
+        sampled = self.sampler(logits, metadata)
+        out = ModelRunnerOutput([s.req_id for s in states], sampled.tolist())
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            entries = compute_token_logprobs(
+                logits[idx], sampled[idx], [params[i].logprobs for i in rows]
+            )
+            out.logprobs = [None] * len(states)
+            for i, entry in zip(rows, entries, strict=True):
+                out.logprobs[i] = entry
+        return out
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Runs this stage; returns the last stage's hidden states, None elsewhere."""
+        ps = self.ps
+        if self.graphs is not None and self.graphs.can_run(inputs.attn_metadata):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        intermediate = None
+        if not ps.is_first_pp_rank:
+            t0 = time.perf_counter()
+            intermediate = distributed.recv_intermediate(
+                inputs.positions.numel(), self.model.hidden_size, self.dtype, ps
+            )
+            self.last_recv_wait_s = time.perf_counter() - t0
+        out = self.model.forward(
+            inputs.input_ids if ps.is_first_pp_rank else None,
+            inputs.positions,
+            self.kv_caches,
+            inputs.attn_metadata,
+            intermediate,
+        )
+        if not ps.is_last_pp_rank:
+            distributed.send_intermediate(out, ps)
+            return None
+        return out
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # The batch holds exactly this step's requests: preempted ones and
+        # running ones the scheduler skipped leave it but keep their state.
+        for req_id in batch.req_ids:
+            if req_id in so.preempted_req_ids or so.num_scheduled_tokens.get(req_id, 0) == 0:
+                batch.remove_request(req_id)
+
+        for new in so.scheduled_new_reqs:
+            # A re-formed group may resend a request: the new data wins.
+            batch.remove_request(new.req_id)
+            state = CachedRequestState.from_new_request(new, self.device)
+            self.requests[new.req_id] = state
+            if so.num_scheduled_tokens.get(new.req_id, 0) > 0:
+                batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise KeyError(f"cached request {req_id!r} is unknown to this worker")
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            if resumed:
+                state.block_ids = list(new_block_ids)
+            else:
+                state.block_ids.extend(new_block_ids)
+            if req_id not in batch:
+                if so.num_scheduled_tokens.get(req_id, 0) > 0:
+                    batch.add_request(state)
+            elif resumed:
+                # Only if the preemption never reached this rank; the resume
+                # still defines the block list, so replace the row too.
+                batch.set_block_ids(req_id, state.block_ids)
+            else:
+                batch.append_block_ids(req_id, new_block_ids)
+        batch.condense()
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        states = self.input_batch.states()
+        num_reqs = len(states)
+        block_size = self.block_size
+        query_lens = [so.num_scheduled_tokens[s.req_id] for s in states]
+        starts = [s.num_computed_tokens for s in states]
+
+        input_ids: list[int] = []
+        logits_indices: list[int] = []
+        sample_states: list[CachedRequestState] = []
+        prompt_indices: list[int] = []
+        prompt_targets: list[PromptLogprobsTarget] = []
+        num_tokens = 0
+        for state, start, n in zip(states, starts, query_lens, strict=True):
+            end = start + n
+            if end > state.num_tokens:
+                raise ValueError(
+                    f"request {state.req_id!r}: {n} tokens scheduled from {start} "
+                    f"but it holds only {state.num_tokens}"
+                )
+            input_ids.extend(state.all_token_ids[start:end])
+            if state.sampling_params.prompt_logprobs is not None:
+                target = prompt_target(state, start, end)
+                if target is not None:
+                    # The logits at position p - 1 predict prompt token p.
+                    first = num_tokens + target.start_position - 1 - start
+                    prompt_indices.extend(range(first, first + len(target.token_ids)))
+                    prompt_targets.append(target)
+            num_tokens += n
+            # A partial prefill chunk ends before the context does: no sample.
+            if end == state.num_tokens:
+                logits_indices.append(num_tokens - 1)
+                sample_states.append(state)
+
+        # The index arithmetic runs in numpy: a dozen small ops each step,
+        # which cost a tenth of torch's dispatch (~110 us a step saved on a
+        # 16-request decode); the results are shared with torch, not copied.
+        q = np.array(query_lens, dtype=np.int64)
+        start_np = np.array(starts, dtype=np.int64)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q, out=query_start_loc[1:])
+        req_idx = np.repeat(np.arange(num_reqs), q)
+        # Each token's position: its request's first position plus its offset.
+        positions = np.repeat(start_np - query_start_loc[:-1], q) + np.arange(num_tokens)
+        block_table = self.input_batch.block_table.view(num_reqs)
+        block_idx = positions // block_size
+        num_blocks = np.array(self.input_batch.block_table.num_blocks[:num_reqs], dtype=np.int64)
+        missing = block_idx >= num_blocks[req_idx]
+        if missing.any():
+            bad = states[int(req_idx[missing][0])].req_id
+            raise ValueError(f"request {bad!r} has no KV block for a scheduled position")
+        slot_mapping = block_table.numpy()[req_idx, block_idx] * block_size + positions % block_size
+        seq_lens_cpu = [s + n for s, n in zip(starts, query_lens, strict=True)]
+
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(start_np + q).to(dev),
+            block_table=block_table.to(dev),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens_cpu, default=0),
+            block_size=block_size,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=attn_metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sample_states=sample_states,
+            prompt_logits_indices=prompt_indices,
+            prompt_targets=prompt_targets,
+        )
+
+    # ---- profiling --------------------------------------------------------
+
+    def _profile_run(self, block_size: int) -> None:
+        """The activation peak: one forward of max_num_batched_tokens tokens,
+        and logits for a full batch of sampled rows (one per request, at most
+        max_num_seqs).
+
+        No pipeline traffic: non-first stages feed zeros instead of receiving,
+        so each rank can profile on its own.
+        """
+        n = self.limits.max_num_batched_tokens
+        num_blocks = math.ceil(n / block_size)
+        dev = self.device
+        caches = allocate_kv_caches(self.model, num_blocks, block_size, self.dtype, dev)
+        md = AttentionMetadata(
+            num_reqs=1,
+            num_actual_tokens=n,
+            slot_mapping=torch.arange(n, device=dev),
+            query_start_loc=torch.tensor([0, n], device=dev),
+            seq_lens=torch.tensor([n], device=dev),
+            block_table=torch.arange(num_blocks, device=dev).unsqueeze(0),
+            max_query_len=n,
+            max_seq_len=n,
+            block_size=block_size,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+        )
+        input_ids, intermediate = torch.zeros(n, dtype=torch.int64, device=dev), None
+        if not self.ps.is_first_pp_rank:
+            zeros = torch.zeros(n, self.model.hidden_size, dtype=self.dtype, device=dev)
+            input_ids, intermediate = None, IntermediateTensors(zeros, zeros.clone())
+        positions = torch.arange(n, device=dev)
+        with torch.inference_mode():
+            out = self.model.forward(input_ids, positions, caches, md, intermediate)
+            if self.ps.is_last_pp_rank:
+                self.model.compute_logits(out[-min(n, self.limits.max_num_seqs) :])
+        del caches, out

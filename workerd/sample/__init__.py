@@ -1,0 +1,1 @@
+"""From logits to tokens on the output rank: penalties, sampling and logprobs."""

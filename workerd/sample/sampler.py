@@ -1,0 +1,194 @@
+"""Sampler: turns the last stage's logits into one token id per sampling request.
+
+Runs on the output rank only, after ModelRunner has computed logits for the
+requests whose context is complete this step. The order follows vLLM: the
+min_tokens mask and the repetition/presence/frequency penalties edit the raw
+logits (workerd.sample.penalties); greedy rows (temperature 0) then take the exact
+argmax; the others are scaled by temperature, filtered by top-k, top-p, then
+min-p, and drawn with the exponential-race trick (argmax(p / q), q ~ Exp(1)),
+which is an exact categorical draw that needs one noise row per request. That
+is what makes seeded requests batch-independent: a seeded row's noise comes
+from its own generator, unseeded rows share one batched draw from the
+worker's default generator. The input logits are never modified, so the
+runner can take logprobs of the raw logits afterwards (workerd.sample.logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workerd.runner.sched_output import SamplingParams
+from workerd.sample.penalties import PenaltyMetadata, apply_penalties, min_tokens_index
+
+# Temperatures below this are greedy: dividing by them would overflow.
+GREEDY_BELOW = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    """Batched sampling parameters of the rows of one logits tensor."""
+
+    # None, all three, when every row is greedy (the sampler then reads none).
+    temperature: torch.Tensor | None  # [n] float32; 0 for greedy rows
+    top_k: torch.Tensor | None  # [n] int64; 0 = disabled
+    top_p: torch.Tensor | None  # [n] float32; 1 = disabled
+    # row -> that request's generator, already seeded for this token.
+    generators: dict[int, torch.Generator]
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    min_p: torch.Tensor | None = None  # [n] float32, None when no sampled row uses it
+    penalties: PenaltyMetadata | None = None
+    # (row, token id) pairs to mask to -inf: min_tokens not reached yet.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str = "cpu",
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingMetadata:
+        """Token lists are read only for rows that use penalties (both) or
+        min_tokens (the output count); other rows may pass empty ones."""
+        temps = [p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params]
+        top_ks = [max(p.top_k, 0) for p in params]
+        top_ps = [p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
+        min_ps = [p.min_p if 0.0 < p.min_p <= 1.0 else 0.0 for p in params]
+        sampled = [t > 0.0 for t in temps]
+        all_greedy = not any(sampled)
+
+        def tensor(values, dtype):
+            # An all-greedy batch (the common one) builds no parameter tensors.
+            return None if all_greedy else torch.tensor(values, dtype=dtype, device=device)
+
+        md = cls(
+            temperature=tensor(temps, torch.float32),
+            top_k=tensor(top_ks, torch.int64),
+            top_p=tensor(top_ps, torch.float32),
+            generators={i: g for i, g in enumerate(generators) if g is not None and sampled[i]},
+            all_greedy=all_greedy,
+            any_top_k=any(k > 0 and s for k, s in zip(top_ks, sampled, strict=True)),
+            any_top_p=any(p < 1.0 and s for p, s in zip(top_ps, sampled, strict=True)),
+        )
+        if any(m > 0.0 and s for m, s in zip(min_ps, sampled, strict=True)):
+            md.min_p = torch.tensor(min_ps, dtype=torch.float32, device=device)
+        needs_tokens = any(p.uses_penalties or p.min_tokens > 0 for p in params)
+        if needs_tokens:
+            if output_token_ids is None:
+                raise ValueError("penalties and min_tokens need the requests' output tokens")
+            prompts = prompt_token_ids if prompt_token_ids is not None else [()] * len(params)
+            md.penalties = PenaltyMetadata.build(params, prompts, output_token_ids, device)
+            md.min_tokens_mask = min_tokens_index(
+                params, [len(t) for t in output_token_ids], device
+            )
+        return md
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set every logit outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    top_k: [n] int64 with 0 = keep all; top_p: [n] float with 1 = keep all.
+    Top-k keeps exactly k tokens (ties at the boundary broken by sort order);
+    top-p keeps the smallest prefix of the sorted distribution whose mass
+    reaches p, i.e. a token stays if the mass strictly before it is < p.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        ranks = torch.arange(vocab, device=logits.device)
+        sorted_logits.masked_fill_(ranks[None, :] >= k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Disabled rows get a threshold no cumulative sum can reach, so float
+        # rounding near 1.0 never trims their tail.
+        threshold = torch.where(top_p < 1.0, top_p, 2.0)
+        drop = mass_before >= threshold[:, None]
+        drop[:, 0] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * the row's top probability
+    (transformers' MinPLogitsWarper); min_p 0 keeps the whole row."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Samples one token per logits row according to SamplingMetadata."""
+
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        # None = torch's global generator; the worker passes one seeded from LoadModel.seed.
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logits: [n, vocab]; returns [n] int64 token ids on logits' device."""
+        logits = self._apply_logits_processors(logits.float(), metadata)
+        greedy = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+        rows = torch.nonzero(metadata.temperature > 0.0).squeeze(-1)
+        row_list = rows.tolist()
+        scaled = logits[rows] / metadata.temperature[rows].unsqueeze(-1)
+        if metadata.any_top_k or metadata.any_top_p:
+            scaled = apply_top_k_top_p(
+                scaled,
+                metadata.top_k[rows] if metadata.any_top_k else None,
+                metadata.top_p[rows] if metadata.any_top_p else None,
+            )
+        if metadata.min_p is not None:
+            scaled = apply_min_p(scaled, metadata.min_p[rows])
+        probs = scaled.softmax(dim=-1)
+        noise = self._exponential_noise(probs, row_list, metadata.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        out = greedy.clone()
+        out[rows] = sampled
+        return out
+
+    @staticmethod
+    def _apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """min_tokens mask then penalties, on a copy: the caller's raw logits
+        stay intact for logprobs. A batch that uses neither skips the copy."""
+        if metadata.penalties is None and metadata.min_tokens_mask is None:
+            return logits
+        logits = logits.clone()
+        if metadata.min_tokens_mask is not None:
+            rows, tokens = metadata.min_tokens_mask
+            # An id past this model's vocabulary cannot be sampled anyway.
+            in_vocab = tokens < logits.shape[-1]
+            logits[rows[in_vocab], tokens[in_vocab]] = float("-inf")
+        if metadata.penalties is not None:
+            apply_penalties(logits, metadata.penalties)
+        return logits
+
+    def _exponential_noise(
+        self,
+        probs: torch.Tensor,
+        row_list: list[int],
+        generators: dict[int, torch.Generator],
+    ) -> torch.Tensor:
+        """One Exp(1) row per sampled row; generators must live on probs' device."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(row_list) if r not in generators]
+        if unseeded:
+            draw = torch.empty((len(unseeded), probs.shape[-1]), device=probs.device)
+            draw.exponential_(generator=self.default_generator)
+            noise[unseeded] = draw
+        for i, r in enumerate(row_list):
+            gen = generators.get(r)
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        # Exp(1) can return 0 with probability ~2^-24; p / 0 would win the race.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)

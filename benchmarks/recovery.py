@@ -32,6 +32,7 @@ from pathlib import Path
 
 from kvloom.cli import launcher
 from kvloom.client import AsyncKvloomClient
+from kvloom.common.default_model import default_model_dir
 
 PROGRESS = 8
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-mib", type=int, default=256)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    model = args.model or launcher._default_model()
+    model = args.model or default_model_dir()
     rows = []
     for layout in args.layouts.split(","):
         tp, pp = (int(x) for x in layout.lower().split("x"))

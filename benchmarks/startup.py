@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from kvloom.cli import launcher
+from kvloom.common.default_model import default_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks.serving import parse_layouts  # noqa: E402
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=_bounded(float, 1.0, 86400.0), default=600.0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    model = args.model or launcher._default_model()
+    model = args.model or default_model_dir()
     rows = []
     for tp, pp in args.layouts:
         runs = [one_start(model, tp, pp, args) for _ in range(args.repeats)]

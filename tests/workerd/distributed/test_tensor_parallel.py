@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.factories import make_tiny_llama, paged_step
+from kvloom.testing.attention import paged_step
+from tests.factories import make_tiny_llama
 from workerd.distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from kvloom.testing.attention import paged_step
 from kvloom.worker.v1 import worker_pb2
-from tests.factories import paged_step
 from tests.inprocess import free_port, limits_pb
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention import backend as ab

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.factories import build_attn_metadata
+from kvloom.testing.attention import build_attn_metadata
 from tests.inprocess import runner_limits
 from tests.torch_fixtures import tiny_model_path
 from tests.workerd.layers.test_attention import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.factories import paged_step
+from kvloom.testing.attention import paged_step
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention.torch_sdpa import paged_attention
 from workerd.layers.rotary import (

@@ -30,8 +30,8 @@ from controlplane.config import (
     ServerConfig,
     WorkerGroupConfig,
 )
-from controlplane.config_args import add_config_group, config_from_args
 from controlplane.model_info import ModelInfo, read_model_info
+from kvloom.common.config_args import add_config_group, config_from_args
 from kvloom.common.logs import setup_logging
 from kvloom.common.ports import PortInUse, port_in_use
 from kvloom.common.secret_files import read_token_file

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controlplane.config_args import option
+from kvloom.common.config_args import option
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from controlplane.__main__ import CONFIG_GROUPS, build_config, build_parser
-from controlplane.config_args import flag_of, option_fields
+from kvloom.common.config_args import flag_of, option_fields
 from tests.checkpoints import config_only_checkpoint
 
 # Fields that are no flag: build_config resolves them at start-up.

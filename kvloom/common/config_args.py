@@ -1,10 +1,12 @@
 """Command-line flags derived from the frozen config dataclasses.
 
 A config field declares its flag with option(): default, help text and bounds
-are written once, on the field. __main__ turns each dataclass into an argparse
-group (add_config_group) and builds it back from the parsed namespace
-(config_from_args), so no default is repeated in the parser. Flag spellings
-are vLLM's; a field named like its flag needs no spelling of its own.
+are written once, on the field. Each daemon's __main__ turns each dataclass
+into an argparse group (add_config_group) and builds it back from the parsed
+namespace (config_from_args), so no default is repeated in the parser. Flag
+spellings are vLLM's; a field named like its flag needs no spelling of its own.
+Shared by controlplane/config.py and workerd/config.py, which never import
+each other.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class Option:
     flag: str = ""  # "" = --field-name
     aliases: tuple[str, ...] = ()
     choices: tuple[Any, ...] | None = None
+    # A flag the daemon cannot start without (argparse's own error when absent).
+    required: bool = False
     # Bounds, named as pydantic's (and so vLLM's config): >=, >, <=.
     ge: float | None = None
     gt: float | None = None
@@ -54,9 +58,11 @@ def _int_tuple(raw: str) -> tuple[int, ...]:
 
 
 def _check_bounds(value: Any, opt: Option) -> None:
+    bounded = (opt.ge, opt.gt, opt.le) != (None, None, None)
     for v in value if isinstance(value, tuple) else (value,):
-        # float() takes "nan" and "inf"; NaN passes every comparison.
-        if isinstance(v, float) and not math.isfinite(v):
+        # float() takes "nan" and "inf"; NaN passes every comparison, so a
+        # bounded value must be finite (an unbounded one is taken as given).
+        if bounded and isinstance(v, float) and not math.isfinite(v):
             raise BadValue(f"must be a finite number, got {v}")
         if opt.ge is not None and v < opt.ge:
             raise BadValue(f"must be >= {opt.ge}, got {v}")
@@ -97,6 +103,8 @@ def add_config_group(parser: argparse.ArgumentParser, cls: type, title: str):
             kwargs["choices"] = opt.choices
             # Named after the flag, not the dest (--step-timeout, not STEP_TIMEOUT_S).
             kwargs["metavar"] = None if opt.choices else flag[2:].replace("-", "_").upper()
+        if opt.required:
+            kwargs["required"] = True
         group.add_argument(flag, *opt.aliases, **kwargs)
     return group
 

@@ -10,13 +10,17 @@ another process, or --controlplane, --device, --cpu-cores, --io-cpu-cores,
 The auth token is best given as a file (--auth-token-file) or KVLOOM_AUTH_TOKEN:
 a flag's value is visible to every local user in ps.
 With --metrics-port the rank also serves Prometheus /metrics (workerd/metrics.py).
+
+The flags are the fields of workerd/config.py's dataclasses (every one also
+read from its KVLOOM_* variable); build_config reads them once into a frozen
+WorkerdConfig, and each part of the rank is handed only its piece of it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
-import math
 import os
 import re
 import signal
@@ -25,12 +29,23 @@ import sys
 import threading
 import time
 
+import grpc
+
+from kvloom.common.config_args import add_config_group, config_from_args
 from kvloom.common.logs import flush_log_handlers, setup_logging
 from kvloom.common.ports import PortInUse
 from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.worker.v1 import worker_pb2
+from workerd.config import (
+    ConnectionConfig,
+    MetricsConfig,
+    PlacementConfig,
+    ProcessConfig,
+    RegistrationConfig,
+    WorkerdConfig,
+)
 from workerd.connection import (
     ControlplaneConnection,
     RegistrationError,
@@ -43,70 +58,22 @@ from workerd.worker import Worker
 logger = logging.getLogger("workerd")
 
 
+# Argument groups in --help order; their option() fields are the flags.
+CONFIG_GROUPS = (
+    ("connection", ConnectionConfig),
+    ("registration", RegistrationConfig),
+    ("placement", PlacementConfig),
+    ("metrics", MetricsConfig),
+    ("process", ProcessConfig),
+)
+
+
 def build_parser() -> EnvArgumentParser:
     p = EnvArgumentParser(prog="kvloom-workerd", description=__doc__.splitlines()[0],
                           formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--controlplane", required=True, help="HOST:WORKER_PORT of the controlplane")
-    p.add_argument("--rank", type=int, default=-1, help="explicit rank; -1 = assigned")
-    p.add_argument("--device", default="auto",
-                   help="auto, cpu, cuda or cuda:N; cuda = the GPU of LOCAL_RANK if set, else "
-                        "rank modulo the visible GPUs (a GPU another rank holds is refused)")
-    p.add_argument("--auth-token", default="",
-                   help="shared secret of the controlplane (visible in ps: prefer "
-                        "--auth-token-file or the environment)")
-    p.add_argument("--auth-token-file", default="",
-                   help="file holding the shared secret (surrounding whitespace stripped); "
-                        "excludes --auth-token")
-    p.add_argument("--ssl-ca-certs", default="",
-                   help="PEM CA bundle the controlplane's worker-port certificate must be "
-                        "signed by; setting any --ssl-* flag dials with TLS (empty here: the "
-                        "system's roots)")
-    p.add_argument("--ssl-certfile", default="",
-                   help="PEM client certificate this worker presents (the controlplane's "
-                        "--worker-ssl-ca-certs must have signed it)")
-    p.add_argument("--ssl-keyfile", default="", help="PEM private key of --ssl-certfile")
-    p.add_argument("--advertise-host", default="",
-                   help="this worker's address as reported to the controlplane, for display; "
-                        "the torch.distributed rendezvous uses the address the controlplane "
-                        "sees rank 0 connect from; default: this host's name")
-    p.add_argument("--dist-port", type=int, default=0,
-                   help="port for the torch.distributed store if this is rank 0; 0 = free port")
-    p.add_argument("--num-threads", type=int, default=0,
-                   help="torch intra-op threads; 0 = torch's default")
-    p.add_argument("--cpu-cores", default="",
-                   help="CPU cores for this rank's compute, e.g. 0 or 0-3 (Linux): the thread "
-                        "that runs steps and torch's threads stay on them, the rank's other "
-                        "threads (gRPC, heartbeat, metrics) are kept off them; empty = the "
-                        "OS places every thread")
-    p.add_argument("--io-cpu-cores", default="",
-                   help="with --cpu-cores: the cores of the rank's other threads; empty = "
-                        "every core this process may use except --cpu-cores")
-    p.add_argument("--connect-timeout", type=float, default=120.0,
-                   help="seconds to keep dialing and registering before giving up")
-    p.add_argument("--heartbeat-interval", type=float, default=5.0,
-                   help="seconds between heartbeats to the controlplane")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve this rank's Prometheus /metrics on this port; 0 = off")
-    p.add_argument("--metrics-host", default="0.0.0.0",
-                   help="address the metrics endpoint binds (Prometheus scrapes it remotely)")
-    p.add_argument("--shutdown-timeout", type=_shutdown_timeout, default=20.0,
-                   help="seconds after SIGTERM for the current command to finish before the "
-                        "process exits anyway; keep it below the orchestrator's grace period")
-    p.add_argument("--log-level", default="INFO", help="logging level of the worker")
+    for title, cls in CONFIG_GROUPS:
+        add_config_group(p, cls, title)
     return p
-
-
-MAX_SHUTDOWN_TIMEOUT_S = 3600.0
-
-
-def _shutdown_timeout(raw: str) -> float:
-    value = float(raw)
-    if not (math.isfinite(value) and 0 < value <= MAX_SHUTDOWN_TIMEOUT_S):
-        raise ValueError(f"must be > 0 and <= {MAX_SHUTDOWN_TIMEOUT_S:g} seconds, got {raw}")
-    return value
-
-
-_shutdown_timeout.__name__ = "seconds"  # argparse: "invalid seconds value: 'x'"
 
 
 class SigtermStop:
@@ -164,17 +131,17 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _abort_collectives(args) -> None:
+def _abort_collectives(connection: ConnectionConfig, metrics: MetricsConfig) -> None:
     from workerd.distributed.collective_abort import abort_collectives
 
-    controlplane_port = int(args.controlplane.rsplit(":", 1)[1])
-    local = {args.metrics_port} if args.metrics_port else set()
-    count = abort_collectives(keep_remote_ports={controlplane_port}, keep_local_ports=local)
+    local = {metrics.metrics_port} if metrics.metrics_port else set()
+    count = abort_collectives(keep_remote_ports={connection.controlplane_port},
+                              keep_local_ports=local)
     logger.warning("Reset while a command runs: shut %d socket(s) of the failed group so the "
                    "command returns", count)
 
 
-def _advertise_host(args) -> str:
+def advertise_host(args: argparse.Namespace) -> str:
     if args.advertise_host:
         return args.advertise_host
     host = args.controlplane.rsplit(":", 1)[0]
@@ -186,26 +153,30 @@ def _advertise_host(args) -> str:
 DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
-def startup_problem(args) -> str | None:
-    """A value argparse accepted but the worker cannot start with. Resolves
-    args.auth_token (from --auth-token-file) and args.credentials (the --ssl-*
-    files, None = plaintext) on the way."""
+def build_config(args: argparse.Namespace) -> WorkerdConfig:
+    """The tree from the parsed flags, the one time they are read. ValueError,
+    one line naming the flag, for a value argparse accepted but the worker
+    cannot start with (checked in this order, so the first wrong flag is named)."""
     host, _, port = args.controlplane.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return (f"--controlplane {args.controlplane}: expected HOST:PORT of the controlplane's "
-                f"worker port (its --worker-port), e.g. 127.0.0.1:50052")
+        raise ValueError(f"--controlplane {args.controlplane}: expected HOST:PORT of the "
+                         f"controlplane's worker port (its --worker-port), e.g. 127.0.0.1:50052")
     if not DEVICE_RE.fullmatch(args.device):
-        return f"--device {args.device}: expected auto, cpu, mps, cuda or cuda:N"
-    try:
-        args.auth_token = auth_token(args)
-        args.credentials = credentials(args)
-        args.placement = cpu_placement(args)
-    except ValueError as exc:
-        return str(exc)
-    return None
+        raise ValueError(f"--device {args.device}: expected auto, cpu, mps, cuda or cuda:N")
+    token = auth_token(args)
+    creds = credentials(args)
+    cores = cpu_placement(args)
+    return WorkerdConfig(
+        connection=config_from_args(ConnectionConfig, args, credentials=creds),
+        registration=config_from_args(RegistrationConfig, args, auth_token=token,
+                                      advertise_host=advertise_host(args)),
+        placement=config_from_args(PlacementConfig, args, cores=cores),
+        metrics=config_from_args(MetricsConfig, args),
+        process=config_from_args(ProcessConfig, args),
+    )
 
 
-def cpu_placement(args) -> tuple[frozenset[int], frozenset[int]] | None:
+def cpu_placement(args: argparse.Namespace) -> tuple[frozenset[int], frozenset[int]] | None:
     """(compute cores, other threads' cores) from --cpu-cores/--io-cpu-cores;
     None = no pinning. When the compute cores are all this process may use,
     the other threads share them (nothing else is left)."""
@@ -222,7 +193,7 @@ def cpu_placement(args) -> tuple[frozenset[int], frozenset[int]] | None:
     return compute, (available_cores() - compute) or compute
 
 
-def auth_token(args) -> str:
+def auth_token(args: argparse.Namespace) -> str:
     """--auth-token (KVLOOM_AUTH_TOKEN) or the stripped --auth-token-file, never both."""
     path = args.auth_token_file
     if not path:
@@ -236,7 +207,7 @@ def auth_token(args) -> str:
         raise ValueError(f"--auth-token-file {path}: {exc}") from None
 
 
-def credentials(args):
+def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     """TLS credentials for the worker port when any --ssl-* flag is set; None = plaintext."""
     if not (args.ssl_ca_certs or args.ssl_certfile or args.ssl_keyfile):
         return None
@@ -245,23 +216,26 @@ def credentials(args):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    problem = startup_problem(args)
-    if problem:  # one line, no usage text: the flag was well-formed for argparse
-        print(f"kvloom-workerd: error: {problem}", file=sys.stderr)
+    try:
+        config = build_config(args)
+    except ValueError as exc:  # one line, no usage text: the flag was well-formed for argparse
+        print(f"kvloom-workerd: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    setup_logging(args.log_level, f"workerd[{args.rank if args.rank >= 0 else '?'}]")
-    if args.num_threads > 0:
+    rank = config.registration.rank
+    setup_logging(config.process.log_level, f"workerd[{rank if rank >= 0 else '?'}]")
+    if config.placement.num_threads > 0:
         import torch
 
-        torch.set_num_threads(args.num_threads)
+        torch.set_num_threads(config.placement.num_threads)
     from kvloom.common.gil import shorten_gil_switch_interval
 
     shorten_gil_switch_interval()
-    code = run(args)
-    # Leave without Python's finalization: tearing down torch's modules took
-    # ~0.5 s on the 2-core box, at every stop, after the work was done. run()
-    # has closed what must be closed (the stream, the process group, the
-    # metrics port); only buffered output is left to flush.
+    code = run(config)
+    # Leave without Python's finalization: tearing down torch's modules is
+    # slow, paid at every stop after the work is done (docs/benchmarks.md,
+    # "Start-up").
+    # run() has closed what must be closed (the stream, the process group,
+    # the metrics port); only buffered output is left to flush.
     flush_log_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -269,19 +243,19 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(code)
 
 
-def run(args) -> int:
+def run(config: WorkerdConfig) -> int:
     metrics = None
-    if args.metrics_port:
+    if config.metrics.metrics_port:
         from workerd.metrics import WorkerMetrics
 
         metrics = WorkerMetrics()
         try:
-            metrics.serve(args.metrics_host, args.metrics_port)
+            metrics.serve(config.metrics.metrics_host, config.metrics.metrics_port)
         except PortInUse as exc:  # one line, not a traceback
             print(f"kvloom-workerd: error: {exc}", file=sys.stderr)
             return 2
     try:
-        return _serve(args, metrics)
+        return _serve(config, metrics)
     finally:
         if metrics is not None:
             metrics.close()
@@ -307,23 +281,24 @@ def _place_threads(placement) -> None:
                        "--num-threads %d", torch.get_num_threads(), len(compute), len(compute))
 
 
-def _serve(args, metrics) -> int:
-    conn = ControlplaneConnection(args.controlplane, getattr(args, "credentials", None))
-    stop = SigtermStop(conn.commands, args.shutdown_timeout)
+def _serve(config: WorkerdConfig, metrics) -> int:
+    link, me = config.connection, config.registration
+    conn = ControlplaneConnection(link.controlplane, link.credentials)
+    stop = SigtermStop(conn.commands, config.process.shutdown_timeout_s)
     if threading.current_thread() is threading.main_thread():
         stop.install()
     try:
-        conn.connect(args.connect_timeout)
+        conn.connect(link.connect_timeout_s)
         request = worker_pb2.RegisterRequest(
             protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
-            host=_advertise_host(args),
-            device=args.device,
-            auth_token=args.auth_token,
+            host=me.advertise_host,
+            device=me.device,
+            auth_token=me.auth_token,
             pid=os.getpid(),
-            dist_port=args.dist_port or free_port(),
+            dist_port=me.dist_port or free_port(),
         )
-        if args.rank >= 0:
-            request.rank = args.rank
+        if me.rank >= 0:
+            request.rank = me.rank
         reply = conn.register(request)
     except RegistrationError as exc:
         logger.error("registration refused: %s", exc)
@@ -334,16 +309,16 @@ def _serve(args, metrics) -> int:
     except ConnectionError as exc:
         logger.error("%s", exc)
         return 1
-    logger.info("registered with %s as rank %d of %d", args.controlplane, reply.rank,
+    logger.info("registered with %s as rank %d of %d", link.controlplane, reply.rank,
                 reply.world_size)
     if metrics is not None:
         metrics.registered(reply.rank)
-    worker = Worker(args.device)
-    conn.on_abort = lambda: _abort_collectives(args)
+    worker = Worker(me.device)
+    conn.on_abort = lambda: _abort_collectives(link, config.metrics)
     busy = threading.Event()
     conn.start_reader(busy)
-    conn.start_heartbeat(args.heartbeat_interval, worker)
-    _place_threads(getattr(args, "placement", None))
+    conn.start_heartbeat(link.heartbeat_interval_s, worker)
+    _place_threads(config.placement.cores)
     stop.serving.set()
     try:
         while (msg := conn.commands.get()) is not None:

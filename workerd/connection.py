@@ -41,7 +41,8 @@ RECONNECT_BACKOFF_MS = 1000
 # One dial attempt: how long to wait for the channel to become ready before
 # logging "waiting for controlplane" and trying again.
 DIAL_ATTEMPT_S = 2.0
-# Log every this many dial attempts after the first two (~10 s apart).
+# Log every this many dial attempts after the first two, so a long wait for
+# the controlplane shows in the log without a line per attempt.
 DIAL_LOG_EVERY = 5
 # The controlplane answers a RegisterRequest at once; one that does not within
 # this long is stuck (or is not a controlplane) and the attempt is retried.
@@ -134,7 +135,8 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC's default reconnect back-off grows to 120 s: a worker started
         # before its controlplane would join up to two minutes after it
-        # listens. Capped, a worker joins within ~1 s whatever the start order.
+        # listens. Capped, a worker joins within one back-off of it, whatever
+        # the start order (docs/benchmarks.md, "Start-up").
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS // 2),
         ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),

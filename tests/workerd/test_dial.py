@@ -349,21 +349,20 @@ def test_tls_without_client_auth_accepts_a_worker_without_a_certificate(pki, tls
         conn.close(grace_s=1.0)
 
 
-def _workerd_args(target: str, *flags: str):
-    from workerd.__main__ import build_parser, startup_problem
+def _workerd_config(target: str, *flags: str):
+    from workerd.__main__ import build_config, build_parser
 
-    args = build_parser().parse_args(["--controlplane", target, "--device", "cpu",
-                                      "--connect-timeout", str(POLL_S), *flags])
-    assert startup_problem(args) is None
-    return args
+    return build_config(build_parser().parse_args(["--controlplane", target, "--device", "cpu",
+                                                   "--connect-timeout", str(POLL_S), *flags]))
 
 
-def _run_workerd(args) -> int:
+def _run_workerd(config) -> int:
     """workerd's run() on a thread of its own (so it installs no signal handler)."""
     from workerd.__main__ import run
 
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.setdefault("code", run(args)), daemon=True)
+    thread = threading.Thread(target=lambda: result.setdefault("code", run(config)),
+                              daemon=True)
     thread.start()
     thread.join(POLL_S * 2)
     assert not thread.is_alive(), "workerd did not give up"
@@ -374,10 +373,10 @@ def test_workerd_with_a_refused_certificate_logs_one_line_and_exits_2(pki, tls_p
                                                                       fast_dial, caplog):
     plane = tls_plane()
     caplog.set_level("INFO", logger="workerd")
-    args = _workerd_args(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
-                         "--ssl-certfile", str(pki.stranger.certfile),
-                         "--ssl-keyfile", str(pki.stranger.keyfile))
-    assert _run_workerd(args) == 2
+    config = _workerd_config(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
+                             "--ssl-certfile", str(pki.stranger.certfile),
+                             "--ssl-keyfile", str(pki.stranger.keyfile))
+    assert _run_workerd(config) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "refused this worker's certificate" in errors[0], errors
     assert plane.executor.status().num_attached == 0
@@ -389,12 +388,12 @@ def test_workerd_with_a_wrong_token_file_is_refused_unauthenticated(pki, tls_pla
     token = tmp_path / "token"
     token.write_text("not-the-token\n")
     caplog.set_level("INFO", logger="workerd")
-    args = _workerd_args(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
-                         "--ssl-certfile", str(pki.worker.certfile),
-                         "--ssl-keyfile", str(pki.worker.keyfile),
-                         "--auth-token-file", str(token))
-    assert args.auth_token == "not-the-token"
-    assert _run_workerd(args) == 2
+    config = _workerd_config(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
+                             "--ssl-certfile", str(pki.worker.certfile),
+                             "--ssl-keyfile", str(pki.worker.keyfile),
+                             "--auth-token-file", str(token))
+    assert config.registration.auth_token == "not-the-token"
+    assert _run_workerd(config) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "UNAUTHENTICATED" in errors[0], errors
 
@@ -403,13 +402,13 @@ def test_workerd_with_the_right_token_file_registers(pki, tls_plane, tmp_path):
     plane = tls_plane(auth_token="s3cret")
     token = tmp_path / "token"
     token.write_text("  s3cret\n")
-    args = _workerd_args(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
-                         "--ssl-certfile", str(pki.worker.certfile),
-                         "--ssl-keyfile", str(pki.worker.keyfile),
-                         "--auth-token-file", str(token))
-    conn = ControlplaneConnection(plane.target, args.credentials)
+    config = _workerd_config(plane.target, "--ssl-ca-certs", str(pki.ca.ca_path),
+                             "--ssl-certfile", str(pki.worker.certfile),
+                             "--ssl-keyfile", str(pki.worker.keyfile),
+                             "--auth-token-file", str(token))
+    conn = ControlplaneConnection(plane.target, config.connection.credentials)
     try:
         conn.connect(POLL_S)
-        conn.register(_register_request(auth_token=args.auth_token))
+        conn.register(_register_request(auth_token=config.registration.auth_token))
     finally:
         conn.close(grace_s=1.0)

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import threading
 
+import grpc
 import pytest
 
 from kvloom.worker.v1 import worker_pb2
 from tests.workerd.test_connection import WAIT_S, controlplane  # noqa: F401 (a fixture)
-from workerd.__main__ import build_parser
+from workerd.__main__ import build_config, build_parser
 
 # The child: workerd.__main__.run over a Worker that holds each command until
 # the test writes a line.
@@ -48,7 +49,7 @@ class HeldWorker:
 
 setup_logging("INFO", "workerd[test]")
 main.Worker = HeldWorker
-sys.exit(main.run(main.build_parser().parse_args(sys.argv[1:])))
+sys.exit(main.run(main.build_config(main.build_parser().parse_args(sys.argv[1:]))))
 """
 
 LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
@@ -174,8 +175,8 @@ def test_hostile_shutdown_timeout_is_refused_naming_the_flag(value, capsys):
 
 
 def test_shutdown_timeout_default_fits_kubernetes_grace_period():
-    args = build_parser().parse_args(["--controlplane", "x:1"])
-    assert 0 < args.shutdown_timeout < 30
+    config = build_config(build_parser().parse_args(["--controlplane", "x:1"]))
+    assert 0 < config.process.shutdown_timeout_s < 30
 
 
 # ---- TLS and token flags (issue 11): refused at start-up, one line, exit 2 ----
@@ -245,16 +246,14 @@ def test_auth_token_file_excludes_the_env_token(worker_pki, capsys, monkeypatch)
 
 
 def test_tls_flags_resolve_to_credentials_and_the_token_file_to_its_text(worker_pki):
-    from workerd.__main__ import startup_problem
-
-    args = build_parser().parse_args([
+    config = build_config(build_parser().parse_args([
         "--controlplane", "cp:50052", "--ssl-ca-certs", worker_pki["ca"],
         "--ssl-certfile", worker_pki["cert"], "--ssl-keyfile", worker_pki["key"],
-        "--auth-token-file", worker_pki["token"]])
-    assert startup_problem(args) is None
-    assert args.credentials is not None and args.auth_token == "s3cret"
-    plain = build_parser().parse_args(["--controlplane", "cp:50052"])
-    assert startup_problem(plain) is None and plain.credentials is None
+        "--auth-token-file", worker_pki["token"]]))
+    assert isinstance(config.connection.credentials, grpc.ChannelCredentials)
+    assert config.registration.auth_token == "s3cret"
+    plain = build_config(build_parser().parse_args(["--controlplane", "cp:50052"]))
+    assert plain.connection.credentials is None
 
 
 @LINUX_AFFINITY

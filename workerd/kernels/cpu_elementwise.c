@@ -3,7 +3,8 @@
  *
  * torch's rms_norm on CPU is a composite of six ops (pow, mean, add, rsqrt,
  * mul, mul), each a dispatch and a pass over the activations; with the
- * residual add before it that was ~9 % of a SmolLM2 step. Here one pass per
+ * residual add before it, a visible share of a small model's step
+ * (docs/benchmarks.md, CPU kernels). Here one pass per
  * row adds the residual, sums the squares and a second writes the scaled
  * product. SiLU-and-mul likewise replaces a chunk, a silu and a mul.
  *

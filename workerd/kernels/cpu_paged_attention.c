@@ -1,7 +1,7 @@
 /* Paged attention for CPU ranks in float32: kvloom's `cpu` attention backend
  * (workerd/kernels/loader.py compiles it with the other kernels once per
- * machine and calls it through ctypes; no torch headers, so it builds in about a
- * second).
+ * machine and calls it through ctypes; no torch headers, so it builds quickly
+ * with the machine's own compiler).
  *
  * One call per layer does what the torch backend does in a dozen ops: write
  * the step's new K/V into their cache slots, then let every query attend to
@@ -63,8 +63,8 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
  * scores of two keys at a time for all G heads (2G independent FMA chains,
  * each K row loaded once), the online-softmax update, then the weighted sum
  * of V rows, two 8-wide column slices at a time (again 2G chains, each
- * probability broadcast once). Single-chain loops ran ~3x slower: every FMA
- * waited for the previous one. */
+ * probability broadcast once). Single-chain loops were much slower: every
+ * FMA waited for the previous one (docs/benchmarks.md, CPU kernels). */
 #define DEFINE_ATTEND(G)                                                                    \
     static void attend_##G(const float *q, int64_t head_dim, const float *k_cache,         \
                            const float *v_cache, int64_t row_stride, const int64_t *blocks, \

@@ -2,8 +2,8 @@
 
 workerd/kernels/*.c (paged attention, and the fused residual-add + RMSNorm
 and SiLU-and-mul around the matmuls) are plain C with no torch headers, so
-the machine's own compiler (`$CC`, else `cc`) builds them in about a second,
-for this very CPU (-march=native), the first time a worker needs them. The
+the machine's own compiler (`$CC`, else `cc`) builds them quickly, for
+this very CPU (-march=native), the first time a worker needs them. The
 library is cached under the kvloom cache directory, keyed by the sources,
 the flags, the compiler's version and the CPU's feature flags, so a cache on
 shared storage or an image moved between hosts never runs code built for

@@ -1,7 +1,7 @@
 """A checkpoint's config.json as the worker reads it, without transformers.
 
 transformers 5 imports torch.distributed.tensor to build even a LlamaConfig:
-~2.7 s of CPU in every rank start (measured on the 2-core CI box), paid again
+seconds of CPU in every rank start (docs/benchmarks.md, start-up), paid again
 by a rank the supervisor restarts while clients wait. The worker only needs
 the dozen fields below, so it reads them with the json module and fills what
 config.json leaves out with transformers' defaults for its model_type

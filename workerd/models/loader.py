@@ -122,7 +122,8 @@ def load_model(
     """Build this rank's shard of the checkpoint at model_path (the class from
     config.json's architectures, via the workerd.models registry) and load its
     weights."""
-    # Not AutoConfig: importing transformers costs a starting rank ~2.7 s.
+    # Not AutoConfig: importing transformers costs a starting rank seconds
+    # (workerd/models/config.py).
     config = load_model_config(model_path)
     archs = getattr(config, "architectures", None) or []
     if not archs:

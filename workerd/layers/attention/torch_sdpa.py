@@ -99,12 +99,12 @@ _PADDING_SLACK = 4096
 # Decodes, when the plan knows the cache's width per slot (K elements per
 # token on this rank, kv heads x head_dim): a group starts afresh once the
 # one it would join gathers more than this many padded K elements. A group
-# costs a fixed ~50-100 us per layer (its gather, SDPA call and output copy);
-# a padded slot costs its bytes, twice (gathered, then attended). On SmolLM2
-# (192 per slot) this is 341 slots: a served step's decodes at 20-240 tokens
-# of context go in 3 groups instead of 1, and its forward ran 5-9 % faster
-# (docs/pipelined_steps.md). The tiny test model
-# (32 per slot, 2,048 slots) keeps one group, where a second cost 20 %.
+# costs a fixed overhead per layer (its gather, SDPA call and output copy); a
+# padded slot costs its bytes, twice (gathered, then attended). On SmolLM2
+# (192 per slot) this is 341 slots: a served step's decodes at short and
+# long contexts split into a few groups instead of one, and its forward ran
+# faster; the tiny test model (32 per slot, 2,048 slots) keeps one group,
+# where a second was a loss (docs/benchmarks.md, decode groups).
 DECODE_GROUP_SLACK_ELEMENTS = 1 << 16
 
 

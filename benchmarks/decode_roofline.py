@@ -11,7 +11,7 @@ see the same machine noise:
 
   * step:    one whole ModelRunner.execute_model decode step (state update,
              input preparation, forward, logits, sampling);
-  * prepare: ModelRunner._prepare_inputs for that step alone;
+  * prepare: ModelRunner.prepare_inputs for that step alone;
   * forward: model.forward + compute_logits + sampling on prepared inputs;
   * matmul:  only that step's weight matmuls: qkv, o, gate_up and down of
              every layer on [batch, in] random inputs, plus the LM head on the
@@ -28,9 +28,9 @@ issue's goal is step <= 1.5x matmul. Medians over --steps iterations.
 
 `dispatches` counts the torch ops one whole decode step calls from Python
 (counted once, outside the timings, with a TorchDispatchMode). On a small
-model each costs more than its arithmetic (~10 us in a real step on the
-2-core box), so this is the overhead's machine-independent measure; it must
-not grow with the batch: no per-request torch op in the hot path.
+model each costs more than its arithmetic (docs/benchmarks.md), so this is
+the overhead's machine-independent measure; it must not grow with the batch:
+no per-request torch op in the hot path.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class DecodeDriver:
 
     def prefill(self) -> None:
         sched = {n.req_id: len(n.prompt_token_ids) for n in self.new}
-        self._advance(self._so(self.new, CachedRequestData(), sched))
+        self.advance(self._so(self.new, CachedRequestData(), sched))
 
     def decode_diff(self) -> SchedulerOutput:
         cached = CachedRequestData()
@@ -147,7 +147,7 @@ class DecodeDriver:
                 cached.new_token_ids.append([self.last_token[r]])
         return self._so([], cached, dict.fromkeys(self.req_ids, 1))
 
-    def _advance(self, so: SchedulerOutput) -> None:
+    def advance(self, so: SchedulerOutput) -> None:
         out = self.runner.execute_model(so)
         for r, tok in zip(out.req_ids, out.sampled_token_ids, strict=True):
             self.last_token[r] = tok
@@ -156,7 +156,7 @@ class DecodeDriver:
 
     def decode(self) -> SchedulerOutput:
         so = self.decode_diff()
-        self._advance(so)
+        self.advance(so)
         return so
 
     def finish(self) -> None:
@@ -197,7 +197,7 @@ def forward_only(runner: ModelRunner, inputs) -> None:
         hidden = runner.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches,
                                       md, None)
         logits = runner.model.compute_logits(hidden[md.query_start_loc[1:] - 1])
-        runner._sample(logits, states)
+        runner.sample(logits, states)
 
 
 def bench_batch(runner: ModelRunner, layers, batch: int, context: int, steps: int,
@@ -213,11 +213,11 @@ def bench_batch(runner: ModelRunner, layers, batch: int, context: int, steps: in
     times: dict[str, list[float]] = {"step": [], "prepare": [], "forward": [], "matmul": []}
     for i in range(warmup + steps):
         so = driver.decode_diff()
-        t_step = _timed(lambda so=so: driver._advance(so))
+        t_step = _timed(lambda so=so: driver.advance(so))
         # The state now holds the token this step scheduled, so the same diff
         # lays out the same step again (rewriting identical K/V into its slots).
-        prepared = runner._prepare_inputs(so)
-        t_prep = _timed(lambda so=so: runner._prepare_inputs(so))
+        prepared = runner.prepare_inputs(so)
+        t_prep = _timed(lambda so=so: runner.prepare_inputs(so))
         t_fwd = _timed(lambda p=prepared: forward_only(runner, p))
         with torch.inference_mode():
             t_mm = _timed(lambda: run_matmuls(calls))

@@ -9,8 +9,9 @@ A worker outlives the group it serves: when another rank dies the
 controlplane sends Reset, and this rank leaves its process groups and drops
 every request's state and its KV cache but keeps the loaded weights; the
 next InitDistributed re-binds the same ParallelState object (the model's
-layers hold it) to the new process groups, and a LoadModel with the same
-arguments answers reused=True without reading the checkpoint again.
+layers hold it) to the new process groups, and a LoadModel for the same
+weights answers reused=True without reading the checkpoint again (with other
+limits or enforce_eager, a new runner over those weights).
 """
 
 from __future__ import annotations
@@ -128,8 +129,10 @@ class Worker:
         # is a different model (the same weights, loaded again).
         key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition), backend)
         if self.runner is not None and self._loaded == key:
-            self.runner.limits = limits  # the weights do not depend on them
-            self.runner.enforce_eager = cmd.enforce_eager  # read at init_kv_cache
+            if (self.runner.limits, self.runner.enforce_eager) != (limits, cmd.enforce_eager):
+                # The weights depend on neither: a runner built for the new
+                # values takes them over (a runner's limits never change).
+                self.runner = self.runner.with_limits(limits, enforce_eager=cmd.enforce_eager)
             logger.info("reusing the weights loaded from %s (%.1f MiB on this rank)",
                         cmd.model_path, self.runner.weights_bytes() / 2**20)
             return _model_loaded(True, self.runner.weights_bytes())

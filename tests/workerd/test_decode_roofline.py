@@ -14,6 +14,7 @@ from workerd.distributed.parallel_state import single_process_state
 from workerd.layers import packed_linear
 from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
 from workerd.models.loader import load_model
+from workerd.runner.model_runner import ModelRunner
 
 
 def test_matmul_layers_are_the_models_projections_and_lm_head(tiny_model_dir):
@@ -65,6 +66,34 @@ def test_tiny_run_writes_the_table_as_json(tiny_model_dir, tmp_path, capsys, mon
     counts = [r["dispatches"] for r in payload["results"]]
     assert counts[0] == counts[2] > 4 * 4  # four layers, several ops each
     assert counts[1] == counts[3]
+
+
+def test_prepare_times_the_entry_execute_model_lays_steps_out_with(tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
+    """The benchmark's `prepare` is ModelRunner.prepare_inputs, public and the
+    very call execute_model makes, timed again on a step execute_model ran."""
+    real_prepare, real_execute = ModelRunner.prepare_inputs, ModelRunner.execute_model
+    running: list[int] = []
+    seen: list[tuple[str, int]] = []
+
+    def prepare(self, so):
+        seen.append(("execute_model" if running else "benchmark", so.step_id))
+        return real_prepare(self, so)
+
+    def execute(self, so):
+        running.append(so.step_id)
+        try:
+            return real_execute(self, so)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+    monkeypatch.setattr(ModelRunner, "execute_model", execute)
+    main(["--model", tiny_model_dir, "--batch-sizes", "2", "--context", "6", "--steps", "2",
+          "--warmup", "0", "--out", str(tmp_path / "roofline.json")])
+    timed = [step for who, step in seen if who == "benchmark"]
+    assert len(timed) == 2 * 2  # the prepared inputs and the timed call, per step
+    assert all(("execute_model", step) in seen for step in timed)
 
 
 @pytest.mark.parametrize("kernels", ["", "onednn,onednn", "mkl", "onednn,"])

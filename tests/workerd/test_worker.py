@@ -9,7 +9,10 @@ are refused with what is missing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from kvloom.worker.v1 import worker_pb2
 from tests.inprocess import free_port, limits_pb
@@ -163,10 +166,11 @@ def test_reset_keeps_the_weights_and_the_next_group_reuses_them(tiny_model_dir):
     assert worker.runner.requests == {} and worker.runner.kv_caches == []
     assert worker.ps.tp_group is None and not worker.ps.owns_process_group
 
-    load.enforce_eager = True  # read at init_kv_cache: it reaches a reused runner too
+    load.enforce_eager = True  # not in the weights: a new runner takes them over
     again = start(6)
     assert again.model_loaded.reused is True and worker.runner.enforce_eager is True
-    assert worker.runner is runner and next(worker.runner.model.parameters()) is weights
+    assert worker.runner is not runner and runner.enforce_eager is False
+    assert next(worker.runner.model.parameters()) is weights
     # The same request id as before is new to the re-formed group and
     # computes the same token: nothing of the old group's state leaked.
     after = _send(worker, 9, execute_model=_step_for([5, 6, 7], "a", 1))
@@ -198,3 +202,45 @@ def test_load_model_refuses_limits_out_of_bounds_before_loading(tiny_model_dir, 
     assert kind == "load_model"
     assert f"LoadModel.limits.{field} must be in [1, " in message and f"got {value}" in message
     assert worker.runner is None
+
+
+def _limits(batched: int, seqs: int, model_len: int) -> worker_pb2.WorkerLimits:
+    return worker_pb2.WorkerLimits(max_num_batched_tokens=batched, max_num_seqs=seqs,
+                                   max_model_len=model_len)
+
+
+def test_a_changed_load_model_gets_a_new_runner_and_the_same_one_reuses(tiny_model_dir):
+    """A runner's limits are fixed at construction: other limits (or
+    enforce_eager) for the same weights build a new runner over them, still
+    reused=True; the same LoadModel keeps the very runner."""
+    worker = Worker("cpu")
+    _send(worker, 1, init_distributed=_init_distributed())
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", seed=3,
+                                limits=_limits(64, 4, 128))
+    assert _send(worker, 2, load_model=load).model_loaded.reused is False
+    first = worker.runner
+    first.generator.manual_seed(1234)  # its stream carries on in the next runner
+    state = first.generator.get_state()
+
+    assert _send(worker, 3, load_model=load).model_loaded.reused is True
+    assert worker.runner is first
+
+    load.limits.CopyFrom(_limits(32, 2, 96))
+    assert _send(worker, 4, load_model=load).model_loaded.reused is True
+    second = worker.runner
+    assert second is not first and second.model is first.model
+    assert (second.limits.max_num_batched_tokens, second.limits.max_num_seqs,
+            second.limits.max_model_len) == (32, 2, 96)
+    assert first.limits.max_num_seqs == 4  # the old runner was not edited either
+    assert torch.equal(second.generator.get_state(), state)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        second.limits.max_num_seqs = 8
+
+    # The weights need not load again, and this runner serves steps.
+    budget = worker_pb2.ProfileMemory(block_size=4, kv_cache_memory_bytes=1 << 20)
+    assert _send(worker, 5, profile_memory=budget).WhichOneof("payload") == "memory_profile"
+    init = worker_pb2.InitKVCache(num_blocks=8, block_size=4)
+    assert _send(worker, 6, init_kv_cache=init).WhichOneof("payload") == "ack"
+    step = _send(worker, 7, execute_model=_step_for([5, 6, 7], "a", 1))
+    assert list(step.model_runner_output.req_ids) == ["a"]
+    worker.close()

@@ -199,9 +199,10 @@ def allocate_kv_caches(
 def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros in anonymous mmap memory: the kernel hands out its pages zeroed on
     first touch, so nothing is written at start-up. torch.zeros wrote every
-    page: SmolLM2 PP=2's 2.9 GiB cache took 5-11 s to allocate on the 2-core
-    box. Pages are committed as blocks are first written; the budget above
-    already sized the cache to what the host can hold."""
+    page, which made a large cache a slow part of a rank's start
+    (docs/benchmarks.md, "Start-up"). Pages are committed as blocks are first
+    written; the budget above already sized the cache to what the host can
+    hold."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)

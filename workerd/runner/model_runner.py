@@ -5,7 +5,7 @@ protobuf by workerd.wire) to execute_model, which
   1. folds the diff into per-request state and the persistent input batch
      (_update_states),
   2. lays the scheduled tokens out request by request and builds input ids,
-     positions, slot mapping and AttentionMetadata (_prepare_inputs),
+     positions, slot mapping and AttentionMetadata (prepare_inputs),
   3. runs the shard: non-first pipeline stages receive hidden states from the
      previous stage, non-last stages send theirs on and stop there,
   4. on the last stage computes logits for requests whose context is complete
@@ -152,6 +152,21 @@ class ModelRunner:
         else:
             logger.info("linear layers run F.linear (weights not packed: %s)", reason)
 
+    def with_limits(self, limits: WorkerLimits, *, enforce_eager: bool) -> ModelRunner:
+        """A runner over these loaded weights for a LoadModel that differs only
+        in its limits or enforce_eager, which the weights do not depend on
+        (packing's batch hint only tunes the layout). It starts without
+        requests or KV cache, as a LoadModel is always followed by
+        init_kv_cache, and draws from the random stream where this one left it."""
+        runner = ModelRunner(
+            self.ps, self.model_path, self.dtype, 0, self.pp_layer_partition, limits=limits,
+            attention_backend=self.attention_backend, enforce_eager=enforce_eager,
+            pack_weights=self.pack_weights)
+        runner.model = self.model  # in place of runner.load_model()
+        runner.generator.set_state(self.generator.get_state())
+        runner.graph_capture = self.graph_capture
+        return runner
+
     def weights_bytes(self) -> int:
         plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return plain + packed_bytes(self.model)
@@ -216,7 +231,7 @@ class ModelRunner:
             raise RuntimeError("execute_model before init_kv_cache")
         if self.sampled_tokens.receives:
             self.sampled_tokens.resolve(self.input_batch.req_id_to_index)
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self.prepare_inputs(scheduler_output)
         # Every rank advances the same way, so all agree on next step's rows.
         for target in inputs.prompt_targets:
             state = self.requests[target.req_id]
@@ -242,7 +257,7 @@ class ModelRunner:
                 if not self.ps.is_output_rank:
                     self.sampled_tokens.append(inputs.sample_states, None)
                     return None
-                out = self._sample(logits[:num_sample], inputs.sample_states)
+                out = self.sample(logits[:num_sample], inputs.sample_states)
                 self.sampled_tokens.append(inputs.sample_states, out.sampled_token_ids)
                 if inputs.prompt_targets:
                     out.prompt_logprobs = prompt_logprobs(
@@ -252,7 +267,10 @@ class ModelRunner:
             out.forward_time_s = time.perf_counter() - start - self.last_recv_wait_s
         return out
 
-    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+        """Step 4's sampling on the output rank: one token per row of logits
+        (states in the same order) and the logprobs those requests asked for.
+        Public for benchmarks that time the step's parts (decode_roofline)."""
         if not states:
             return ModelRunnerOutput([], [])
         params = [s.sampling_params for s in states]
@@ -350,7 +368,11 @@ class ModelRunner:
                 batch.append_block_ids(req_id, new_block_ids)
         batch.condense()
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Step 2: the model inputs of the step `so` schedules, laid out from
+        the persistent batch after _update_states has folded `so` in. Reads
+        the runner's state and changes none of it, so benchmarks
+        (decode_roofline) time it again on a step execute_model has run."""
         states = self.input_batch.states()
         num_reqs = len(states)
         block_size = self.block_size
@@ -385,8 +407,9 @@ class ModelRunner:
                 sample_states.append(state)
 
         # The index arithmetic runs in numpy: a dozen small ops each step,
-        # which cost a tenth of torch's dispatch (~110 us a step saved on a
-        # 16-request decode); the results are shared with torch, not copied.
+        # each far cheaper than a torch dispatch on tensors this small
+        # (docs/cpu_worker.md, "Fewer dispatches per step"); the results are
+        # shared with torch, not copied.
         q = np.array(query_lens, dtype=np.int64)
         start_np = np.array(starts, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)

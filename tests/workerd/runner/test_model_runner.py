@@ -1,7 +1,7 @@
 """ModelRunner: SchedulerOutput diffs -> per-request state -> model inputs ->
 sampled tokens.
 
-The first half drives _update_states/_prepare_inputs/execute_model with
+The first half drives _update_states/prepare_inputs/execute_model with
 hand-written diffs and a fake model whose logits name the input token, so
 every expectation is visible in the test. The second half runs the tiny Llama
 checkpoint under the real controlplane Scheduler, each step through
@@ -215,7 +215,7 @@ def test_prepare_inputs_layout_slots_and_sampling_rows():
         ],
     )
     r._update_states(so)
-    inp = r._prepare_inputs(so)
+    inp = r.prepare_inputs(so)
     md = inp.attn_metadata
     assert inp.input_ids.tolist() == [10, 11, 12, 13, 24, 25, 26, 30]
     assert inp.positions.tolist() == [0, 1, 2, 3, 4, 5, 6, 0]
@@ -235,12 +235,12 @@ def test_prepare_inputs_rejects_inconsistent_diffs():
     so = step(1, {"a": 5}, new=[new_req("a", [1, 2, 3, 4, 5], [0])])  # 5 tokens, 1 block
     r._update_states(so)
     with pytest.raises(ValueError, match="no KV block"):
-        r._prepare_inputs(so)
+        r.prepare_inputs(so)
     r = fake_runner()
     so = step(1, {"a": 3}, new=[new_req("a", [1, 2], [0])])
     r._update_states(so)
     with pytest.raises(ValueError, match="holds only 2"):
-        r._prepare_inputs(so)
+        r.prepare_inputs(so)
 
 
 # ---- execute_model with the fake model ------------------------------------------

@@ -75,8 +75,9 @@ def read_model_info(model_path: str) -> ModelInfo:
 
 
 # AutoTokenizer imports transformers' config classes, and with them torch and
-# torch.distributed.tensor: ~4.8 s of the controlplane's start on the 2-core
-# CI box, against ~1.2 s for the tokenizer class alone. A checkpoint saved by
+# torch.distributed.tensor: most of the controlplane's start, against a
+# fraction of it for the tokenizer class alone (docs/benchmarks.md,
+# "Start-up"). A checkpoint saved by
 # transformers 5 (our GGUF conversion, most recent uploads) names that class,
 # and for these model types AutoTokenizer resolves to it unchanged
 # (tests/controlplane/api/test_tokenizer_loading.py), so it is built directly.

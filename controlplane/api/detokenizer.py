@@ -19,8 +19,8 @@ def fast_decode(tokenizer):
     """The Rust tokenizer's own decode where it returns exactly what
     tokenizer.decode does (a transformers TokenizersBackend that applies no
     clean-up pass), else None. Every streamed token decodes twice, and
-    transformers' wrapper costs more than the decode itself (2.5 vs 0.9 us
-    per call on the test tokenizer)."""
+    transformers' wrapper costs more than the decode itself
+    (docs/benchmarks.md, "Client API costs")."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode"):
         return None

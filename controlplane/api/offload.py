@@ -8,22 +8,23 @@ client; so above a size threshold the work goes to the server's pool
 (ThreadPoolExecutor, a few threads) and the loop awaits it.
 
 Small work stays inline, where it is cheapest. A hop to the pool and back
-costs ~70 us of round trip (measured), and most of a short call is Python
-that holds the GIL anyway; a thread buys nothing until the work is long
-enough to stall the loop noticeably. Each threshold below is ~1 ms of work
-with a byte-level BPE tokenizer (measured on the tests' tokenizer: encode
-~0.22 us/char, decode ~0.06 us/id; through a SampleStream an output token
-costs ~8 us, ~13 us with stop strings, and each logprob entry (a position's
-own plus each top candidate) ~1.2 us more). Streaming one token per step per
-sample stays inline; a prompt-logprobs chunk, or a backlog a slow reader let
-pile up, goes to the pool.
+has a round-trip cost of its own, and most of a short call is Python that
+holds the GIL anyway; a thread buys nothing until the work is long enough to
+stall the loop noticeably. Each threshold below is about INLINE_MAX_OUTPUT_US
+of work with a byte-level BPE tokenizer, from the costs timed on the tests'
+tokenizer (encoding per character, decoding per id, an output token through a
+SampleStream with and without stop strings, each logprob entry); they are in
+docs/benchmarks.md, "Client API costs", and OUTPUT_TOKEN_US and
+LOGPROB_ENTRY_US are that cost model. Streaming one token per step per sample
+stays inline; a prompt-logprobs chunk, or a backlog a slow reader let pile
+up, goes to the pool.
 
 What a thread does not buy: Hugging Face fast tokenizers release the GIL
 while encoding in Rust (transformers encodes through encode_batch), but not
 while they convert the result to Python lists, and `decode` holds it
-throughout; those parts still pause every thread (~60 ms per million ids
-converted, ~100 ms per million ids decoded, measured). The per-request limits
-(prompt characters, MAX_TOKENIZE_CHARS, MAX_DETOKENIZE_IDS) bound them.
+throughout; those parts still pause every thread, in proportion to the ids
+(docs/benchmarks.md, "Client API costs"). The per-request limits (prompt
+characters, MAX_TOKENIZE_CHARS, MAX_DETOKENIZE_IDS) bound them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvloom.v1 import generation_pb2 as pb
 
 T = TypeVar("T")
 
-# ~1 ms of work each (see the module docstring).
+# About INLINE_MAX_OUTPUT_US of work each (see the module docstring).
 INLINE_MAX_CHARS = 4096
 INLINE_MAX_IDS = 4096
 INLINE_MAX_TURNS = 64
@@ -98,7 +99,8 @@ def heavy_generate(request: pb.GenerateRequest, limits: Limits) -> bool:
     if kind == "token_ids":
         return INLINE_MAX_IDS < len(request.token_ids.ids) < limits.max_model_len
     if kind == "messages":
-        # A short chat renders in ~0.07 ms (SmolLM2's template, measured).
+        # A short chat renders in less time than a hop to the pool costs
+        # (docs/benchmarks.md, "Client API costs").
         turns = request.messages.messages
         if len(turns) > limits.max_chat_messages:
             return False

@@ -21,11 +21,13 @@ from kvloom.v1 import generation_pb2 as pb
 
 # Text (or all chat contents together) one Tokenize call may send.
 MAX_TOKENIZE_CHARS = 1 << 20
-# Chat turns one Tokenize call may send: rendering 8192 turns through
-# SmolLM2's template takes ~40 ms of Python (measured).
+# Chat turns one Tokenize call may send: rendering is Python under the GIL,
+# and this many through SmolLM2's template stays a short pause
+# (docs/benchmarks.md, "Client API costs").
 MAX_TOKENIZE_TURNS = 1 << 13
-# Ids one Detokenize call may send: decoding holds the GIL ~100 ms per
-# million ids (measured), a pause for every thread, the worker plane's too.
+# Ids one Detokenize call may send: decoding holds the GIL throughout, a
+# pause for every thread, the worker plane's too, that grows with the ids
+# (docs/benchmarks.md, "Client API costs").
 MAX_DETOKENIZE_IDS = 1 << 20
 
 

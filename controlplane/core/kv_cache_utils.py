@@ -6,11 +6,11 @@ equal hashes mean equal token prefixes, so the KVCacheManager can reuse the KV
 of any cached block whose hash a new request's prompt reproduces.
 
 Hash choice: SHA-256 over the parent digest plus the tokens packed as uint32.
-Python's hash() would be ~5x cheaper, but it is 64-bit and easy to collide on
+Python's hash() would be cheaper, but it is 64-bit and easy to collide on
 purpose (ints hash to themselves mod 2**61-1), and a collision makes one request
-read another tenant's KV. SHA-256 costs ~0.7 us per 16-token block, and each
-full block is hashed once in its request's life (see update_block_hashes), so
-it stays off the per-step hot path.
+read another tenant's KV. SHA-256 is cheap next to a step (docs/benchmarks.md,
+"Scheduler"), and each full block is hashed once in its request's life (see
+update_block_hashes), so it stays off the per-step hot path.
 """
 
 from __future__ import annotations

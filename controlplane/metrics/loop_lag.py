@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-# Ten wake-ups a second cost ~20 us each: nothing on an idle server, and a
-# stall of more than ~100 ms cannot hide between two of them.
+# Ten wake-ups a second cost next to nothing on an idle server
+# (docs/benchmarks.md, "Client API costs"), and a stall longer than the
+# interval cannot hide between two of them.
 DEFAULT_INTERVAL_S = 0.1
 # A stall this long is logged: it delays every callback on the loop, and on
 # the worker plane it eats into the step deadline and heartbeat timeout.

@@ -254,9 +254,9 @@ class Restart:
 
 
 # wait_ready's channel: its first polls find no listener, and gRPC's default
-# reconnect back-off (1 s, growing 1.6x) then hid a ready cluster for up to
-# ~2.5 s (SmolLM2 PP=2: ready at 3.9 s, noticed at 5.4 s). Loopback or a
-# local network: retry at 0.1-0.5 s.
+# reconnect back-off (1 s, growing 1.6x) then hid a ready cluster for seconds
+# (docs/benchmarks.md, "Start-up"). Loopback or a local network: retry at
+# 0.1-0.5 s.
 READINESS_CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),

@@ -4,9 +4,10 @@ Each daemon runs a few threads that mostly wait (gRPC stream readers, event
 loops, the engine thread) beside one that is busy. A waiting thread that is
 woken (a step's reply arrived, a command came in) needs the GIL, and CPython
 lets it wait up to sys.getswitchinterval() (5 ms by default) for the busy
-thread to let go: at steps of 1-2 ms that is whole steps of latency on the
-path between the daemons. A shorter interval bounds that wait, at the cost of
-more frequent forced switches (measured: benchmarks/serving.py, README).
+thread to let go: at a small model's short steps that is whole steps of
+latency on the path between the daemons. A shorter interval bounds that wait,
+at the cost of more frequent forced switches (docs/benchmarks.md, "Pipelined
+steps").
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from kvloom.common.ports import PortInUse
 logger = logging.getLogger(__name__)
 
 # serve_forever's select timeout, and so how long close() waits: http.server's
-# default 0.5 s was most of a worker's exit time after SIGTERM (0.75 s), paid
-# at every stop and every restart.
+# default 0.5 s was most of a worker's exit time after SIGTERM
+# (docs/benchmarks.md, "Start-up"), paid at every stop and every restart.
 POLL_INTERVAL_S = 0.05
 
 

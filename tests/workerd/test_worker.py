@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import torch
 
+from kvloom.testing.inprocess import free_port, limits_pb
 from kvloom.worker.v1 import worker_pb2
-from tests.inprocess import free_port, limits_pb
 from workerd.worker import Worker
 
 DISPATCHED = {

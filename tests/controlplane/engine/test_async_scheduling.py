@@ -17,9 +17,9 @@ import pytest
 
 from controlplane.core.request import FinishReason
 from controlplane.engine.core import ASYNC_STEPS_IN_FLIGHT
+from kvloom.testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import Client, IdleProbe, _prompt
-from tests.inprocess import InProcessExecutor, make_engine
 from tests.integration.reference import hf_greedy
 from tests.torch_fixtures import tiny_model_path
 

@@ -30,6 +30,7 @@ from controlplane.core.request import FinishReason
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine import core as engine_module
 from controlplane.readiness import Readiness
+from kvloom.testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import (
     NUM_BLOCKS,
@@ -40,7 +41,6 @@ from tests.controlplane.engine.test_engine import (
     _prompt,
 )
 from tests.controlplane.test_readiness import FakeExecutor, _ready
-from tests.inprocess import InProcessExecutor, make_engine
 from tests.integration.reference import hf_greedy
 from tests.torch_fixtures import tiny_model_path
 

@@ -36,6 +36,7 @@ from controlplane.executor.status import ExecutorStatus, GroupState
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.records import RecoveryRecord
+from kvloom.testing.inprocess import InProcessExecutor, scheduler_config
 from kvloom.worker.v1 import worker_pb2
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import (
@@ -47,7 +48,6 @@ from tests.controlplane.engine.test_engine import (
     _prompt,
 )
 from tests.controlplane.engine.test_engine_failures import _add_together
-from tests.inprocess import InProcessExecutor, scheduler_config
 from tests.integration.reference import hf_greedy
 from tests.torch_fixtures import tiny_model_path
 

@@ -16,9 +16,9 @@ from controlplane.engine.step_pacing import (
     LONG_STEP_S,
     StepPacing,
 )
+from kvloom.testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import Client, IdleProbe, _prompt
-from tests.inprocess import InProcessExecutor, make_engine
 from tests.integration.reference import hf_greedy
 from tests.torch_fixtures import tiny_model_path
 

@@ -4,7 +4,7 @@ with what a real workerd ModelRunner answers, through chunked prefill,
 preemption, recompute, prefix hits and failover (random programs over
 SlotProbeModel), and with logprobs and prompt logprobs of the tiny Llama.
 
-Every reply here goes through tests.inprocess.InProcessExecutor (both wire
+Every reply here goes through kvloom.testing.inprocess.InProcessExecutor (both wire
 modules, bytes, a real Worker) and then through reply_check exactly as the
 gRPC executor checks it.
 """
@@ -20,6 +20,13 @@ from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.reply_check import ProtocolViolation, check_model_runner_output
 from controlplane.model_info import read_model_info
+from kvloom.testing.inprocess import (
+    InProcessExecutor,
+    ScheduleWatch,
+    SlotProbeModel,
+    run_to_completion,
+)
+from kvloom.testing.inprocess import make_scheduler as make_scheduler_over
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,
@@ -29,8 +36,6 @@ from tests.controlplane.core.helpers import (
     program_ops,
     random_program,
 )
-from tests.inprocess import InProcessExecutor, ScheduleWatch, SlotProbeModel, run_to_completion
-from tests.inprocess import make_scheduler as make_scheduler_over
 
 
 @pytest.fixture(scope="module")

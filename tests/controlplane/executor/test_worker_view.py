@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 
 from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
 from controlplane.core.scheduler import Scheduler
+from kvloom.testing.inprocess import InProcessExecutor, SlotProbeModel
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,
@@ -27,7 +28,6 @@ from tests.controlplane.core.helpers import (
     program_ops,
     random_program,
 )
-from tests.inprocess import InProcessExecutor, SlotProbeModel
 
 
 def check_worker_view(

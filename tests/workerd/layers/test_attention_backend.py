@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvloom.testing.attention import paged_step
+from kvloom.testing.inprocess import free_port, limits_pb
 from kvloom.worker.v1 import worker_pb2
-from tests.inprocess import free_port, limits_pb
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention import backend as ab
 from workerd.layers.attention.backend import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvloom.testing.attention import build_attn_metadata
-from tests.inprocess import runner_limits
+from kvloom.testing.inprocess import runner_limits
 from tests.torch_fixtures import tiny_model_path
 from tests.workerd.layers.test_attention import (
     BLOCK_SIZE,

@@ -128,7 +128,7 @@ def test_the_runner_builds_it_and_profiles_through_it(tiny_model_dir, stand_in):
     """ModelRunner(attention_backend="flashinfer") hands the model the backend;
     the memory profile's forward (a cache of its own) runs its prefill."""
     from controlplane.config import SchedulerConfig
-    from tests.inprocess import runner_limits
+    from kvloom.testing.inprocess import runner_limits
     from workerd.layers.attention.flashinfer import FlashInferBackend
     from workerd.runner.model_runner import ModelRunner
 

@@ -7,8 +7,13 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvloom.testing.inprocess import (
+    InProcessExecutor,
+    make_scheduler,
+    output_tokens,
+    run_to_completion,
+)
 from tests.controlplane.core.helpers import make_request
-from tests.inprocess import InProcessExecutor, make_scheduler, output_tokens, run_to_completion
 
 
 def _hf_bf16_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:

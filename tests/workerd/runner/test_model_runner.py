@@ -21,9 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from tests.controlplane.core.helpers import make_request
-from tests.factories import TOKENIZER_VOCAB_SIZE, layout_state
-from tests.inprocess import (
+from kvloom.testing.inprocess import (
     BLOCK_SIZE,
     InProcessExecutor,
     ScheduleWatch,
@@ -35,6 +33,8 @@ from tests.inprocess import (
     run_to_completion,
     runner_limits,
 )
+from tests.controlplane.core.helpers import make_request
+from tests.factories import TOKENIZER_VOCAB_SIZE, layout_state
 from tests.integration.reference import hf_greedy
 from workerd.distributed import parallel_state as distributed
 from workerd.distributed.parallel_state import (

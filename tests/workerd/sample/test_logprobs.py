@@ -21,9 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from tests.controlplane.core.helpers import make_request
-from tests.factories import TOKENIZER_VOCAB_SIZE
-from tests.inprocess import (
+from kvloom.testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
     free_port,
@@ -33,6 +31,8 @@ from tests.inprocess import (
     replayed_outputs,
     run_to_completion,
 )
+from tests.controlplane.core.helpers import make_request
+from tests.factories import TOKENIZER_VOCAB_SIZE
 
 torch.set_num_threads(1)
 

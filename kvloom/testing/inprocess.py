@@ -11,8 +11,8 @@ load_model -> profile_memory -> init_kv_cache), sent through the same path.
 A WorkerError reply raises WorkerGroupFailed, resolved by the executor's own
 PendingCall, exactly as the gRPC executor raises it.
 
-It imports both daemons, so it lives in tests/, never in controlplane/ or
-workerd/. The factories below build a Scheduler or an EngineCore over it;
+It imports both daemons, so it lives in kvloom/testing (shared by tests and
+benchmarks), never in controlplane/ or workerd/. The factories below build a Scheduler or an EngineCore over it;
 run_to_completion steps a Scheduler through it as EngineCore.step does, and
 ScheduleWatch records what the scheduler did so a test can assert its
 scenario (a chunked prefill, a preemption, a resume into other blocks)

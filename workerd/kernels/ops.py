@@ -1,5 +1,7 @@
 """The fused elementwise kernels (workerd/kernels/cpu_elementwise.c) as the
-model's layers call them: residual-add + RMSNorm, and SiLU-and-mul.
+model's layers call them: residual-add + RMSNorm, and SiLU-and-mul, the
+forward_cpu of the custom ops in workerd/layers/layernorm.py and
+activation.py (bound at load on the ranks workerd/layers/custom_op.py picks).
 
 Each takes a call only when its tensors are what the C code reads (float32
 on the host, rows with contiguous features, the sizes agreeing); otherwise

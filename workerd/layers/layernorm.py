@@ -1,10 +1,10 @@
 """RMSNorm with the residual add fused in, as Llama decoder layers use it:
 norm(x + residual) while handing the updated residual stream on.
 
-With `kernels` set (the model sets it on a float32 CPU rank whose attention
-runs the cpu backend, workerd/kernels/ops.py) the add and the norm are one
-C call; HF's arithmetic, up to an ulp or two of summation order. Without it,
-the torch code below, which is bitwise HF's."""
+A custom op (workerd/layers/custom_op.py): on a rank that runs kvloom's C
+kernels (workerd/kernels/ops.py) the add and the norm are one C call, HF's
+arithmetic up to an ulp or two of summation order; everywhere else the
+torch code below, which is bitwise HF's."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from workerd.kernels import ops as cpu_ops
-from workerd.layers.direct_call import DirectCallModule
+from workerd.layers.custom_op import CustomOp
 
 
-class RMSNorm(DirectCallModule):
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        self.kernels = None  # CpuKernels, set by the model (see the module's doc)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -41,15 +40,17 @@ class RMSNorm(DirectCallModule):
         torch.mul(xf, scale, out=out)
         return out.mul_(self.weight) if self.weight.dtype == x.dtype else self.weight * out
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if self.kernels is not None:
-            fused = cpu_ops.rms_norm(self.kernels, x, self.weight, self.eps, residual)
-            if fused is not None:
-                return fused
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fused = cpu_ops.rms_norm(self.kernels, x, self.weight, self.eps, residual)
+        return self.forward_native(x, residual) if fused is None else fused

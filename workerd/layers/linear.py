@@ -138,6 +138,10 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
         """Checkpoint tensor suffix (e.g. "q_proj.weight") -> the view it fills."""
         return dict(self._views)
 
+    def release_plain_weight(self) -> None:
+        super().release_plain_weight()
+        self._views = {}  # views into the freed storage would keep it alive
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
 

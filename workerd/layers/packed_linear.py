@@ -2,19 +2,19 @@
 
 F.linear on CPU hands each call to MKL's sgemm, which repacks the whole weight
 into its blocked panel layout on every call. A decode step multiplies a few
-rows by every weight of the model, so that repacking is most of the step:
-on the 2-core AVX2 box a SmolLM2 decode step of 16 spends ~140 ms in matmuls,
-~105 ms with the weights packed once, at load, into oneDNN's blocked layout
-(`benchmarks/decode_roofline.py --linear-kernels aten,onednn` measures both).
+rows by every weight of the model, so that repacking is a large part of its
+matmul time, saved by packing the weights once, at load, into oneDNN's
+blocked layout (docs/benchmarks.md, packed linear weights;
+`benchmarks/decode_roofline.py --linear-kernels aten,onednn` measures both).
 This is how inference engines run linear layers on CPU (torch.compile's
 weight freezing uses these very ops); transformers' `generate` does not.
 
 The ops are torch's own (`torch.ops.mkldnn._reorder_linear_weight` and
 `_linear_pointwise`), float32 only: oneDNN's bf16 path needs AVX512-BF16 and
-this box cannot check it, so bf16 and every CUDA rank keep F.linear. Packing
-replaces the layer's weight (the plain copy is freed, so a rank holds its
-weights once), except where a weight is shared: a tied LM head packs a second
-copy and the embedding keeps the plain one. A packed model cannot be loaded
+the development machines cannot check it, so bf16 and every CUDA rank keep
+F.linear. Packing replaces the layer's weight (the plain copy is freed, so a
+rank holds its weights once), except where a weight is shared: a tied LM
+head packs a second copy and the embedding keeps the plain one. A packed model cannot be loaded
 into again; workers load once, then pack.
 """
 
@@ -28,14 +28,14 @@ _MKLDNN = torch.ops.mkldnn
 _LINEAR = getattr(_MKLDNN, "_linear_pointwise", None)
 _REORDER = getattr(_MKLDNN, "_reorder_linear_weight", None)
 # The layout oneDNN picks depends a little on the row count it expects; any
-# row count works with it. 16 to 256 all gave the same decode speed here.
+# row count works with it, and the hints tried gave the same decode speed.
 MIN_BATCH_HINT = 16
-# A oneDNN call costs ~25 us more than F.linear's before any arithmetic, and a
-# weight that fits in cache gains nothing from skipping MKL's repack: packed,
-# 128x128 is 2-7x slower, 256x256 even, 576x576 even to 6 % faster, and
-# 3072x576 and the 49152x576 LM head 1.2-2x faster (cold weights, 1 and 16
-# rows). So only weights of at least this many elements (1 MiB in float32)
-# are packed; the tiny test model keeps F.linear everywhere.
+# A oneDNN call has a fixed cost above F.linear's before any arithmetic, and
+# a weight that fits in cache gains nothing from skipping MKL's repack: small
+# square weights ran slower packed, SmolLM2's wide projections and LM head
+# faster (docs/benchmarks.md, packed linear weights). So only weights of at
+# least this many elements (1 MiB in float32) are packed; the tiny test
+# model keeps F.linear everywhere.
 MIN_PACKED_ELEMENTS = 1 << 18
 
 
@@ -45,6 +45,11 @@ class Packable:
     runs F.linear on `weight`, until it does."""
 
     packed_weight: torch.Tensor | None = None
+
+    def release_plain_weight(self) -> None:
+        """Once packed: free the plain weight (forward reads only the packed
+        one). A layer holding other references into its storage drops them too."""
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 def packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -93,11 +98,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int,
             continue
         module.packed_weight = _REORDER(weight.detach(), hint)
         if id(weight) not in shared:
-            # Free the plain copy: replace the parameter and drop the
-            # checkpoint views into its storage (MergedColumnParallelLinear).
-            module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
-            if hasattr(module, "_views"):
-                module._views = {}
+            module.release_plain_weight()
         count += 1
     return count
 

@@ -11,12 +11,16 @@ norm and LM head. Non-last stages return IntermediateTensors for the next stage.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workerd.distributed.parallel_state import IntermediateTensors, ParallelState
-from workerd.kernels import ops as cpu_ops
-from workerd.layers.attention.backend import AttentionBackend, TorchAttentionBackend
+from workerd.layers.activation import SiluAndMul
+from workerd.layers.attention.backend import TorchAttentionBackend
+from workerd.layers.attention.interface import (
+    AttentionBackend,
+    AttentionCapabilities,
+    check_capabilities,
+)
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.layernorm import RMSNorm
@@ -43,8 +47,9 @@ def pp_layer_range(
     carries the LM head, worth lm_head_layers decoder layers (vocab x hidden
     over one layer's parameters; SmolLM2-135M's is 8 of its 30 layers). A
     decode step reads and multiplies every weight once per token, so the
-    stages' parameter counts are what the pipeline's period depends on; an
-    even split left SmolLM2's last stage with 60 % of the work. With
+    stages' parameter counts are what the pipeline's period depends on, and
+    an even split leaves a small model's last stage with far more than its
+    share (docs/benchmarks.md, pipeline parallel). With
     lm_head_layers 0 the split is vLLM's: even, the remainder given one layer
     each to the stages just before the last."""
     if partition:
@@ -121,8 +126,10 @@ class LlamaAttention(DirectCallModule):
         ], ps, bias)
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, ps, bias)
         self.scale = self.head_dim**-0.5
-        # Set for every layer at once by LlamaForCausalLM.set_attention_backend.
+        # Set for every layer at once by LlamaForCausalLM.set_attention_backend,
+        # with the backend's declared rotary_in_kernel.
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
+        self.rotary_in_kernel = False
 
     def forward(
         self,
@@ -135,10 +142,10 @@ class LlamaAttention(DirectCallModule):
         n = hidden_states.shape[0]
         num_qk = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden_states).view(n, num_qk + self.num_kv_heads, self.head_dim)
-        fused = getattr(self.attn_backend, "forward_rotary", None)
-        if fused is not None:  # the cpu backend rotates q and k in its kernel
-            out = fused(qkv, self.num_heads, rope, kv_cache, md, self.scale, plan)
-            if out is not None:
+        if self.rotary_in_kernel:
+            out = self.attn_backend.forward_rotary(qkv, self.num_heads, rope, kv_cache, md,
+                                                   self.scale, plan)
+            if out is not None:  # else tensors its kernel does not take: rotate here
                 return self.o_proj(out)
         # q and k are adjacent columns of the fused output: rotate both in one
         # pass over a view, then split the rotated heads (views, no copies;
@@ -159,17 +166,10 @@ class LlamaMLP(DirectCallModule):
         self.gate_up_proj = MergedColumnParallelLinear(
             h, [("gate_proj", inter, None, None), ("up_proj", inter, None, None)], ps, bias)
         self.down_proj = RowParallelLinear(inter, h, ps, bias)
-        # CpuKernels for a fused SiLU-and-mul (LlamaForCausalLM.set_attention_backend).
-        self.kernels = None
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            fused = cpu_ops.silu_and_mul(self.kernels, gate_up)
-            if fused is not None:
-                return self.down_proj(fused)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # silu's output is ours to reuse
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(DirectCallModule):
@@ -223,21 +223,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, self.hidden_size, ps)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
+        # What this model's attention needs beyond build_plan and forward:
+        # nothing (Llama attends to the whole context, unscaled logits).
+        self.attention_needs = AttentionCapabilities()
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Every layer attends through `backend` (workerd/layers/attention/backend.py);
-        the weights and the KV cache layout do not depend on it. A backend
-        that carries CPU kernels (the cpu backend) also lends the norms and
-        the MLPs its fused elementwise ones: one switch for all the C code."""
+        the weights and the KV cache layout do not depend on it. ValueError
+        when the backend does not declare what attention_needs asks for; the
+        layers rotate inside its kernel when it declares rotary_in_kernel."""
+        check_capabilities(backend, self.attention_needs, type(self).__name__)
         self.attn_backend = backend
-        kernels = getattr(backend, "kernels", None)
         for layer in self.layers:
             layer.self_attn.attn_backend = backend
-            layer.mlp.kernels = kernels
-            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
-        if self.norm is not None:
-            self.norm.kernels = kernels
+            layer.self_attn.rotary_in_kernel = backend.capabilities.rotary_in_kernel
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)

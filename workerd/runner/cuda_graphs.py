@@ -20,12 +20,13 @@ graph's page tables (FlashInfer's decode wrapper in CUDA-graph mode keeps
 them in buffers the captured kernels read) before the replay.
 
 When graphs apply (graphs_unavailable gives the reason when not): a CUDA
-device, the FlashInfer backend (the torch reference path builds its
-attention plan from the step's shapes on the host, which a graph cannot
-replay), and one rank (TP=1, PP=1: collectives inside a graph are the next
-step, not yet written). NOT YET RUN ON A GPU; tests/workerd/runner/test_cuda_graphs.py
-checks the logic on CPU with stand-ins for the graph and for FlashInfer, and
-its gpu-marked test compares graphs against eager token by token.
+device, an attention backend that declares cuda_graph_decode (FlashInfer;
+the torch reference path builds its attention plan from the step's shapes
+on the host, which a graph cannot replay), and one rank (TP=1, PP=1:
+collectives inside a graph are the next step, not yet written). NOT YET RUN
+ON A GPU; tests/workerd/runner/test_cuda_graphs.py checks the logic on CPU
+with stand-ins for the graph and for FlashInfer, and its gpu-marked test
+compares graphs against eager token by token.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workerd.layers.attention.interface import AttentionBackend
 from workerd.layers.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -68,15 +70,19 @@ def graphs_memory_bytes(max_num_seqs: int) -> int:
     return GRAPH_BYTES_PER_SIZE * len(capture_sizes(max_num_seqs))
 
 
-def graphs_unavailable(device: torch.device, attention_backend: str, world_size: int,
+def graphs_unavailable(device: torch.device,
+                       backend: AttentionBackend | type[AttentionBackend], world_size: int,
                        enforce_eager: bool) -> str | None:
-    """None when decode steps run as CUDA graphs, else why they run eagerly."""
+    """None when decode steps run as CUDA graphs, else why they run eagerly.
+    backend: the rank's attention backend (or its class: only what it
+    declares is read)."""
     if enforce_eager:
         return "--enforce-eager"
     if device.type != "cuda":
         return f"no CUDA device ({device})"
-    if attention_backend != "flashinfer":
-        return f"the {attention_backend} attention backend is not graph-safe (flashinfer is)"
+    if not backend.capabilities.cuda_graph_decode:
+        return (f"the {backend.name} attention backend is not graph-safe "
+                f"(it does not declare cuda_graph_decode)")
     if world_size != 1:
         return "more than one rank (graphs are captured at TP=1, PP=1 only)"
     return None
@@ -139,6 +145,9 @@ class DecodeGraphs:
         self.pad_block = kv_caches[0].shape[1] - 1
         self.pad_slot = self.pad_block * block_size
         backend = model.attn_backend
+        if not backend.capabilities.cuda_graph_decode:
+            raise ValueError(f"the {backend.name!r} attention backend does not declare "
+                             f"cuda_graph_decode; decode steps must run eagerly")
         attn = model.layers[0].self_attn
         self._plan_kwargs = dict(
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,

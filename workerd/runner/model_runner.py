@@ -32,8 +32,9 @@ import torch
 
 from workerd.distributed import parallel_state as distributed
 from workerd.distributed.parallel_state import IntermediateTensors, ParallelState
-from workerd.layers.attention.backend import make_attention_backend
+from workerd.layers.attention.backend import backend_class, make_attention_backend
 from workerd.layers.attention.metadata import AttentionMetadata
+from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels
 from workerd.layers.packed_linear import pack_linear_weights, packed_bytes, packing_unavailable
 from workerd.limits import WorkerLimits
 from workerd.models.loader import load_model
@@ -109,7 +110,7 @@ class ModelRunner:
         # The scheduler's limits: the profile run's worst case.
         self.limits = limits
         self.device = torch.device(ps.device)
-        # Already resolved (torch or flashinfer) by the worker's load_model.
+        # Already resolved (torch, cpu or flashinfer) by the worker's load_model.
         self.attention_backend = attention_backend
         # --enforce-eager: no CUDA graphs (workerd/runner/cuda_graphs.py) even where
         # they apply. Read at init_kv_cache, which captures them.
@@ -145,6 +146,10 @@ class ModelRunner:
         self.model.set_attention_backend(make_attention_backend(
             self.attention_backend, self.device,
             kv_width=self.model.num_kv_heads * self.model.head_dim))
+        kernels = rank_kernels(self.device, self.dtype, self.attention_backend)
+        num_ops = use_custom_op_kernels(self.model, kernels)
+        logger.info("%d norm and activation ops run %s", num_ops,
+                    "kvloom's C kernels" if kernels is not None else "torch")
         reason = packing_unavailable(self.device, self.dtype) if self.pack_weights else "off"
         if reason is None:
             n = pack_linear_weights(self.model, self.limits.max_num_seqs)
@@ -207,8 +212,8 @@ class ModelRunner:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
 
     def _graphs_unavailable(self) -> str | None:
-        return graphs_unavailable(self.device, self.attention_backend, self.ps.world_size,
-                                  self.enforce_eager)
+        return graphs_unavailable(self.device, backend_class(self.attention_backend),
+                                  self.ps.world_size, self.enforce_eager)
 
     def reset_state(self) -> None:
         """The group failed: forget every request and the KV cache (its blocks

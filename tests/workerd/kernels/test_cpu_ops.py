@@ -2,8 +2,8 @@
 residual-add + RMSNorm and SiLU-and-mul agree to float32 rounding on every
 shape (vector lanes and tails, strided rows), extreme values included, leave
 their inputs alone, and hand back None (the torch code runs) for tensors
-they do not take. The model lends them to its layers only with the cpu
-backend."""
+they do not take. Which ranks bind them is
+tests/workerd/layers/test_attention_capabilities.py's."""
 
 from __future__ import annotations
 
@@ -11,13 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workerd.distributed.parallel_state import single_process_state
 from workerd.kernels import ops as cpu_ops
 from workerd.kernels.loader import load_kernels
-from workerd.layers.attention.backend import TorchAttentionBackend
-from workerd.layers.attention.cpu import CpuAttentionBackend
 from workerd.layers.layernorm import RMSNorm
-from workerd.models.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +24,7 @@ def kernels():
 def _torch_norm(x, weight, eps, residual=None):
     norm = RMSNorm(weight.shape[0], eps)
     norm.weight.data.copy_(weight)
-    return norm(x, residual)  # kernels unset: the torch code
+    return norm(x, residual)  # not bound to kernels: the torch code
 
 
 @pytest.mark.parametrize("hidden", [8, 13, 64, 576, 2048])
@@ -97,14 +93,3 @@ def test_tensors_the_kernels_do_not_take_get_none(kernels, case):
         assert cpu_ops.silu_and_mul(kernels, x) is None
     assert cpu_ops.silu_and_mul(kernels, torch.randn(4, 7)) is None  # odd: no gate/up split
 
-
-@torch.inference_mode()
-def test_only_the_cpu_backend_lends_its_kernels_to_the_layers(tiny_model_dir):
-    model = load_model(tiny_model_dir, single_process_state(), torch.float32)
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    mlps = [layer.mlp for layer in model.layers]
-    cpu = CpuAttentionBackend()
-    model.set_attention_backend(cpu)
-    assert norms and all(m.kernels is cpu.kernels for m in norms + mlps)
-    model.set_attention_backend(TorchAttentionBackend())
-    assert all(m.kernels is None for m in norms + mlps)

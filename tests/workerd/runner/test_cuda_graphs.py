@@ -27,6 +27,9 @@ from tests.controlplane.core.helpers import make_request
 from tests.integration.reference import hf_greedy
 from tests.workerd.layers import fake_flashinfer
 from workerd.distributed.parallel_state import single_process_state
+from workerd.layers.attention.backend import TorchAttentionBackend
+from workerd.layers.attention.cpu import CpuAttentionBackend
+from workerd.layers.attention.flashinfer import FlashInferBackend
 from workerd.layers.attention.flashinfer_index import PagedKVIndex, pad_decode_index
 from workerd.runner import model_runner as model_runner_module
 from workerd.runner.cuda_graphs import capture_sizes, graphs_unavailable
@@ -46,16 +49,42 @@ def test_capture_sizes_cover_every_batch_up_to_256():
     assert capture_sizes(1024)[-1] == 256
 
 
+# The backends' classes: graphs_unavailable reads only what they declare.
+_BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend,
+             "flashinfer": FlashInferBackend}
+
+
 @pytest.mark.parametrize(("device", "backend", "world", "eager", "reason"), [
     ("cuda", "flashinfer", 1, True, "--enforce-eager"),
     ("cpu", "flashinfer", 1, False, "no CUDA device"),
     ("cuda", "torch", 1, False, "torch attention backend"),
+    ("cuda", "cpu", 1, False, "cpu attention backend"),
     ("cuda", "flashinfer", 2, False, "more than one rank"),
     ("cuda", "flashinfer", 1, False, None),
 ])
 def test_when_graphs_apply(device, backend, world, eager, reason):
-    got = graphs_unavailable(torch.device(device), backend, world, eager)
+    got = graphs_unavailable(torch.device(device), _BACKENDS[backend], world, eager)
     assert got == reason if reason is None else reason in got
+
+
+def test_graphs_follow_the_declaration_not_the_name():
+    """A backend that declares cuda_graph_decode gets graphs whatever it is
+    called; one that does not is refused by name and capability."""
+    from workerd.layers.attention.interface import AttentionCapabilities
+
+    class Graphable(TorchAttentionBackend):
+        name = "torch-graphs"
+        capabilities = AttentionCapabilities(cuda_graph_decode=True)
+
+    class Renamed(FlashInferBackend):
+        name = "flashinfer-eager"
+        capabilities = AttentionCapabilities()
+
+    cuda = torch.device("cuda")
+    assert graphs_unavailable(cuda, Graphable, 1, False) is None
+    assert graphs_unavailable(cuda, Renamed, 1, False) == (
+        "the flashinfer-eager attention backend is not graph-safe (it does not declare "
+        "cuda_graph_decode)")
 
 
 def test_padding_rows_are_one_token_contexts_in_the_pad_block():

@@ -17,19 +17,21 @@ and torch everywhere else. An explicit request that
 cannot be honoured is refused rather than quietly downgraded: whoever asked
 for flashinfer is measuring it.
 
-A backend builds one plan per forward from the step's AttentionMetadata
-(build_plan) and every layer runs with it (forward); both backends read and
-write the same KV cache layout, model.kv_cache_shape's
-[2, num_blocks, block_size, num_kv_heads, head_dim].
+Every backend is an AttentionBackend (workerd/layers/attention/interface.py):
+it builds one plan per forward from the step's AttentionMetadata
+(build_plan), every layer runs with it (forward), and what it can do beyond
+that (rotary inside its kernel, CUDA-graph decode) is declared in its
+class's `capabilities`. All three read and write the same KV cache layout,
+model.kv_cache_shape's [2, num_blocks, block_size, num_kv_heads, head_dim].
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
 
 import torch
 
+from workerd.layers.attention.interface import AttentionBackend
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention
 
@@ -40,31 +42,17 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class AttentionBackend(Protocol):
-    name: str
-
-    def build_plan(self, md: AttentionMetadata, num_tokens: int) -> Any: ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor | None,
-        md: AttentionMetadata,
-        scale: float,
-        plan: Any,
-    ) -> torch.Tensor: ...
-
-
-class TorchAttentionBackend:
-    """The plain-PyTorch paged attention; stateless but for the cache's width."""
+class TorchAttentionBackend(AttentionBackend):
+    """The plain-PyTorch paged attention; stateless but for the cache's width.
+    Declares nothing beyond build_plan and forward: q and k arrive rotated,
+    and its plan is built on the host from each step's shapes, which a CUDA
+    graph cannot replay."""
 
     name = "torch"
 
     def __init__(self, kv_width: int | None = None) -> None:
         # K elements per cached token on this rank (kv heads x head_dim); lets
-        # the plan split decodes by what padding costs (attention._group_rows).
+        # the plan split decodes by what padding costs (torch_sdpa._group_rows).
         self.kv_width = kv_width
 
     def build_plan(self, md: AttentionMetadata, num_tokens: int):
@@ -85,8 +73,8 @@ def flashinfer_import_error() -> str | None:
 
 
 def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend this worker runs for a LoadModel's attention_backend: torch
-    or flashinfer. ValueError, naming what to change, when the request is not
+    """The backend this worker runs for a LoadModel's attention_backend: torch,
+    cpu or flashinfer. ValueError, naming what to change, when the request is not
     one of ATTENTION_BACKENDS or asks for flashinfer where it cannot run.
     Empty means auto (a controlplane from before the field)."""
     requested = requested or "auto"
@@ -150,18 +138,27 @@ def _resolve_cpu(explicit: bool, device: torch.device, dtype: torch.dtype) -> st
     return "cpu"
 
 
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class of a resolved backend name: what it declares, before (or
+    without) building one. Importing it builds nothing (no kernel, no
+    flashinfer import)."""
+    if name == "torch":
+        return TorchAttentionBackend
+    if name == "cpu":
+        from workerd.layers.attention.cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend
+    if name == "flashinfer":
+        from workerd.layers.attention.flashinfer import FlashInferBackend
+
+        return FlashInferBackend
+    raise ValueError(f"no attention backend {name!r}; resolve_attention_backend names one")
+
+
 def make_attention_backend(name: str, device: torch.device,
                            kv_width: int | None = None) -> AttentionBackend:
     """The backend object for a resolved name (resolve_attention_backend's);
     kv_width: K elements per cached token on this rank."""
-    if name == "torch":
-        return TorchAttentionBackend(kv_width)
-    if name == "cpu":
-        from workerd.layers.attention.cpu import CpuAttentionBackend
-
-        return CpuAttentionBackend(kv_width)
-    if name == "flashinfer":
-        from workerd.layers.attention.flashinfer import FlashInferBackend
-
-        return FlashInferBackend(device)
-    raise ValueError(f"no attention backend {name!r}; resolve_attention_backend names one")
+    cls = backend_class(name)
+    # FlashInfer's workspace lives on the device; the others plan by the cache's width.
+    return cls(device) if name == "flashinfer" else cls(kv_width)

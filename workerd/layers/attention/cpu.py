@@ -2,19 +2,21 @@
 
 The torch backend (workerd/layers/attention/torch_sdpa.py) spends a dozen dispatches a
 layer on what is one loop: gather each group's context blocks into a padded
-copy, build masks, call SDPA, copy the output back. On a SmolLM2 served step
-that was ~16 % of the worker's time for ~3 % of its arithmetic. The kernel
-(workerd/kernels/cpu_paged_attention.c) writes the step's K/V into their
-slots and attends every query straight from the cache blocks, with no copy,
-mask or padding: 3.3x faster than the torch backend's attention on a mixed
-step of 12 decodes and 2 prefill chunks (benchmarks/attention_kernels.py).
+copy, build masks, call SDPA, copy the output back, so on a served step its
+share of the worker's time is far above its share of the arithmetic. The
+kernel (workerd/kernels/cpu_paged_attention.c) writes the step's K/V into
+their slots and attends every query straight from the cache blocks, with no
+copy, mask or padding (docs/benchmarks.md, CPU kernels; measured by
+benchmarks/attention_kernels.py). It declares rotary_in_kernel: it rotates q
+and k itself, k on its way into the cache, so a layer runs no separate
+rotary ops.
 
 It is plain C built with the machine's own compiler the first time a worker
 needs it (workerd/kernels/loader.py). Without a compiler `auto` keeps the
 torch backend; an explicit `--attention-backend cpu` is refused with the
-reason. The backend also carries the fused residual-add + RMSNorm and
-SiLU-and-mul kernels (workerd/kernels/ops.py), which the model uses
-wherever it attends through this backend: one switch for all the C code.
+reason. The fused residual-add + RMSNorm and SiLU-and-mul kernels of the
+same library run on exactly the ranks that resolve to this backend, chosen
+at load by workerd/layers/custom_op.py: one switch for all the C code.
 
 float32 only (the cache, q, k and v), head_dim a multiple of 8; anything else
 (the memory-profiling forward without a cache, say) runs the torch backend's
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from workerd.kernels.loader import load_kernels
+from workerd.layers.attention.interface import AttentionBackend, AttentionCapabilities
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention
 
@@ -91,12 +94,12 @@ def _rows(t: torch.Tensor, head_dim: int) -> bool:
             and t.stride(2) == 1 and t.stride(1) == head_dim)
 
 
-class CpuAttentionBackend:
+class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    capabilities = AttentionCapabilities(rotary_in_kernel=True)
 
     def __init__(self, kv_width: int | None = None) -> None:
-        self.kernels = load_kernels()  # KernelUnavailable here, not mid-step
-        self._kernel = self.kernels.paged_attention
+        self._kernel = load_kernels().paged_attention  # KernelUnavailable here, not mid-step
         self.kv_width = kv_width
 
     def build_plan(self, md: AttentionMetadata, num_tokens: int) -> CpuAttentionPlan:
@@ -111,8 +114,8 @@ class CpuAttentionBackend:
                        plan: CpuAttentionPlan) -> torch.Tensor | None:
         """Attention over the un-rotated [tokens, heads + 2 kv_heads, head_dim]
         projection, rotating q and k inside the kernel (k on its way into
-        the cache): four torch ops fewer per layer than apply_rotary_tables
-        first. None when the kernel does not take these tensors; the caller
+        the cache): the four torch ops of apply_rotary_tables fewer per
+        layer. None when the kernel does not take these tensors; the caller
         then rotates and calls forward."""
         num_kv = (qkv.shape[1] - num_heads) // 2
         q, k, v = qkv.split([num_heads, num_kv, num_kv], dim=1)

@@ -3,7 +3,7 @@
 Written against flashinfer-python 0.6.x (the API of the repository's 0.6.18
 tag): BatchPrefillWithPagedKVCacheWrapper / BatchDecodeWithPagedKVCacheWrapper,
 plan(...) with keyword options (0.6 deprecates passing them positionally),
-run(q, paged_kv_cache). NOT YET RUN ON A GPU: tests/workerd/
+run(q, paged_kv_cache). NOT YET RUN ON A GPU: tests/workerd/layers/
 test_flashinfer_backend.py's gpu-marked parity test against the torch backend
 is what proves it.
 
@@ -15,7 +15,7 @@ Per step (one plan object per forward, every layer reuses it):
 * the wrapper is planned once, on the first layer that attends, per layer
   shape (heads, KV heads, head_dim, scale, dtypes), from the page tables of
   flashinfer_index.paged_kv_index;
-* each layer writes its new K/V with attention.write_kv_cache and runs.
+* each layer writes its new K/V with torch_sdpa.write_kv_cache and runs.
 
 The cache is the torch backend's [2, num_blocks, block_size, num_kv_heads,
 head_dim]: cache[0] and cache[1] are each a contiguous FlashInfer "NHD" page
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from workerd.layers.attention.flashinfer_index import pad_decode_index, paged_kv_index
+from workerd.layers.attention.interface import AttentionBackend, AttentionCapabilities
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention, write_kv_cache
 
@@ -73,8 +74,11 @@ class GraphDecode:
     common: dict
 
 
-class FlashInferBackend:
+class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    # Rotary stays outside (pos_encoding_mode="NONE"): the model's tables,
+    # the same numbers every backend attends with.
+    capabilities = AttentionCapabilities(cuda_graph_decode=True)
 
     def __init__(self, device: torch.device) -> None:
         import flashinfer  # only here: the package is optional and CUDA-only

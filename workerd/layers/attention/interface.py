@@ -1,0 +1,112 @@
+"""What an attention backend is: the methods every one has, the ones only
+some have, and which those are, declared as data.
+
+Every backend builds one plan per forward (build_plan) and attends every
+layer with it (forward). Beyond that a backend may:
+
+* rotate q and k inside its kernel (rotary_in_kernel: forward_rotary takes
+  the un-rotated qkv projection and the step's rotary tables);
+* replay decode steps as CUDA graphs (cuda_graph_decode: graph_decode_plan
+  builds the plan a graph is captured with, replan points it at a later
+  step's pages before each replay);
+* attend within a sliding window, or soft-cap the attention logits: no
+  backend does yet, so no method takes either; a model that needs one is
+  refused at load instead of attending to the whole context.
+
+A backend states these in its class's `capabilities`; the optional methods
+of one it does not declare raise NotImplementedError. Callers read the
+declaration once, at load (the model when it is handed the backend, the
+runner when it decides on graphs), and never ask the object what it has.
+tests/workerd/layers/test_attention_capabilities.py holds each backend to
+what it declares.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from workerd.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What a backend can do beyond build_plan and forward, or, from a model,
+    what it needs of the one it attends through."""
+
+    rotary_in_kernel: bool = False
+    cuda_graph_decode: bool = False
+    sliding_window: bool = False
+    logits_soft_cap: bool = False
+
+    def lacking(self, needed: AttentionCapabilities) -> list[str]:
+        """The capabilities `needed` asks for that these do not include."""
+        have = asdict(self)
+        return [name for name, wanted in asdict(needed).items() if wanted and not have[name]]
+
+    def names(self) -> list[str]:
+        return [name for name, on in asdict(self).items() if on]
+
+
+class AttentionBackend(ABC):
+    """One worker's attention implementation (workerd/layers/attention/backend.py
+    picks which)."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities()
+
+    @abstractmethod
+    def build_plan(self, md: AttentionMetadata, num_tokens: int) -> Any:
+        """What every layer of one forward reuses (index tables, planned kernels)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None, md: AttentionMetadata, scale: float,
+                plan: Any) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads,
+        head_dim], already rotated; writes k/v into the cache and returns
+        [num_tokens, num_heads * head_dim]."""
+
+    # ---- rotary_in_kernel ----------------------------------------------
+
+    def forward_rotary(self, qkv: torch.Tensor, num_heads: int, rope,
+                       kv_cache: torch.Tensor | None, md: AttentionMetadata, scale: float,
+                       plan: Any) -> torch.Tensor | None:
+        """forward over the un-rotated [num_tokens, heads + 2 kv_heads,
+        head_dim] projection, rotating q and k (k on its way into the cache)
+        with `rope`'s tables. None when this call's tensors are not ones the
+        kernel takes: the caller then rotates them and calls forward."""
+        raise self._undeclared("rotary_in_kernel")
+
+    # ---- cuda_graph_decode ---------------------------------------------
+
+    def graph_decode_plan(self, md: AttentionMetadata, pad_block: int, buffers, *,
+                          num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                          dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int) -> Any:
+        """The plan a decode graph of md.num_reqs rows is captured with, its
+        page tables in `buffers` (workerd/runner/cuda_graphs.py's GraphBuffers)."""
+        raise self._undeclared("cuda_graph_decode")
+
+    def replan(self, plan: Any, md: AttentionMetadata) -> None:
+        """Before a replay, outside the graph: `plan` (graph_decode_plan's)
+        re-pointed at md's decodes."""
+        raise self._undeclared("cuda_graph_decode")
+
+    def _undeclared(self, capability: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"the {self.name!r} attention backend does not declare {capability}")
+
+
+def check_capabilities(backend: AttentionBackend, needed: AttentionCapabilities,
+                       model: str) -> None:
+    """At load: ValueError, naming the backend and what it lacks, when `model`
+    needs a capability `backend` does not declare."""
+    lacking = backend.capabilities.lacking(needed)
+    if lacking:
+        declared = ", ".join(backend.capabilities.names()) or "none"
+        raise ValueError(
+            f"{model} needs attention with {', '.join(lacking)}, which the "
+            f"{backend.name!r} attention backend does not declare (it declares: {declared})")

@@ -42,7 +42,7 @@ FIGURE = re.compile(
     r"|\(measured\b|\bmeasured:"
 )
 DEFAULT = re.compile(r"\d[\d.]*\s?\w+ by default|\bdefault(?: of)? \d[\d.]*\s?\w+")
-POINTER = re.compile(r"docs/benchmarks\.md(?:#([\w-]+)|,\s*\"?([^\");.]+?)\"?\s*[);.])")
+POINTER = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+)|,\s*\"?([^\");.]+?)\"?\s*[);.])")
 
 
 def _section(text: str, heading: str) -> str:
@@ -56,9 +56,9 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def _history_headings() -> dict[str, str]:
-    """slug -> heading of every section of docs/benchmarks.md."""
-    found = re.findall(r"^#{2,3} (.+)$", HISTORY.read_text(), re.M)
+def _headings(doc: Path = HISTORY) -> dict[str, str]:
+    """slug -> heading of every section of a doc."""
+    found = re.findall(r"^#{2,3} (.+)$", doc.read_text(), re.M)
     return {_slug(h): h for h in found}
 
 
@@ -88,7 +88,7 @@ def test_readme_links_the_history_and_its_sections():
     assert HISTORY.is_file()
     readme = README.read_text()
     assert "(docs/benchmarks.md)" in _section(readme, "Benchmarks")
-    headings = _history_headings()
+    headings = _headings()
     for row in _results_table()[2:]:
         anchors = [t.split("#", 1)[1] for t in LINK.findall(row)
                    if t.startswith("docs/benchmarks.md#")]
@@ -170,13 +170,19 @@ def test_no_measured_figures_in_code_comments():
     assert found == [], "measurements belong in docs/benchmarks.md:\n" + "\n".join(found)
 
 
-def test_comment_pointers_name_a_section_of_the_history():
-    headings = _history_headings()
-    names = {h.lower() for h in headings.values()}
+def test_comment_pointers_name_a_section_that_exists():
+    """A comment that names a doc's section ("docs/benchmarks.md, "CPU
+    kernels"", or an #anchor) names one the doc has."""
     bad = []
     for path in [*_code_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]:
         notes = " ".join(text.strip() for _, text in _notes(path))
-        for anchor, name in POINTER.findall(notes):
+        for doc, anchor, name in POINTER.findall(notes):
+            where = f"{path.relative_to(ROOT)}: docs/{doc} {anchor or name!r}"
+            if not (ROOT / "docs" / doc).is_file():
+                bad.append(where)
+                continue
+            headings = _headings(ROOT / "docs" / doc)
+            names = {h.lower() for h in headings.values()}
             if (anchor and anchor not in headings) or (name and name.strip().lower() not in names):
-                bad.append(f"{path.relative_to(ROOT)}: {anchor or name!r}")
-    assert bad == [], "no such section in docs/benchmarks.md:\n" + "\n".join(bad)
+                bad.append(where)
+    assert bad == [], "no such doc section:\n" + "\n".join(bad)

@@ -214,7 +214,7 @@ def main() -> int:
     model = args.model
     if model is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tests.factories import make_tiny_llama
+        from kvloom.testing.checkpoints import make_tiny_llama
 
         model = str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="kvloom-tiny-"))))
     spec = launcher.ClusterSpec(

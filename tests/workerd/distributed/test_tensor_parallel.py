@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvloom.testing.attention import paged_step
-from tests.factories import make_tiny_llama
+from kvloom.testing.checkpoints import make_tiny_llama
 from workerd.distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvloom.testing.attention import build_attn_metadata
-from tests.factories import make_tiny_llama
+from kvloom.testing.checkpoints import make_tiny_llama
 from tests.workerd.layers import fake_flashinfer
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention.backend import TorchAttentionBackend, make_attention_backend

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 import workerd.models.loader as model_loader
-from tests.factories import layout_state, make_tiny_llama
+from kvloom.testing.checkpoints import make_tiny_llama
+from tests.factories import layout_state
 from workerd.models.loader import load_model
 
 

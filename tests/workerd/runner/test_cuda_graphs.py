@@ -248,7 +248,7 @@ def test_real_graphs_replay_what_eager_computes(tmp_path):
     """On a CUDA device with flashinfer-python: torch.cuda graphs around
     FlashInfer's CUDA-graph decode wrapper give the eager run's tokens."""
     pytest.importorskip("flashinfer")
-    from tests.factories import make_tiny_llama
+    from kvloom.testing.checkpoints import make_tiny_llama
 
     # head_dim 64: FlashInfer's prebuilt kernels cover 64/128/256.
     path = make_tiny_llama(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2,

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
 from kvloom.testing.inprocess import (
     BLOCK_SIZE,
     InProcessExecutor,
@@ -34,7 +35,7 @@ from kvloom.testing.inprocess import (
     runner_limits,
 )
 from tests.controlplane.core.helpers import make_request
-from tests.factories import TOKENIZER_VOCAB_SIZE, layout_state
+from tests.factories import layout_state
 from tests.integration.reference import hf_greedy
 from workerd.distributed import parallel_state as distributed
 from workerd.distributed.parallel_state import (

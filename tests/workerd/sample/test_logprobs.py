@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
+from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
 from kvloom.testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
@@ -32,7 +33,6 @@ from kvloom.testing.inprocess import (
     run_to_completion,
 )
 from tests.controlplane.core.helpers import make_request
-from tests.factories import TOKENIZER_VOCAB_SIZE
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name: str):

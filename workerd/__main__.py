@@ -33,7 +33,7 @@ import grpc
 
 from kvloom.common.config_args import add_config_group, config_from_args
 from kvloom.common.logs import flush_log_handlers, setup_logging
-from kvloom.common.ports import PortInUse
+from kvloom.common.ports import PortInUse, free_port
 from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
@@ -51,7 +51,6 @@ from workerd.connection import (
     RegistrationError,
     TlsRefused,
     channel_credentials,
-    free_port,
 )
 from workerd.worker import Worker
 
@@ -295,7 +294,7 @@ def _serve(config: WorkerdConfig, metrics) -> int:
             device=me.device,
             auth_token=me.auth_token,
             pid=os.getpid(),
-            dist_port=me.dist_port or free_port(),
+            dist_port=me.dist_port or free_port(""),
         )
         if me.rank >= 0:
             request.rank = me.rank

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 
@@ -112,12 +111,6 @@ def channel_credentials(ca_certs: str, certfile: str, keyfile: str) -> grpc.Chan
 def _handshake_failure(details: str) -> bool:
     lowered = details.lower()
     return "handshake" in lowered or "ssl_error" in lowered or "certificate" in lowered
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _last_error(details: str) -> str:

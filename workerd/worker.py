@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from kvloom.common.ports import free_port
 from kvloom.worker.v1 import worker_pb2
-from workerd.connection import free_port
 from workerd.distributed.devices import claim_device, resolve_device
 from workerd.layers.attention.backend import resolve_attention_backend
 from workerd.limits import WorkerLimits
@@ -189,7 +189,7 @@ class Worker:
             destroy_parallel_state(self.ps)
         if self.runner is not None:
             self.runner.reset_state()
-        port = free_port()
+        port = free_port("")  # every interface: peers on other hosts dial it
         logger.info("left the worker group (%s); weights kept, rendezvous port %d next",
                     cmd.reason or "no reason given", port)
         return worker_pb2.WorkerMessage(reset_done=worker_pb2.ResetDone(dist_port=port))

@@ -57,6 +57,12 @@ def add_port(server, host: str, port: int, what: str = "", credentials=None) -> 
     return bound
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` right now ("" for every interface, as a rank's
+    rendezvous port must be where peers on other hosts dial it)."""
+    return pick_free_ports(1, host)[0]
+
+
 def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Distinct ports free right now; all sockets stay open until every port is chosen."""
     with ExitStack() as stack:

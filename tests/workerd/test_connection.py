@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from kvloom.common.ports import free_port
 from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
-from workerd.connection import ControlplaneConnection, RegistrationError, free_port
+from workerd.connection import ControlplaneConnection, RegistrationError
 
 WAIT_S = 10.0  # generous bound on waits for something that must happen
 

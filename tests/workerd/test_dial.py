@@ -21,10 +21,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
+from kvloom.common.ports import free_port
 from kvloom.worker.v1 import worker_pb2_grpc
 from tests.workerd.test_connection import ScriptedControlplane, _register_request
 from workerd import connection
-from workerd.connection import ControlplaneConnection, RegistrationError, free_port
+from workerd.connection import ControlplaneConnection, RegistrationError
 
 ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 60.0  # bounds polls that must succeed; never asserted as a duration

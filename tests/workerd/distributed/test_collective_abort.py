@@ -9,13 +9,13 @@ Without the abort the receive would block until the process-group timeout
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from kvloom.common.ports import free_port
 from workerd.distributed.collective_abort import abort_collectives
 from workerd.distributed.parallel_state import (
     IntermediateTensors,
@@ -24,12 +24,6 @@ from workerd.distributed.parallel_state import (
     recv_intermediate,
     send_intermediate,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, ports: tuple[int, int], out_dir: str) -> None:
@@ -68,7 +62,7 @@ def _rank(rank: int, ports: tuple[int, int], out_dir: str) -> None:
 
 
 def test_a_blocked_receive_is_released_and_the_rank_rejoins(tmp_path):
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, ports, str(tmp_path))) for r in range(2)]
     for p in procs:

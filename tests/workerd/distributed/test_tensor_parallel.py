@@ -5,12 +5,12 @@ a chunked-prefill + mixed prefill/decode + decode schedule."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kvloom.common.ports import free_port
 from kvloom.testing.attention import paged_step
 from kvloom.testing.checkpoints import make_tiny_llama
 from workerd.distributed.parallel_state import (
@@ -27,12 +27,6 @@ from workerd.models.loader import load_model
 
 BLOCK_SIZE = 4
 TABLES = [[7, 2, 9, 0, 5], [3, 8, 1, 6]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_schedule(model, ps: ParallelState) -> list[torch.Tensor]:
@@ -105,7 +99,7 @@ def test_parallel_layout_matches_single_process(
     reference = _run_schedule(load_model(model_dir, ps, torch.float32), ps)
     mp.spawn(
         _worker,
-        args=(tp * pp, tp, pp, _free_port(), model_dir, str(tmp_path)),
+        args=(tp * pp, tp, pp, free_port(), model_dir, str(tmp_path)),
         nprocs=tp * pp,
         join=True,
     )
@@ -139,7 +133,7 @@ def test_indivisible_layout_refused_by_load_model(tmp_path):
 
 def test_rendezvous_timeout_names_missing_ranks():
     with pytest.raises(RuntimeError, match=r"ranks \[1, 2\] of world_size 3 did not arrive"):
-        init_parallel_state(0, 3, 3, 1, "127.0.0.1", _free_port(), 1.0, torch.device("cpu"))
+        init_parallel_state(0, 3, 3, 1, "127.0.0.1", free_port(), 1.0, torch.device("cpu"))
 
 
 def test_world_size_one_needs_no_process_group():

@@ -63,9 +63,10 @@ def run_engine(model: str, requests: list[tuple[list[int], int]], concurrency: i
                 scheduler.add_request(queued.pop())
                 in_flight += 1
             t0 = time.perf_counter()
-            so = scheduler.schedule()
+            step = scheduler.schedule_step()
+            so = step.scheduler_output
             t1 = time.perf_counter()
-            out = executor.execute_model(so)
+            out = executor.execute_model(so, step.expected)
             t2 = time.perf_counter()
             for o in scheduler.update_from_output(so, out):
                 output_tokens += len(o.new_token_ids)

@@ -90,13 +90,6 @@ class ControlPlane:
         self.health = health.aio.HealthServicer()
         self.router = OutputRouter()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.engine = EngineCore(
-            config.scheduler, config.cache, execute_model=self._execute_model, emit=self._emit,
-            recovery_timeout_s=config.workers.engine_recovery_timeout_s,
-            on_recovery=self._on_recovery,
-            submit_model=self._submit_model,
-            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
-        )
         self.executor = Executor(
             config.parallel,
             config.workers,
@@ -106,6 +99,12 @@ class ControlPlane:
             on_failed=self._on_group_failed,
             vocab_size=model_info.vocab_size,
             scheduler=config.scheduler,
+        )
+        self.engine = EngineCore(
+            config.scheduler, config.cache, self.executor, self._emit,
+            recovery_timeout_s=config.workers.engine_recovery_timeout_s,
+            on_recovery=self._on_recovery,
+            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
         )
         self.loop_probes = {name: LoopLagProbe(name) for name in ("api", "workers")}
         self.worker_plane = WorkerPlane(
@@ -125,22 +124,12 @@ class ControlPlane:
                 self.metrics.watch_loop(probe)
 
     # Called on the engine thread.
-    def _execute_model(self, scheduler_output):
-        return self.executor.execute_model(scheduler_output)
-
-    def _submit_model(self, scheduler_output):
-        return self.executor.submit(scheduler_output)
-
     def _emit(self, outputs, record=None) -> None:
         assert self._loop is not None
         if self.metrics is None:
             if outputs:
                 self._loop.call_soon_threadsafe(self.router.dispatch, outputs)
             return
-        if record is not None:
-            # Still on the engine thread, before the next step overwrites them.
-            record.round_trip_s = self.executor.last_round_trip_s
-            record.step_bytes = self.executor.last_step_bytes
         self._loop.call_soon_threadsafe(self._dispatch, outputs, record)
 
     def _on_recovery(self, record: RecoveryRecord) -> None:

@@ -1,6 +1,8 @@
 """Plain-data messages of one engine step: SchedulerOutput (the diff sent to
-every worker), ModelRunnerOutput (what the output rank returns) and
-EngineCoreOutput (what the engine hands to client streams).
+every worker) and ScheduledStep (that diff with what the controlplane
+remembers of it: the reply it expects, timing), ModelRunnerOutput (what the
+output rank returns) and EngineCoreOutput (what the engine hands to client
+streams).
 
 The wire module converts the first two to and from protobuf; nothing here
 knows about grpc.
@@ -12,7 +14,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from controlplane.core.request import FinishReason, SamplingParams
+from controlplane.core.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    finish_reason_of,
+)
 
 
 @dataclass(slots=True)
@@ -60,6 +68,10 @@ class PromptLogprobsWindow(NamedTuple):
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step as every worker receives it: the wire contract and nothing else
+    (executor/wire.py converts it field for field; num_scheduled_tokens
+    travels as a column of the new and cached request data)."""
+
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -70,19 +82,37 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Preempted this step; workers drop them from the batch but keep state.
     preempted_req_ids: set[str]
-    # Not sent: what the output rank must answer, checked on receipt
-    # (executor/reply_check.py). Requests whose context is complete after this
-    # step sample one token each (a partial prefill chunk samples none); the
-    # value is the logprobs count the request asked for (None: none).
-    sampling_reqs: dict[str, int | None] = field(default_factory=dict)
-    # Requests that asked for prompt logprobs and compute prompt positions.
-    prompt_logprobs_windows: dict[str, PromptLogprobsWindow] = field(default_factory=dict)
-    # Not sent: the Request objects scheduled. Its output may come back after
-    # the request ended and a new one took its id (steps in flight).
-    scheduled_requests: dict = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ExpectedReply:
+    """What the output rank must answer to step `step_id`, checked on receipt
+    (executor/reply_check.py); never sent."""
+
+    step_id: int
+    # Requests whose context is complete after the step sample one token each
+    # (a partial prefill chunk samples none); the value is the logprobs count
+    # the request asked for (None: none).
+    sampling_reqs: dict[str, int | None] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and compute prompt positions.
+    prompt_logprobs_windows: dict[str, PromptLogprobsWindow] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A step the scheduler planned: what is sent (scheduler_output) and what
+    the controlplane remembers about it until its output is applied."""
+
+    scheduler_output: SchedulerOutput
+    expected: ExpectedReply
+    # (req_id, arrival_time) of the requests sent to the workers in full.
+    admitted: list[tuple[str, float]]
+    # When scheduling began and ended (time.monotonic, like Request.arrival_time).
+    t_start: float
+    t_scheduled: float
 
 
 @dataclass(slots=True)
@@ -152,3 +182,30 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def error_output(
+    request: Request, reason: str, code: EngineErrorCode = EngineErrorCode.UNAVAILABLE
+) -> EngineCoreOutput:
+    """The end of `request` with an error: no new token, `reason` for the client."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        finish_reason=FinishReason.ERROR,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        error=reason,
+        error_code=code,
+    )
+
+
+def finish_output(request: Request, status: RequestStatus) -> EngineCoreOutput:
+    """The end of `request`, finished from outside a step (abort, stop string)."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        finish_reason=finish_reason_of(status),
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+    )

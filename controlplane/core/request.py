@@ -102,9 +102,10 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache when first scheduled.
     num_cached_tokens: int = -1
-    # The workers hold its state (sent as new since the group formed): a
-    # resume from preemption sends only the block list.
-    sent_to_workers: bool = False
+    # The scheduler's step_id when it was added: the outputs of that step and
+    # of earlier ones are never its own (steps in flight may answer a request
+    # that ended since, whose id a client reused for this one).
+    added_after_step: int = 0
     # Tokens sampled by steps in flight that have not come back yet (async
     # scheduling): the next step already computes their positions.
     num_output_placeholders: int = 0

@@ -1,10 +1,13 @@
 """The Scheduler: decides, every step, which requests compute how many tokens.
 
-EngineCore calls schedule() to get a SchedulerOutput (the diff every worker
-applies to its own request state), sends it to the worker group, then feeds the
+EngineCore calls schedule_step() to get a ScheduledStep: the SchedulerOutput
+(the diff every worker applies to its own request state) and the reply the
+output rank owes it. It sends the diff to the worker group, then feeds the
 output rank's ModelRunnerOutput to update_from_output(), which appends sampled
 tokens, applies stop rules, frees finished requests and returns one
-EngineCoreOutput per request that advanced.
+EngineCoreOutput per request that advanced. schedule() is the diff alone, for
+callers that check no reply. Which requests the workers hold is
+worker_requests' (worker_requests.py).
 
 Policy (vLLM V1): one token budget per step is spent on running requests first
 (decodes and unfinished prefill chunks alike), then on waiting requests in
@@ -22,7 +25,7 @@ consecutive steps hold disjoint requests and pipeline stages overlap; a
 request with a step in flight has nothing left to schedule until its output
 is in. Outputs always arrive in step order; a step's output may reach a
 request that was preempted after the step was scheduled (its token is kept,
-as the workers kept it).
+as the workers kept it), never one added after it (Request.added_after_step).
 
 Priority convention (as vLLM): a SMALLER Request.priority value is served
 first; ties go to the earlier arrival. The preemption victim is the request
@@ -31,6 +34,7 @@ with the largest (priority, arrival_time), i.e. the least important and newest.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
@@ -39,9 +43,11 @@ from controlplane.core.kv_cache_utils import blocks_needed, max_num_computed_tok
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    ExpectedReply,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobsWindow,
+    ScheduledStep,
     SchedulerOutput,
 )
 from controlplane.core.prompt_logprobs import attach_prompt_logprobs, unsent_prompt_logprobs
@@ -54,6 +60,7 @@ from controlplane.core.request import (
 )
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
+from controlplane.core.worker_requests import WorkerRequests
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -91,6 +98,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.placeholders = placeholders
         self.num_micro_batches = num_micro_batches
+        self.worker_requests = WorkerRequests()
 
     # -- request lifecycle ----------------------------------------------
 
@@ -124,6 +132,7 @@ class Scheduler:
                 f"({cfg.max_num_batched_tokens}) and chunked prefill is disabled"
             )
         request.status = RequestStatus.WAITING
+        request.added_after_step = self.step_id
         self.requests[req_id] = request
         self.waiting.push(request)
 
@@ -177,8 +186,14 @@ class Scheduler:
     # -- one step: schedule ---------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """One step's plan as a diff. num_computed_tokens advances here, as in
-        vLLM: tokens count as computed once the step carrying them is sent."""
+        """One step's plan as a diff (schedule_step without its record)."""
+        return self.schedule_step().scheduler_output
+
+    def schedule_step(self) -> ScheduledStep:
+        """One step's plan as a diff, with the reply it expects. num_computed_tokens
+        advances here, as in vLLM: tokens count as computed once the step
+        carrying them is sent."""
+        t_start = time.monotonic()
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
@@ -190,45 +205,54 @@ class Scheduler:
             active = min(len(self.running) + len(self.waiting), max_reqs)
             max_reqs = max(1, -(-active // self.num_micro_batches))
         budget = self._schedule_running(budget, max_reqs, cached, num_scheduled, preempted)
+        admitted: list[Request] = []
         # As vLLM: admitting while preempting would just thrash the pool.
         if not preempted:
-            self._schedule_waiting(budget, max_reqs, new_reqs, cached, num_scheduled)
+            self._schedule_waiting(budget, max_reqs, new_reqs, admitted, cached, num_scheduled)
         self.step_id += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
         so = SchedulerOutput(
             self.step_id, new_reqs, cached, num_scheduled, total, finished, preempted
         )
-        self._record_expected_reply(so)
-        return so
+        expected = self._expect_reply(so)
+        # After every preemption of the step is settled.
+        self._advance_placeholders(expected)
+        self.worker_requests.step_scheduled(admitted, finished)
+        return ScheduledStep(so, expected, [(r.request_id, r.arrival_time) for r in admitted],
+                             t_start, time.monotonic())
 
-    def _record_expected_reply(self, so: SchedulerOutput) -> None:
+    def _expect_reply(self, so: SchedulerOutput) -> ExpectedReply:
         """What the output rank must answer, for the executor's reply check: a
         request samples when this step completes its context (as the worker
-        decides), and prompt logprobs come only from the positions it computes.
-        A request that samples gets a placeholder (async scheduling) here,
-        after every preemption of the step is settled."""
+        decides), and prompt logprobs come only from the positions it computes."""
         requests = self.requests
-        sampling = so.sampling_reqs
-        scheduled_requests = so.scheduled_requests
-        placeholders = self.placeholders
+        expected = ExpectedReply(so.step_id)
+        sampling = expected.sampling_reqs
         for req_id, num_new in so.num_scheduled_tokens.items():
             request = requests[req_id]
-            scheduled_requests[req_id] = request
             params = request.sampling_params
             num_computed = request.num_computed_tokens  # already advanced by num_new
             if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
                 sampling[req_id] = params.logprobs
-                if placeholders:
-                    request.num_output_placeholders += 1
             # A request that sampled once has had its whole prompt's logprobs.
             if params.prompt_logprobs is not None and not request.output_token_ids:
                 start = num_computed - num_new + 1
                 stop = min(num_computed + 1, len(request.prompt_token_ids))
                 if start < stop:
-                    so.prompt_logprobs_windows[req_id] = PromptLogprobsWindow(
+                    expected.prompt_logprobs_windows[req_id] = PromptLogprobsWindow(
                         params.prompt_logprobs, start, stop
                     )
+        return expected
+
+    def _advance_placeholders(self, expected: ExpectedReply) -> None:
+        """With placeholders (async scheduling), each request that samples in
+        this step owes one more token, which the next step already covers."""
+        if not self.placeholders:
+            return
+        requests = self.requests
+        for req_id in expected.sampling_reqs:
+            requests[req_id].num_output_placeholders += 1
 
     def _schedule_running(
         self,
@@ -316,6 +340,7 @@ class Scheduler:
         budget: int,
         max_reqs: int,
         new_reqs: list[NewRequestData],
+        admitted: list[Request],
         cached: CachedRequestData,
         num_scheduled: dict[str, int],
     ) -> None:
@@ -346,7 +371,7 @@ class Scheduler:
             request.status = _RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            self._emit_admitted(request, num_hit, new_reqs, cached)
+            self._emit_admitted(request, num_hit, new_reqs, admitted, cached)
             request.num_computed_tokens = num_hit + num_new
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -356,14 +381,16 @@ class Scheduler:
         request: Request,
         num_computed: int,
         new_reqs: list[NewRequestData],
+        admitted: list[Request],
         cached: CachedRequestData,
     ) -> None:
-        """Full data for workers that never saw the request; for one back from
+        """Full data for workers that do not hold the request; for one back from
         preemption (workers kept its state, tokens included) the replacement
         block list."""
         req_id = request.request_id
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
-        if not request.sent_to_workers:
+        if not self.worker_requests.holds(request):
+            admitted.append(request)
             new_reqs.append(
                 NewRequestData(
                     req_id,
@@ -380,7 +407,6 @@ class Scheduler:
             cached.resumed_from_preemption.append(True)
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_computed)
-        request.sent_to_workers = True
 
     def _pop_victim(self) -> tuple[Request, int]:
         running = self.running
@@ -428,7 +454,7 @@ class Scheduler:
         nothing (partial prefill chunks) produce no output."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
-        scheduled = scheduler_output.scheduled_requests
+        step_id = scheduler_output.step_id
         # Trimmed while every request is still here (finishing frees them).
         prompt_chunks = unsent_prompt_logprobs(model_runner_output.prompt_logprobs, requests)
         any_finished = False
@@ -441,7 +467,7 @@ class Scheduler:
             # Ended after this step was scheduled (maybe a new request now
             # holds the id): drop the token. One preempted meanwhile keeps it:
             # the workers kept it too.
-            if request is None or scheduled.get(req_id) is not request:
+            if request is None or request.added_after_step >= step_id:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
@@ -499,10 +525,8 @@ class Scheduler:
             kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
-            request.sent_to_workers = False
             request.num_preemptions += 1
         for request in self.waiting:
-            request.sent_to_workers = False
             request.num_computed_tokens = 0
         for request in self.requests.values():
             # Steps in flight on the failed group never answer.
@@ -511,6 +535,14 @@ class Scheduler:
         self.running = []
         kv.reset_prefix_cache()
         self.finished_req_ids = set()
+        self.worker_requests.forget()
+
+    def inherit_worker_ids(self, req_ids: set[str]) -> None:
+        """This scheduler replaces one over the same workers (EngineCore._recover),
+        which may hold state for `req_ids`: no request here has them, so the
+        next step sends them as finished, the path of any finish."""
+        self.finished_req_ids |= req_ids
+        self.worker_requests.inherit(req_ids)
 
     def replace_kv_pool(self, num_gpu_blocks: int) -> list[Request]:
         """The group re-formed with a KV pool of another size (only after

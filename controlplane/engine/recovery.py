@@ -1,18 +1,22 @@
-"""Recovery: what EngineCore keeps while its worker group re-forms.
+"""Recovery: holding a failed worker group's requests until it re-forms.
 
 Requests are owned by the control plane, so a failed worker group does not
-end them (DESIGN.md §5): the engine resets its scheduler's requests to
-preempted-for-recompute, keeps their streams open and stops stepping until the
-group is ready again. Recovery is the bookkeeping of that episode: the first
-failure's reason and kind, the deadline (first failure + --engine-recovery-
-timeout; later failures of the same episode, such as a group that fails while
-re-forming, never extend it), which requests were held, how often each has
-been held (the poison-pill cap) and the words of every error it causes. The
-engine acts on the scheduler; this class decides when and says why.
+end them (DESIGN.md §5). When the executor reports the group failed
+(EngineCore._group_down, the one place a failure is handled) hold() resets
+the scheduler's requests to preempted-for-recompute, their streams stay open
+and the engine stops stepping; when the group is ready again resume() puts
+them on it (over a KV pool of the new size), and past the deadline give_up()
+ends them. The episode's bookkeeping lives here: the failure's reason and
+kind, the deadline (first failure + --engine-recovery-timeout; a group that
+fails again while re-forming never extends it: the engine does not hold
+twice), which requests were held, how often each has been held (the
+poison-pill cap) and the words of every error it causes. Each method returns
+the error outputs for the engine to emit.
 
 Each transition is handed to `report` as a RecoveryRecord (increments only,
 built on the engine thread), which the server forwards to the metrics on the
-API loop, as it does with StepRecords.
+API loop, as it does with StepRecords. An episode is counted once, under the
+kind of the failure that began it.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from controlplane.core.request import Request
+from controlplane.core.outputs import EngineCoreOutput, error_output
+from controlplane.core.request import Request, RequestStatus
+from controlplane.core.scheduler import Scheduler
 from controlplane.metrics.records import RecoveryRecord
 
 logger = logging.getLogger(__name__)
@@ -33,9 +39,6 @@ logger = logging.getLogger(__name__)
 # this many failures it was held across it ends instead. Above the 3 failures
 # in a row that an operator restarting a flaky node may cause.
 MAX_REQUEST_RECOVERIES = 5
-# The label of an episode whose only failure report was a step's exception
-# (the executor raises WorkerGroupFailed for a worker's error reply).
-DEFAULT_KIND = "worker_error"
 FLAG = "--engine-recovery-timeout"
 
 
@@ -51,8 +54,6 @@ class _Episode:
     reason: str
     t_failed: float
     deadline: float
-    # None until a failure report of this episode names its kind.
-    kind: str | None
     # Identity set: these are the requests "recovered" if they are still
     # live when the group comes back (arrivals during the episode are not).
     held: set[Request]
@@ -91,9 +92,56 @@ class Recovery:
 
     # ---- transitions (engine thread) ---------------------------------------
 
-    def begin(self, reason: str, kind: str | None, requests: Iterable[Request]) -> list[Request]:
-        """The group failed while serving: hold `requests`. Returns the ones
-        held too often already, which the engine must end instead."""
+    def hold(self, sched: Scheduler, reason: str, kind: str) -> list[EngineCoreOutput]:
+        """The group failed while serving (kind: the executor's FailureKind
+        value): hold every request of `sched` for recompute. Returns the
+        errors of those held too often already, which end here."""
+        sched.reset_for_recompute()
+        poisoned = self._begin(reason, kind, list(sched.requests.values()))
+        if not poisoned:
+            return []
+        sched.finish_requests([r.request_id for r in poisoned], RequestStatus.FINISHED_ERROR)
+        return [error_output(r, self.poisoned_error(r)) for r in poisoned]
+
+    def resume(self, sched: Scheduler, num_gpu_blocks: int) -> list[EngineCoreOutput]:
+        """The group is ready again with `num_gpu_blocks`: the held requests
+        are recomputed on it. Returns the errors of those that no longer fit."""
+        old_blocks = sched.num_gpu_blocks
+        too_big = sched.replace_kv_pool(num_gpu_blocks) if num_gpu_blocks != old_blocks else []
+        # Ids finished while holding belong to the old group; this one holds none.
+        sched.finished_req_ids = set()
+        episode = self._end()
+        num_recovered = sum(1 for r in sched.requests.values() if r in episode.held)
+        duration = self._clock() - episode.t_failed
+        logger.info("worker group back after %.1f s: resuming %d held request(s)",
+                    duration, num_recovered)
+        self._send(RecoveryRecord(False, None, num_recovered, duration))
+        if not too_big:
+            return []
+        logger.warning("the worker group re-formed with %d KV blocks (was %d): failing %d "
+                       "request(s) that can no longer fit", num_gpu_blocks, old_blocks,
+                       len(too_big))
+        error = self.pool_error(old_blocks, num_gpu_blocks)
+        return [error_output(r, error) for r in too_big]
+
+    def give_up(self, live: list[Request]) -> list[EngineCoreOutput]:
+        """The deadline passed: the errors of every request still held."""
+        episode = self._end()
+        message = (f"{episode.reason}; the worker group did not re-form within "
+                   f"{self.timeout_s:g} s ({FLAG})")
+        logger.error("gave up on the worker group: failing %d held request(s): %s",
+                     len(live), message)
+        self._send(RecoveryRecord(False))
+        return [error_output(r, message) for r in live]
+
+    def abandon(self) -> None:
+        """The engine stops while holding: the held requests end elsewhere."""
+        if self._episode is not None:
+            self._end()
+            self._send(RecoveryRecord(False))
+
+    def _begin(self, reason: str, kind: str, requests: list[Request]) -> list[Request]:
+        """Hold `requests`; returns the ones held too often already."""
         now = self._clock()
         held: set[Request] = set()
         poisoned: list[Request] = []
@@ -103,50 +151,16 @@ class Recovery:
                 poisoned.append(request)
             else:
                 held.add(request)
-        self._episode = _Episode(reason, now, now + self.timeout_s, kind, held)
+        self._episode = _Episode(reason, now, now + self.timeout_s, held)
         logger.warning(
             "worker group failed (%s): %s; holding %d request(s) for recompute until it "
-            "re-forms, at most %g s (%s)", kind or DEFAULT_KIND, reason, len(held),
-            self.timeout_s, FLAG,
+            "re-forms, at most %g s (%s)", kind, reason, len(held), self.timeout_s, FLAG,
         )
         if poisoned:
             logger.error("ending %d request(s) held across more than %d worker group "
                          "failures", len(poisoned), MAX_REQUEST_RECOVERIES)
         self._send(RecoveryRecord(recovering=True, episode_reason=kind))
         return poisoned
-
-    def failed_again(self, kind: str | None) -> None:
-        """Another failure report during the episode (the executor reporting the
-        failure a step already raised, or the re-forming group failing)."""
-        episode = self._episode
-        assert episode is not None
-        if episode.kind is None and kind is not None:
-            episode.kind = kind
-            self._send(RecoveryRecord(recovering=True, episode_reason=kind))
-
-    def resumed(self, requests: Iterable[Request]) -> None:
-        """The group is ready again; `requests` are the live ones that resume."""
-        episode = self._end()
-        num_recovered = sum(1 for r in requests if r in episode.held)
-        duration = self._clock() - episode.t_failed
-        logger.info("worker group back after %.1f s: resuming %d held request(s)",
-                    duration, num_recovered)
-        self._send(RecoveryRecord(False, self._unannounced(episode), num_recovered, duration))
-
-    def give_up(self, num_failed: int) -> str:
-        """The deadline passed; returns the error for every request still held."""
-        episode = self._end()
-        message = (f"{episode.reason}; the worker group did not re-form within "
-                   f"{self.timeout_s:g} s ({FLAG})")
-        logger.error("gave up on the worker group: failing %d held request(s): %s",
-                     num_failed, message)
-        self._send(RecoveryRecord(False, self._unannounced(episode)))
-        return message
-
-    def abandon(self) -> None:
-        """The engine stops while holding: the held requests end elsewhere."""
-        if self._episode is not None:
-            self._send(RecoveryRecord(False, self._unannounced(self._end())))
 
     # ---- the loop's clock ----------------------------------------------------
 
@@ -180,11 +194,6 @@ class Recovery:
         assert episode is not None
         self._episode = None
         return episode
-
-    @staticmethod
-    def _unannounced(episode: _Episode) -> str | None:
-        # An episode is counted once: here if no failure report named its kind.
-        return DEFAULT_KIND if episode.kind is None else None
 
     def _send(self, record: RecoveryRecord) -> None:
         if self._report is None:

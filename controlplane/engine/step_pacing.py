@@ -3,10 +3,10 @@
 Two decisions, both made from the output rank's own forward times:
 
 * How many steps to keep in flight. Three hide a control path (reply ->
-  apply -> schedule -> broadcast, ~1-5 ms on loopback) that takes about as
-  long as a step of a small model. Once steps take many times longer than
-  that path, the second step in flight already hides it and a third only
-  costs: a request that joins waits behind one more step (TTFT), every
+  apply -> schedule -> broadcast) that takes about as long as a step of a
+  small model (docs/benchmarks.md, pipelined steps). Once steps take many
+  times longer than that path, the second step in flight already hides it
+  and a third only costs: a request that joins waits behind one more step (TTFT), every
   request that stops on EOS or a stop string has one more placeholder token
   computed for nothing, and a finished request's row stays empty one step
   longer. So the depth drops to two once the last DEPTH_WINDOW forward
@@ -35,7 +35,8 @@ import math
 from collections import deque
 
 # Forward time per step (seconds) from which two steps in flight hide the
-# control path: at least four times its ~5 ms on a loaded 2-core box.
+# control path: several times what it takes on a loaded small box
+# (docs/benchmarks.md, pipelined steps).
 LONG_STEP_S = 0.020
 # How many of the latest steps must all have been long to drop the third.
 DEPTH_WINDOW = 4

@@ -1,2 +1,3 @@
 """The worker plane: the executor that drives the worker group over gRPC
-streams, its start-up handshake, pending calls and protobuf conversion."""
+streams (the StepExecutor interface the engine steps through), its start-up
+handshake, pending calls, reply checks and protobuf conversion."""

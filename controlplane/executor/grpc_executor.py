@@ -25,16 +25,17 @@ docs/recovery.md has the whole sequence.
 
 Threading: registration, replies and start-up run on the worker plane's
 asyncio loop (worker_plane.py: a thread of its own, apart from the client
-API's loop); the engine thread calls execute_model(), which hands bytes to
-that loop with call_soon_threadsafe and blocks on a concurrent future (both
-bounded by the step deadline). Readers on any thread
+API's loop); the engine thread calls submit() (the StepExecutor interface),
+which hands bytes to that loop with call_soon_threadsafe and returns a
+BroadcastStep (step_broadcast.py) whose wait() blocks on a concurrent future
+(both bounded by the step deadline). Every failure is reported once, through
+on_failed. Readers on any thread
 (readiness, the metrics scrape, the API) take one immutable status() snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -48,23 +49,22 @@ from controlplane.config import (
     SchedulerConfig,
     WorkerGroupConfig,
 )
-from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import ExpectedReply, SchedulerOutput
 from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.registration import (
     WorkerHandle,
     check_registration,
     claim_differs,
-    observed_host,
+    new_handle,
     pick_rank,
+    shutdown_workers,
 )
-from controlplane.executor.reply_check import (
-    ProtocolViolation,
-    check_step_reply,
-    reply_payload_problem,
-)
+from controlplane.executor.reply_check import ProtocolViolation, reply_payload_problem
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
+from controlplane.executor.step_broadcast import BroadcastStep, post_to_loop
+from controlplane.executor.step_executor import StepExecutor
 from controlplane.executor.wire import scheduler_output_to_proto
-from controlplane.executor.worker_calls import PendingCall, PendingStep, WorkerGroupFailed
+from controlplane.executor.worker_calls import CallTable, PendingCall, WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ MAX_RESTART_BACKOFF_S = 30.0
 MAX_PORT = 65535
 
 
-class Executor:
+class Executor(StepExecutor):
     def __init__(
         self,
         parallel: ParallelConfig,
@@ -107,11 +107,7 @@ class Executor:
         self._failure_reason = ""
         self._num_gpu_blocks = 0
         self._failure_counts: dict[FailureKind, int] = {}
-        self._pending: dict[int, PendingCall] = {}
-        self._next_call_id = 1
-        # Calls numbered below this belong to a group that failed: their late
-        # replies (a survivor's failing step, say) are dropped, not judged.
-        self._live_call_id = 1
+        self._calls = CallTable()
         # Keep survivors of a failure attached (Reset) instead of letting them go.
         self._keep_survivors = workers.engine_recovery_timeout_s > 0
         # The survivors' pending Reset, awaited before the next handshake.
@@ -125,11 +121,6 @@ class Executor:
         # Single values the engine thread writes too, so outside the lock.
         self._last_success = 0.0
         self._steps_in_flight = 0
-        # Per-step counters for metrics and benchmarks, read on the engine
-        # thread right after execute_model returns.
-        self.last_step_bytes = 0
-        # Broadcast -> output rank reply of the latest step (engine thread).
-        self.last_round_trip_s = 0.0
 
     # ---- lifecycle on the event loop -------------------------------------
 
@@ -144,11 +135,8 @@ class Executor:
         with self._lock:
             handles = self._detach_all()
         # A step the engine thread waits on ends now, not at its deadline.
-        exc = WorkerGroupFailed("controlplane is shutting down")
-        for call in self._pending.values():
-            call.fail(exc)
-        self._pending.clear()
-        self._shutdown_workers(handles, "controlplane is shutting down")
+        self._calls.fail_all(WorkerGroupFailed("controlplane is shutting down"))
+        shutdown_workers(handles, "controlplane is shutting down")
 
     def status(self) -> ExecutorStatus:
         """One consistent, immutable view of the group (any thread)."""
@@ -170,17 +158,12 @@ class Executor:
         """peer: the stream's grpc context.peer(), where the worker was seen."""
         world = self.parallel.world_size
         check_registration(req, self.cfg, self._state, world)
-        rank = pick_rank(req, self.parallel, self._handles)
-        seen = observed_host(peer)
-        if claim_differs(req.host, seen):
-            logger.info("rank %d claims host %r but connected from %s: the rendezvous uses "
-                        "%s", rank, req.host, seen, seen)
-        handle = WorkerHandle(
-            rank=rank, host=req.host, device=req.device, dist_port=req.dist_port, pid=req.pid,
-            peer_host=seen,
-        )
+        handle = new_handle(req, peer, pick_rank(req, self.parallel, self._handles))
+        if claim_differs(req.host, handle.peer_host):
+            logger.info("rank %d claims host %r but connected from %s: the rendezvous uses %s",
+                        handle.rank, req.host, handle.peer_host, handle.peer_host)
         with self._lock:
-            self._handles[rank] = handle
+            self._handles[handle.rank] = handle
             attached = len(self._handles)
         logger.info(
             "worker registered: %s device=%s (%d/%d ranks)",
@@ -211,9 +194,9 @@ class Executor:
                     handle.rank, f"sent {payload or 'an empty message'} outside any call"
                 )
             return
-        if msg.call_id < self._live_call_id:
+        if self._calls.is_retired(msg.call_id):
             return  # answers a call of a group that has failed since
-        call = self._pending.get(msg.call_id)
+        call = self._calls.get(msg.call_id)
         if call is None:
             # Every call is answered once and then forgotten; a failed group
             # forgets them all, but its workers are let go first (above).
@@ -223,7 +206,7 @@ class Executor:
             return
         if payload == "error":
             call.add_reply(handle.rank, msg)
-            self._pending.pop(msg.call_id, None)
+            self._calls.close(msg.call_id)
             # The step (or start-up) already failed through the pending call;
             # the group is failed too, or it would stay "ready" with no engine.
             err = msg.error
@@ -238,7 +221,7 @@ class Executor:
             return
         call.add_reply(handle.rank, msg)
         if call.future.done():
-            self._pending.pop(msg.call_id, None)
+            self._calls.close(msg.call_id)
 
     def protocol_violation(self, handle: WorkerHandle, what: str) -> None:
         """The stream carried something that is no WorkerMessage (worker_service)."""
@@ -326,7 +309,7 @@ class Executor:
             self._failure_counts[kind] = self._failure_counts.get(kind, 0) + 1
             self._failure_reason = reason
             self._state = GroupState.FORMING
-            self._live_call_id = self._next_call_id
+            self._calls.retire()
             if self._keep_survivors:
                 # A rank that replied with an error stays: its error is often
                 # the echo of a dead peer (a collective that broke).
@@ -334,13 +317,10 @@ class Executor:
                 gone = [self._handles.pop(rank)] if culprit and rank in self._handles else []
             else:
                 gone = self._detach_all()
-        exc = WorkerGroupFailed(reason)
-        for call in self._pending.values():
-            call.fail(exc)
-        self._pending.clear()
+        self._calls.fail_all(WorkerGroupFailed(reason))
         if self._startup_task is not None and not self._startup_task.done():
             self._startup_task.cancel()
-        self._shutdown_workers(gone, reason)
+        shutdown_workers(gone, reason)
         if self._handles:
             self._reset_survivors(reason)
         self._on_failed(reason, kind)
@@ -350,10 +330,9 @@ class Executor:
         supervisor restarts it and it registers again."""
         with self._lock:
             handle = self._handles.pop(rank)
-        for call in list(self._pending.values()):
-            call.forget(rank)
+        self._calls.forget_rank(rank)
         logger.warning("rank %d let go while the group re-forms: %s", rank, reason)
-        self._shutdown_workers([handle], reason)
+        shutdown_workers([handle], reason)
 
     def _reset_survivors(self, reason: str) -> None:
         """Tell every attached rank to leave the failed group, keeping its
@@ -379,9 +358,7 @@ class Executor:
         except WorkerGroupFailed:
             return  # the group failed again; a new Reset round is under way
         finally:
-            for call_id, pending in list(self._pending.items()):
-                if pending is call:
-                    del self._pending[call_id]
+            self._calls.discard(call)
         for rank, msg in replies.items():
             handle = self._handles.get(rank)
             port = msg.reset_done.dist_port
@@ -400,14 +377,6 @@ class Executor:
         handles = list(self._handles.values())
         self._handles = {}
         return handles
-
-    @staticmethod
-    def _shutdown_workers(handles: list[WorkerHandle], reason: str) -> None:
-        data = worker_pb2.ControlMessage(shutdown=worker_pb2.Shutdown(reason=reason))
-        raw = data.SerializeToString()
-        for handle in handles:
-            handle.outbox.put_nowait(raw)
-            handle.outbox.put_nowait(None)
 
     async def _watch_heartbeats(self) -> None:
         period = max(0.2, self.cfg.heartbeat_timeout_s / 4)
@@ -428,18 +397,12 @@ class Executor:
 
     def _send(self, command: worker_pb2.ControlMessage, expected: set[int]) -> PendingCall:
         """Register a pending call and write one serialized copy to every stream (loop thread)."""
-        command.call_id, call = self._new_call(expected, command.WhichOneof("command"))
+        command.call_id, call = self._calls.open(expected, command.WhichOneof("command"))
         raw = command.SerializeToString()
         call.nbytes = len(raw)
         for handle in self._handles.values():
             handle.outbox.put_nowait(raw)
         return call
-
-    def _new_call(self, expected: set[int], command: str) -> tuple[int, PendingCall]:
-        call_id = self._next_call_id
-        self._next_call_id += 1
-        call = self._pending[call_id] = PendingCall(expected, command)
-        return call_id, call
 
     async def call_all(
         self, command: worker_pb2.ControlMessage, timeout_s: float, what: str
@@ -456,7 +419,7 @@ class Executor:
         """Send command_for(rank) to each attached rank as one call (loop thread)."""
         commands = {rank: command_for(rank) for rank in self._handles}
         kind = next((c.WhichOneof("command") for c in commands.values()), "")
-        call_id, call = self._new_call(set(self._handles), kind)
+        call_id, call = self._calls.open(set(self._handles), kind)
         for rank, handle in self._handles.items():
             command = commands[rank]
             command.call_id = call_id
@@ -488,13 +451,9 @@ class Executor:
 
     # ---- step (engine thread) -------------------------------------------
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Broadcast one step and wait for the output rank's reply (engine thread)."""
-        return self.submit(so)()
-
-    def submit(self, so: SchedulerOutput) -> PendingStep:
+    def submit(self, so: SchedulerOutput, expected: ExpectedReply) -> BroadcastStep:
         """Hand one step to the worker plane's loop and return at once; the
-        returned callable waits for the output rank's checked reply (engine
+        returned step waits for the output rank's checked reply (engine
         thread). Steps are sent in submission order (the loop runs its
         callbacks FIFO), and every rank runs them in that order."""
         if self._state is not GroupState.READY or self._loop is None:
@@ -503,98 +462,36 @@ class Executor:
         t_send = time.perf_counter()
         self._steps_in_flight += 1
         try:
-            sent = self._post_from_engine_thread(command)
+            assert self._loop is not None
+            sent = post_to_loop(self._loop, lambda: self._send_step(command))
         except BaseException:
             self._steps_in_flight -= 1
             raise
-
-        def collect() -> ModelRunnerOutput:
-            try:
-                call = self._await_sent(sent)
-                # Set here, on the engine thread: a canary sent from the loop
-                # meanwhile must not be counted as this step's broadcast.
-                self.last_step_bytes = call.nbytes
-                reply = self._wait_for_output_rank(call)
-                self.last_round_trip_s = time.perf_counter() - t_send
-            finally:
-                self._steps_in_flight -= 1
-            return self._check_reply(reply, so)
-
-        return PendingStep(sent, collect)
-
-    def _check_reply(self, reply: worker_pb2.WorkerMessage, so: SchedulerOutput
-                     ) -> ModelRunnerOutput:
-        rank = self.parallel.output_rank
-        try:
-            out = check_step_reply(reply.model_runner_output, so, self._vocab_size, rank)
-        except ProtocolViolation as exc:
-            assert self._loop is not None
-            try:
-                self._loop.call_soon_threadsafe(
-                    self.fail_group, str(exc), FailureKind.PROTOCOL_VIOLATION, rank
-                )
-            except RuntimeError:  # the loop is closed: the group went with it
-                logger.info("after the worker plane stopped: %s", exc)
-            raise
-        self._last_success = time.monotonic()
-        return out
-
-    def _post_from_engine_thread(
-        self, command: worker_pb2.ControlMessage
-    ) -> concurrent.futures.Future:
-        """Hand the command to the loop, which owns the streams; the future
-        gets its pending call once sent. Not waited for here: the engine
-        goes on scheduling while the loop sends."""
-        assert self._loop is not None
-        sent: concurrent.futures.Future = concurrent.futures.Future()
-
-        def send() -> None:
-            if not sent.set_running_or_notify_cancel():
-                return  # the engine thread gave up waiting (_await_sent)
-            try:
-                if self._state is not GroupState.READY:
-                    raise WorkerGroupFailed(self.status().describe())
-                if not self._handles:  # stop() let every worker go
-                    raise WorkerGroupFailed("controlplane is shutting down")
-                sent.set_result(self._send(command, {self.parallel.output_rank}))
-            except Exception as exc:  # noqa: BLE001 - handed to the engine thread
-                sent.set_exception(exc)
-
-        try:
-            self._loop.call_soon_threadsafe(send)
-        except RuntimeError:  # the worker plane's loop is closed
-            raise WorkerGroupFailed("controlplane is shutting down") from None
-        return sent
-
-    def _await_sent(self, sent: concurrent.futures.Future) -> PendingCall:
-        try:
-            return sent.result(timeout=self.cfg.step_timeout_s)
-        except concurrent.futures.TimeoutError:
-            if not sent.cancel():
-                return sent.result()  # it was being sent just now
-        # The loop never got to it (stalled, or stopped): the step is lost.
-        reason = (
-            f"the worker plane did not send the step within the step deadline "
-            f"({self.cfg.step_timeout_s:g} s)"
+        return BroadcastStep(
+            sent, expected, output_rank=self.parallel.output_rank, vocab_size=self._vocab_size,
+            step_timeout_s=self.cfg.step_timeout_s, t_send=t_send, fail=self._fail_soon,
+            settled=self._step_settled, answered=self._step_answered,
         )
-        self._fail_from_engine_thread(reason)
-        raise WorkerGroupFailed(reason)
 
-    def _fail_from_engine_thread(self, reason: str) -> None:
+    def _step_settled(self) -> None:
+        self._steps_in_flight -= 1
+
+    def _step_answered(self) -> None:
+        self._last_success = time.monotonic()
+
+    def _fail_soon(self, reason: str, kind: FailureKind, rank: int | None) -> bool:
+        """Fail the group from the engine thread; False if the loop is closed."""
         try:
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self.fail_group, reason, FailureKind.STEP_TIMEOUT)
+            self._loop.call_soon_threadsafe(self.fail_group, reason, kind, rank)
         except RuntimeError:  # the loop is closed: nothing left to fail
-            pass
+            return False
+        return True
 
-    def _wait_for_output_rank(self, call: PendingCall) -> worker_pb2.WorkerMessage:
-        try:
-            replies = call.future.result(timeout=self.cfg.step_timeout_s)
-        except concurrent.futures.TimeoutError:
-            reason = (
-                f"output rank {self.parallel.output_rank} missed the step deadline "
-                f"({self.cfg.step_timeout_s:g} s)"
-            )
-            self._fail_from_engine_thread(reason)
-            raise WorkerGroupFailed(reason) from None
-        return replies[self.parallel.output_rank]
+    def _send_step(self, command: worker_pb2.ControlMessage) -> PendingCall:
+        """Write a step to every stream (loop thread, posted by submit())."""
+        if self._state is not GroupState.READY:
+            raise WorkerGroupFailed(self.status().describe())
+        if not self._handles:  # stop() let every worker go
+            raise WorkerGroupFailed("controlplane is shutting down")
+        return self._send(command, {self.parallel.output_rank})

@@ -143,6 +143,13 @@ def observed_host(peer: str) -> str:
     return str(ip)
 
 
+def new_handle(req: worker_pb2.RegisterRequest, peer: str, rank: int) -> WorkerHandle:
+    """The handle of a registration accepted as `rank`; peer is the stream's
+    grpc context.peer(), where the worker was seen (peer_host)."""
+    return WorkerHandle(rank=rank, host=req.host, device=req.device, dist_port=req.dist_port,
+                        pid=req.pid, peer_host=observed_host(peer))
+
+
 def claim_differs(claimed: str, observed: str) -> bool:
     """Whether a worker's claimed host is not the address it was seen at. A
     name (e.g. a pod's DNS name) is not resolved here, on the worker
@@ -156,3 +163,12 @@ def claim_differs(claimed: str, observed: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return str(ip) != observed
+
+
+def shutdown_workers(handles: list[WorkerHandle], reason: str) -> None:
+    """Tell each worker to shut down; its stream ends after that message."""
+    command = worker_pb2.ControlMessage(shutdown=worker_pb2.Shutdown(reason=reason))
+    raw = command.SerializeToString()
+    for handle in handles:
+        handle.outbox.put_nowait(raw)
+        handle.outbox.put_nowait(None)

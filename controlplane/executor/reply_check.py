@@ -8,9 +8,9 @@ through here before anything else reads it:
 * reply_payload_problem: the envelope. A reply names a pending call, comes
   from a rank that call expects, once, with the payload kind its command
   answers with (or a WorkerError, which fails the group on its own).
-* check_step_reply: the output rank's ModelRunnerOutput against the step's
-  SchedulerOutput, which records (not on the wire) which requests sample this
-  step and which logprobs each asked for.
+* check_step_reply: the output rank's ModelRunnerOutput against the reply
+  its step expects (ExpectedReply, the scheduler's record of the step, never
+  sent): which requests sample and which logprobs each asked for.
 
 Any mismatch raises ProtocolViolation naming the rank and what is wrong; the
 executor fails the group with that reason and the reply goes no further.
@@ -22,10 +22,10 @@ import math
 from collections.abc import Iterable
 
 from controlplane.core.outputs import (
+    ExpectedReply,
     ModelRunnerOutput,
     PromptLogprobs,
     PromptLogprobsWindow,
-    SchedulerOutput,
     TokenLogprobs,
 )
 from controlplane.executor.wire import model_runner_output_from_proto
@@ -84,27 +84,29 @@ def reply_payload_problem(
 
 
 def check_step_reply(
-    msg: worker_pb2.ModelRunnerOutput, so: SchedulerOutput, vocab_size: int, rank: int
+    msg: worker_pb2.ModelRunnerOutput, expected: ExpectedReply, vocab_size: int, rank: int
 ) -> ModelRunnerOutput:
-    """The output rank's reply to step `so`, converted and checked; raises ProtocolViolation."""
+    """The output rank's reply, converted and checked against the one its step
+    expects; raises ProtocolViolation."""
     try:
         out = model_runner_output_from_proto(msg)
     except ValueError as exc:  # the wire module's own shape checks
-        raise ProtocolViolation(rank, f"answered step {so.step_id}: {exc}") from None
-    check_model_runner_output(out, so, vocab_size, rank)
+        raise ProtocolViolation(rank, f"answered step {expected.step_id}: {exc}") from None
+    check_model_runner_output(out, expected, vocab_size, rank)
     return out
 
 
 def check_model_runner_output(
-    out: ModelRunnerOutput, so: SchedulerOutput, vocab_size: int, rank: int
+    out: ModelRunnerOutput, expected: ExpectedReply, vocab_size: int, rank: int
 ) -> None:
-    """Raise ProtocolViolation unless `out` answers exactly step `so`."""
+    """Raise ProtocolViolation unless `out` is exactly the reply `expected`."""
+    sampling = expected.sampling_reqs
     try:
-        _check_sampled(out, so.sampling_reqs, vocab_size)
-        _check_logprobs(out, so.sampling_reqs, vocab_size)
-        _check_prompt_logprobs(out.prompt_logprobs, so.prompt_logprobs_windows, vocab_size)
+        _check_sampled(out, sampling, vocab_size)
+        _check_logprobs(out, sampling, vocab_size)
+        _check_prompt_logprobs(out.prompt_logprobs, expected.prompt_logprobs_windows, vocab_size)
     except _Mismatch as exc:
-        raise ProtocolViolation(rank, f"answered step {so.step_id}: {exc}") from None
+        raise ProtocolViolation(rank, f"answered step {expected.step_id}: {exc}") from None
 
 
 def _listed(ids: Iterable[str]) -> str:

@@ -3,15 +3,13 @@
 A PendingCall collects the replies of the ranks a command expects; any rank's
 WorkerError, or the group failing, resolves it with WorkerGroupFailed at once.
 Its future is a concurrent one, so both the event loop (start-up) and the
-engine thread (steps) can wait on it.
+engine thread (steps) can wait on it. The executor keeps them in a CallTable.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
 
-from controlplane.core.outputs import ModelRunnerOutput
 from kvloom.worker.v1 import worker_pb2
 
 
@@ -57,22 +55,54 @@ class PendingCall:
             self.future.set_exception(exc)
 
 
-class PendingStep:
-    """A step handed to the worker plane: call it to wait for the output
-    rank's checked reply; ready() says whether that reply is in (and no
-    error) without waiting."""
+class CallTable:
+    """The calls pending on the worker group, by call id (loop thread).
 
-    def __init__(self, sent: concurrent.futures.Future,
-                 collect: Callable[[], ModelRunnerOutput]) -> None:
-        self._sent = sent
-        self._collect = collect
+    Ids only grow. When the group fails its calls retire: every pending one
+    fails, and late replies to them (a survivor's failing step, say) are
+    dropped, not judged."""
 
-    def __call__(self) -> ModelRunnerOutput:
-        return self._collect()
+    def __init__(self) -> None:
+        self._pending: dict[int, PendingCall] = {}
+        self._next_id = 1
+        # Calls numbered below this belong to a group that failed.
+        self._live_id = 1
 
-    def ready(self) -> bool:
-        sent = self._sent
-        if not sent.done() or sent.cancelled() or sent.exception() is not None:
-            return False
-        future = sent.result().future
-        return future.done() and future.exception() is None
+    @property
+    def last_id(self) -> int:
+        return self._next_id - 1
+
+    def open(self, expected: set[int], command: str) -> tuple[int, PendingCall]:
+        call_id = self._next_id
+        self._next_id += 1
+        call = self._pending[call_id] = PendingCall(expected, command)
+        return call_id, call
+
+    def get(self, call_id: int) -> PendingCall | None:
+        return self._pending.get(call_id)
+
+    def close(self, call_id: int) -> None:
+        """The call is answered (or failed): forget it."""
+        self._pending.pop(call_id, None)
+
+    def discard(self, call: PendingCall) -> None:
+        for call_id, pending in list(self._pending.items()):
+            if pending is call:
+                del self._pending[call_id]
+
+    def is_retired(self, call_id: int) -> bool:
+        return call_id < self._live_id
+
+    def retire(self) -> None:
+        """The group failed: every call so far is of the old group."""
+        self._live_id = self._next_id
+
+    def fail_all(self, exc: Exception) -> None:
+        for call in self._pending.values():
+            call.fail(exc)
+        self._pending.clear()
+
+    def forget_rank(self, rank: int) -> None:
+        """A rank left the group: no call waits for it any more."""
+        for call in list(self._pending.values()):
+            call.forget(rank)

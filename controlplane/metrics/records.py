@@ -48,7 +48,8 @@ class StepRecord:
     # Forward pass + sampling on the output rank, as it reported.
     forward_time_s: float
     stats: SchedulerStats | None
-    # Filled by the server from the executor, still on the engine thread.
+    # Broadcast -> output rank reply, and the serialized step's size: the
+    # executor's PendingStep of this step.
     round_trip_s: float = 0.0
     step_bytes: int = 0
 

@@ -1,22 +1,27 @@
 """The worker group in this process: the real controlplane meets the real worker.
 
-InProcessExecutor has the gRPC Executor's execute_model(SchedulerOutput) ->
-ModelRunnerOutput and takes every step the way the wire does: the
-controlplane's wire module builds the ControlMessage, it is serialized and
-parsed back, a real workerd Worker dispatches it through its command table
-(workerd.wire -> ModelRunner -> workerd.wire), and the reply is serialized,
-parsed and converted by the controlplane's wire module. Start-up is the group
-handshake at world size 1 (init_distributed on a free loopback port ->
-load_model -> profile_memory -> init_kv_cache), sent through the same path.
-A WorkerError reply raises WorkerGroupFailed, resolved by the executor's own
-PendingCall, exactly as the gRPC executor raises it.
+InProcessExecutor is a StepExecutor (controlplane/executor/step_executor.py),
+the gRPC Executor's interface: submit(SchedulerOutput, ExpectedReply) ->
+PendingStep, and execute_model() over it. It runs every step when it is
+submitted, the way the wire does: the controlplane's wire module builds the
+ControlMessage, it is serialized and parsed back, a real workerd Worker
+dispatches it through its command table (workerd.wire -> ModelRunner ->
+workerd.wire), and the reply is serialized, parsed and converted by the
+controlplane's wire module. The reply check is the gRPC executor's alone
+(tests run real replies through it: test_reply_check_real_worker.py). Start-up
+is the group handshake at world size 1 (init_distributed on a free loopback
+port -> load_model -> profile_memory -> init_kv_cache), sent through the same
+path. A WorkerError reply fails the step with WorkerGroupFailed, resolved by
+the executor's own PendingCall, and fails the group, reported once to
+on_failed, exactly as the gRPC executor does.
 
 It imports both daemons, so it lives in kvloom/testing (shared by tests and
-benchmarks), never in controlplane/ or workerd/. The factories below build a Scheduler or an EngineCore over it;
-run_to_completion steps a Scheduler through it as EngineCore.step does, and
-ScheduleWatch records what the scheduler did so a test can assert its
-scenario (a chunked prefill, a preemption, a resume into other blocks)
-really happened while it checks the worker followed.
+benchmarks), never in controlplane/ or workerd/. The factories below build a
+Scheduler or an EngineCore over it; run_to_completion steps a Scheduler
+through it one step at a time, and ScheduleWatch records what the scheduler
+did so a test can assert its scenario (a chunked prefill, a preemption, a
+resume into other blocks) really happened while it checks the worker
+followed.
 
 replay_rank replays the bytes an executor broadcast on one rank of a TP x PP
 group, for tests that check every layout answers the same steps the same way.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -34,10 +40,18 @@ from typing import Any
 import torch
 
 from controlplane.config import CacheConfig, SchedulerConfig
-from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import (
+    EngineCoreOutput,
+    ExpectedReply,
+    ModelRunnerOutput,
+    ScheduledStep,
+    SchedulerOutput,
+)
 from controlplane.core.request import Request
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine.core import EngineCore
+from controlplane.executor.status import FailureKind
+from controlplane.executor.step_executor import DoneStep, PendingStep, StepExecutor
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
@@ -145,7 +159,7 @@ def handshake(
     return num_blocks
 
 
-class InProcessExecutor:
+class InProcessExecutor(StepExecutor):
     """The gRPC Executor's step interface over one Worker in this process."""
 
     def __init__(
@@ -158,6 +172,7 @@ class InProcessExecutor:
         seed: int = 0,
         dtype: str = "float32",
         attention_backend: str = "",
+        on_failed: Callable[[str, FailureKind], None] | None = None,
     ):
         if num_gpu_blocks is None and not kv_cache_memory_bytes:
             raise ValueError("size the KV cache: num_gpu_blocks or kv_cache_memory_bytes")
@@ -175,10 +190,11 @@ class InProcessExecutor:
         self.worker: Worker | None = None
         self.failure_reason = ""
         self.num_gpu_blocks = 0
+        # Told once of each failure of the group, as the gRPC executor's is.
+        self.on_failed = on_failed
         # Every execute_model command as broadcast, and the reply each got.
         self.sent: list[bytes] = []
         self.replies: list[ModelRunnerOutput] = []
-        self.last_step_bytes = 0
         self.start_group()
 
     def start_group(self) -> int:
@@ -203,25 +219,37 @@ class InProcessExecutor:
         self.failure_reason = ""
         return self.num_gpu_blocks
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def report_to(self, engine: EngineCore) -> None:
+        """Report the group's failures to `engine`, as the server wires the
+        gRPC executor's on_failed."""
+        self.on_failed = lambda reason, kind: engine.group_failed(reason, kind.value)
+
+    def submit(self, so: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
+        """Run the step now; `expected` is for the gRPC executor's reply check."""
         if self.worker is None:
             raise WorkerGroupFailed(f"worker group is down: {self.failure_reason}")
         command = worker_pb2.ControlMessage(
             call_id=next(self._call_ids), execute_model=scheduler_output_to_proto(so)
         )
         raw = command.SerializeToString()
-        self.last_step_bytes = len(raw)
         self.sent.append(raw)
+        t_send = time.perf_counter()
         try:
             reply = call_worker(self.worker, command)
         except WorkerGroupFailed as exc:
-            # As the gRPC executor: the failed group runs no more steps.
-            self.failure_reason = str(exc)
-            self.close()
-            raise
+            self.fail_group(str(exc))
+            return DoneStep(None, exc, step_bytes=len(raw))
         out = model_runner_output_from_proto(reply.model_runner_output)
         self.replies.append(out)
-        return out
+        return DoneStep(out, step_bytes=len(raw), round_trip_s=time.perf_counter() - t_send)
+
+    def fail_group(self, reason: str, kind: FailureKind = FailureKind.WORKER_ERROR) -> None:
+        """The group fails as the gRPC executor's does: it runs no more steps
+        until start_group() or rejoin_group(), and on_failed hears of it once."""
+        self.failure_reason = reason
+        self.close()
+        if self.on_failed is not None:
+            self.on_failed(reason, kind)
 
     @property
     def runner(self) -> ModelRunner:
@@ -288,7 +316,7 @@ def make_scheduler(
     )
 
 
-StepHook = Callable[[SchedulerOutput, ModelRunnerOutput], None]
+StepHook = Callable[[ScheduledStep, ModelRunnerOutput], None]
 
 
 def run_to_completion(
@@ -307,14 +335,16 @@ def run_to_completion(
             scheduler.add_request(request)
         if not scheduler.has_unfinished_requests() and i > max(arrivals, default=0):
             break
-        so = scheduler.schedule()
-        out = executor.execute_model(so)
+        step = scheduler.schedule_step()
+        so = step.scheduler_output
+        out = executor.execute_model(so, step.expected)
         if on_step is not None:
-            on_step(so, out)
+            on_step(step, out)
         steps.append((so, out, scheduler.update_from_output(so, out)))
     else:
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
-    executor.execute_model(scheduler.schedule())
+    last = scheduler.schedule_step()
+    executor.execute_model(last.scheduler_output, last.expected)
     return steps
 
 
@@ -331,7 +361,8 @@ class ScheduleWatch:
         self._blocks: dict[str, list[int]] = {}
         self._freed: dict[str, list[int]] = {}
 
-    def __call__(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+    def __call__(self, step: ScheduledStep, out: ModelRunnerOutput) -> None:
+        so = step.scheduler_output
         runner = self.executor.runner
         kv = self.scheduler.kv_cache_manager
         events = self.events
@@ -381,13 +412,16 @@ def make_engine(
     enable_prefix_caching: bool = True,
     **scheduler_overrides,
 ) -> EngineCore:
-    """An EngineCore stepping through the executor (not started, no group yet)."""
-    return EngineCore(
+    """An EngineCore stepping through the executor, which reports its group's
+    failures to it (not started, no group yet)."""
+    engine = EngineCore(
         scheduler_config(**scheduler_overrides),
         CacheConfig(block_size=executor.block_size, enable_prefix_caching=enable_prefix_caching),
-        executor.execute_model,
+        executor,
         emit,
     )
+    executor.report_to(engine)
+    return engine
 
 
 # ---- a TP x PP rank replaying a broadcast -------------------------------------------

@@ -2,7 +2,7 @@
 free loopback port, a real EngineCore (scheduler, KV pool, busy loop on its
 thread) and an OutputRouter wired as controlplane/server.py wires them.
 
-The worker group is a scripted model step (ScriptedModel: sample k of a
+The worker group is a scripted executor (ScriptedModel: sample k of a
 request is a fixed function of its seed and k), because these tests are about
 the API edge, not the model. A gate on the model step holds the engine
 mid-step (and can let it run one step at a time), so a request is reliably in
@@ -39,10 +39,16 @@ from controlplane.config import (
     SchedulerConfig,
     ServerConfig,
 )
-from controlplane.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import (
+    EngineCoreOutput,
+    ExpectedReply,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from controlplane.core.request import Request
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.engine.core import EngineCore
+from controlplane.executor.step_executor import DoneStep, PendingStep, StepExecutor
 from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.model_info import read_model_info
@@ -55,10 +61,10 @@ OUTPUT = " jumps over the lazy dog."
 BLOCK_SIZE = 4
 
 
-class ScriptedModel:
-    """The worker group's execute_model as a pure function: a request whose
-    tokens are all computed after this step samples words[(k + seed) % len],
-    k being its number of outputs so far.
+class ScriptedModel(StepExecutor):
+    """The worker group as a pure function: a request whose tokens are all
+    computed after this step samples words[(k + seed) % len], k being its
+    number of outputs so far. It runs each step when it is submitted.
 
     Steps run freely until hold(); then each needs a credit (grant()) and
     waits for one, so the engine cannot run ahead of the test; release()
@@ -79,17 +85,24 @@ class ScriptedModel:
         k = request.num_output_tokens + max(request.num_output_placeholders - 1, 0)
         return self.words[(k + seed) % len(self.words)]
 
-    def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._pass_gate()
+    def report_to(self, engine: EngineCore) -> None:
+        self.engine = engine
+
+    def submit(self, so: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
+        try:
+            self._pass_gate()
+        except WorkerGroupFailed as exc:
+            self.engine.group_failed(str(exc))  # reported, as every executor does
+            return DoneStep(None, exc)
         self.num_steps += 1
         scheduler = self.engine.scheduler
         req_ids, sampled = [], []
-        for req_id in so.sampling_reqs:
+        for req_id in expected.sampling_reqs:
             req = scheduler.get_request(req_id)
             if req is not None:
                 req_ids.append(req_id)
                 sampled.append(self.token(req))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        return DoneStep(ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
 
     def _pass_gate(self) -> None:
         with self._cond:
@@ -120,9 +133,9 @@ class WiredModel(ScriptedModel):
     """A ScriptedModel whose steps first go through the executor's wire module,
     as every real step does (serialization is where out-of-range fields fail)."""
 
-    def __call__(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, so: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
         scheduler_output_to_proto(so).SerializeToString()
-        return super().__call__(so)
+        return super().submit(so, expected)
 
 
 class Api:
@@ -132,7 +145,7 @@ class Api:
         self,
         model_dir: str,
         tokenizer,
-        execute_model: Callable[[SchedulerOutput], ModelRunnerOutput],
+        executor: StepExecutor,  # with report_to(engine)
         *,
         num_blocks: int = 64,
         max_num_seqs: int = 8,
@@ -162,7 +175,7 @@ class Api:
         self.channel_credentials = channel_credentials
         self.model_dir = model_dir
         self.tokenizer = tokenizer
-        self.execute_model = execute_model
+        self.executor = executor
         self.num_blocks = num_blocks
         self.router = OutputRouter()
         # What the engine was handed, and what it emitted in order: each
@@ -188,9 +201,7 @@ class Api:
             if outputs:
                 loop.call_soon_threadsafe(self.router.dispatch, outputs)
 
-        self.engine = EngineCore(
-            self.config.scheduler, self.config.cache, self.execute_model, emit
-        )
+        self.engine = EngineCore(self.config.scheduler, self.config.cache, self.executor, emit)
         add_request = self.engine.add_request
 
         def recording_add_request(request: Request) -> None:
@@ -198,8 +209,9 @@ class Api:
             add_request(request)
 
         self.engine.add_request = recording_add_request
-        if isinstance(self.execute_model, ScriptedModel):
-            self.execute_model.engine = self.engine
+        # ScriptedModel or kvloom.testing's InProcessExecutor: both tell the
+        # engine when their group fails, as the server wires the gRPC one.
+        self.executor.report_to(self.engine)
         self.service = GenerationService(
             self.config,
             read_model_info(self.model_dir),
@@ -229,11 +241,11 @@ class Api:
 
     @property
     def model(self) -> ScriptedModel:
-        return self.execute_model
+        return self.executor
 
     async def __aexit__(self, *exc) -> None:
-        if isinstance(self.execute_model, ScriptedModel):
-            self.execute_model.release()
+        if isinstance(self.executor, ScriptedModel):
+            self.executor.release()
         if hasattr(self, "engine"):
             await asyncio.to_thread(self.engine.shutdown)
         if hasattr(self, "channel"):

@@ -13,6 +13,7 @@ from controlplane.core.outputs import EngineErrorCode
 from controlplane.core.request import FinishReason, Request, SamplingParams
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine.core import EngineCore
+from controlplane.executor.step_executor import StepExecutor
 
 
 def test_every_engine_error_code_maps_to_a_grpc_status():
@@ -29,9 +30,13 @@ def test_a_code_name_string_is_not_a_code():
         _status("UNAVAILABLE")  # type: ignore[arg-type]
 
 
+class _NoSteps(StepExecutor):
+    def submit(self, scheduler_output, expected):
+        raise AssertionError("this engine must not step")
+
+
 def _engine(emitted: list) -> EngineCore:
-    return EngineCore(SchedulerConfig(), CacheConfig(block_size=16),
-                      execute_model=lambda so: None,
+    return EngineCore(SchedulerConfig(), CacheConfig(block_size=16), _NoSteps(),
                       emit=lambda outputs, record: emitted.extend(outputs))
 
 

@@ -200,7 +200,7 @@ def test_greedy_tokens_match_transformers_through_a_real_worker(tiny_model_dir, 
     prompt = tok.encode(PROMPT)
 
     async def scenario():
-        async with Api(tiny_model_dir, tok, executor.execute_model,
+        async with Api(tiny_model_dir, tok, executor,
                        num_blocks=executor.num_gpu_blocks) as h:
             msgs = await h.generate(
                 request_id="real",
@@ -231,7 +231,7 @@ def test_wrapped_sample_seed_samples_like_that_seed_on_a_real_worker(tiny_model_
     sampling = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}
 
     async def scenario():
-        async with Api(tiny_model_dir, tok, executor.execute_model,
+        async with Api(tiny_model_dir, tok, executor,
                        num_blocks=executor.num_gpu_blocks) as h:
             both = await h.generate(request_id="top", sampling={
                 **sampling, "n": 2, "seed": (1 << 64) - 1})

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from controlplane.config import CacheConfig, SchedulerConfig
-from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.request import Request, RequestStatus, SamplingParams
 from controlplane.core.scheduler import Scheduler
 
@@ -150,8 +150,12 @@ def random_program(rng, length: int) -> list[tuple]:
     return program
 
 
-# Runs one step's SchedulerOutput: model_output above, or a real worker.
-Execute = Callable[[Scheduler, SchedulerOutput], ModelRunnerOutput]
+# Runs one scheduled step: model_output above, or a real worker.
+Execute = Callable[[Scheduler, ScheduledStep], ModelRunnerOutput]
+
+
+def _model_output(sched: Scheduler, step: ScheduledStep) -> ModelRunnerOutput:
+    return model_output(sched, step.scheduler_output)
 
 
 class ProgramRunner:
@@ -166,7 +170,7 @@ class ProgramRunner:
     def __init__(
         self,
         sched: Scheduler,
-        execute: Execute = model_output,
+        execute: Execute = _model_output,
         on_reset: Callable[[], None] = lambda: None,
     ) -> None:
         self.sched = sched
@@ -217,12 +221,13 @@ class ProgramRunner:
 
     def step(self, tokens: list[int]) -> None:
         sched = self.sched
-        so = sched.schedule()
+        step = sched.schedule_step()
+        so = step.scheduler_output
         cfg = sched.scheduler_config
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
-        out = self.execute(sched, so)
+        out = self.execute(sched, step)
         self.num_steps += 1
         tokens = tokens or [7]
         out.sampled_token_ids = [tokens[i % len(tokens)] for i in range(len(out.req_ids))]

@@ -77,11 +77,11 @@ def test_a_priority_queue_loses_only_the_requests_that_no_longer_fit():
     assert [r.request_id for r in sched.waiting] == ["small"]
 
 
-def _with_prompt_logprobs(sched, so):
+def _with_prompt_logprobs(sched, step):
     """model_output plus the prompt logprobs each window asks for; position
     p's logprob is -p, so a test can tell positions apart."""
-    out = model_output(sched, so)
-    for req_id, window in so.prompt_logprobs_windows.items():
+    out = model_output(sched, step.scheduler_output)
+    for req_id, window in step.expected.prompt_logprobs_windows.items():
         positions = [TokenLogprobs(-float(p), 1, [], []) for p in range(window.start, window.stop)]
         out.prompt_logprobs.append(PromptLogprobs(req_id, window.start, positions))
     return out
@@ -98,8 +98,9 @@ def test_a_recomputed_prefill_never_sends_a_prompt_logprob_twice(finish_in_the_r
     sent: list[int] = []
 
     def run_step():
-        so = sched.schedule()
-        for out in sched.update_from_output(so, _with_prompt_logprobs(sched, so)):
+        step = sched.schedule_step()
+        for out in sched.update_from_output(step.scheduler_output,
+                                            _with_prompt_logprobs(sched, step)):
             if out.prompt_logprobs is not None:
                 chunk = out.prompt_logprobs
                 sent.extend(range(chunk.start_position,

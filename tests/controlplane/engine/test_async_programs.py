@@ -106,7 +106,7 @@ class Program:
         for req_id, req in sched.requests.items():
             state = runner.requests.get(req_id)
             if state is None:
-                assert not req.sent_to_workers, req_id
+                assert not sched.worker_requests.holds(req), req_id
                 continue
             assert state.all_token_ids == (
                 req.all_token_ids + [PROBE] * req.num_output_placeholders), req_id

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.core.request import FinishReason
-from controlplane.engine.core import ASYNC_STEPS_IN_FLIGHT
+from controlplane.engine.step_queue import ASYNC_STEPS_IN_FLIGHT
+from controlplane.executor.step_executor import StepExecutor
 from kvloom.testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import Client, IdleProbe, _prompt
@@ -154,7 +155,7 @@ def test_ending_a_request_while_its_next_step_is_in_flight(runs, tiny_model_dir,
         engine.add_request(make_request(prompt, max_tokens=12, req_id=req_id,
                                         temperature=0.0, ignore_eos=True))
     client.wait_paused()  # held after applying step 3; later steps are out already
-    assert len(engine._in_flight) == ASYNC_STEPS_IN_FLIGHT - 1
+    assert len(engine.steps) == ASYNC_STEPS_IN_FLIGHT - 1
     sent = len(client.tokens("a"))
     getattr(engine, finish)(["a"])
     client.resume()
@@ -232,12 +233,18 @@ def test_steps_in_flight_by_layout(pp, async_scheduling, depth, placeholders, mi
     from controlplane.engine.core import EngineCore
 
     engine = EngineCore(SchedulerConfig(async_scheduling=async_scheduling), CacheConfig(),
-                        lambda so: None, lambda outputs, record: None,
-                        pipeline_parallel_size=pp)
+                        NoSteps(), lambda outputs, record: None, pipeline_parallel_size=pp)
     engine._new_scheduler(64)
     assert engine.max_steps_in_flight == depth
     assert engine.scheduler.placeholders is placeholders
     assert engine.scheduler.num_micro_batches == micro
+
+
+class NoSteps(StepExecutor):
+    """An executor for engines that never step."""
+
+    def submit(self, scheduler_output, expected):
+        raise AssertionError("this engine must not step")
 
 
 def test_micro_batches_split_the_running_requests_and_stay_disjoint():

@@ -101,7 +101,7 @@ class IdleProbe(queue.Queue):
 
     def get(self, block: bool = True, timeout: float | None = None):
         # Called on the engine's own thread: reading its queue of steps is safe.
-        idle = block and self.empty() and not self.engine._in_flight
+        idle = block and self.empty() and not self.engine.steps
         if idle:
             self._set_blocked(True)
         try:
@@ -273,7 +273,7 @@ def test_a_worker_failing_a_step_fails_the_in_flight_requests(engine_parts, tiny
     client.wait_paused()
     # The worker loses its request state (as a restarted process would): its
     # next step fails on the worker, whose error reply the executor raises as
-    # WorkerGroupFailed, the gRPC executor's type and message.
+    # WorkerGroupFailed, the gRPC executor's type and message, and reports.
     executor.runner.requests.clear()
     client.resume()
     finals = client.wait_finished("a", "b")
@@ -283,7 +283,7 @@ def test_a_worker_failing_a_step_fails_the_in_flight_requests(engine_parts, tiny
         assert (final.finish_reason, final.error) == (FinishReason.ERROR, reason)
         assert final.error_code is EngineErrorCode.UNAVAILABLE
     with pytest.raises(WorkerGroupFailed, match="KeyError"):  # the group stays down
-        executor.execute_model(_empty_step())
+        executor.execute_model(*_empty_step())
     engine.add_request(_greedy("c", _prompt(4, 13)))
     (final_c,) = client.wait_finished("c")
     assert final_c.error == reason
@@ -296,9 +296,9 @@ def test_a_worker_failing_a_step_fails_the_in_flight_requests(engine_parts, tiny
 
 
 def _empty_step():
-    from controlplane.core.outputs import CachedRequestData, SchedulerOutput
+    from controlplane.core.outputs import CachedRequestData, ExpectedReply, SchedulerOutput
 
-    return SchedulerOutput(0, [], CachedRequestData(), {}, 0, set(), set())
+    return SchedulerOutput(0, [], CachedRequestData(), {}, 0, set(), set()), ExpectedReply(0)
 
 
 def test_an_idle_engine_blocks_instead_of_spinning(tiny_model_dir):

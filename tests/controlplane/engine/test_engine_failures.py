@@ -5,7 +5,7 @@ loop goes on serving token-exact; when it cannot go on, it exits the process.
 Reproduction 1 of issue 10 (a seed that overflows the wire's uint64 once
 n = 2 derives seed + 1, which used to kill the engine thread) is the first
 test, at the engine: the seed reaches the step directly, whatever the API edge
-does. The others inject an exception at each site of a step (schedule,
+does. The others inject an exception at each site of a step (schedule_step,
 update_from_output, make_stats, emit), in adding a request and in finishing
 one, and check: the right requests end with INTERNAL and no other answer, the
 workers drop the state of the requests the fresh scheduler never heard of,
@@ -28,7 +28,7 @@ import pytest
 from controlplane.core.outputs import EngineErrorCode
 from controlplane.core.request import FinishReason
 from controlplane.core.scheduler import Scheduler
-from controlplane.engine import core as engine_module
+from controlplane.engine import failures as failures_module
 from controlplane.readiness import Readiness
 from kvloom.testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
@@ -174,7 +174,7 @@ def test_a_seed_that_overflows_the_wire_fails_the_step_not_the_engine(
     assert _ready_over(engine).reason() is None
 
 
-@pytest.mark.parametrize("method", ["schedule", "update_from_output", "make_stats"])
+@pytest.mark.parametrize("method", ["schedule_step", "update_from_output", "make_stats"])
 def test_a_scheduler_method_raising_in_a_step_fails_every_in_flight_request(
     parts, tiny_model_dir, method
 ):
@@ -274,14 +274,14 @@ def test_a_stalled_engine_loop_turns_readiness_not_ready(parts):
     release = threading.Event()
     entered = threading.Event()
     sched = engine.scheduler
-    schedule = sched.schedule
+    schedule = sched.schedule_step
 
     def stuck_schedule():
         entered.set()
         assert release.wait(WAIT_S)
         return schedule()
 
-    sched.schedule = stuck_schedule
+    sched.schedule_step = stuck_schedule
     try:
         engine.add_request(_greedy("a", _prompt(5, 11), max_tokens=2))
         assert entered.wait(WAIT_S)
@@ -301,24 +301,24 @@ def test_a_stalled_engine_loop_turns_readiness_not_ready(parts):
 
 def test_repeated_failures_exit_the_process(parts, monkeypatch):
     engine, _, client, exits = parts
-    monkeypatch.setattr(engine_module, "FAILURE_WINDOW_S", 1e9)
-    monkeypatch.setattr(Scheduler, "schedule", _raise)  # every scheduler, every step
-    for i in range(engine_module.MAX_FAILURES - 1):
+    monkeypatch.setattr(failures_module, "FAILURE_WINDOW_S", 1e9)
+    monkeypatch.setattr(Scheduler, "schedule_step", _raise)  # every scheduler, every step
+    for i in range(failures_module.MAX_FAILURES - 1):
         engine.add_request(_greedy(f"r{i}", _prompt(4, 20 + i)))
         _assert_internal(client, f"r{i}")
     assert exits.codes == []
     engine.add_request(_greedy("last", _prompt(4, 30)))
     exits.wait()
-    assert exits.codes == [engine_module.FATAL_EXIT_CODE]
+    assert exits.codes == [failures_module.FATAL_EXIT_CODE]
     engine._thread.join(WAIT_S)
     assert not engine._thread.is_alive()
 
 
 def test_failures_spread_over_time_do_not_exit(parts, monkeypatch):
     engine, _, client, exits = parts
-    monkeypatch.setattr(engine_module, "FAILURE_WINDOW_S", 0.0)
-    monkeypatch.setattr(Scheduler, "schedule", _raise)
-    for i in range(engine_module.MAX_FAILURES + 1):
+    monkeypatch.setattr(failures_module, "FAILURE_WINDOW_S", 0.0)
+    monkeypatch.setattr(Scheduler, "schedule_step", _raise)
+    for i in range(failures_module.MAX_FAILURES + 1):
         engine.add_request(_greedy(f"r{i}", _prompt(4, 40 + i)))
         _assert_internal(client, f"r{i}")
     assert exits.codes == []
@@ -332,6 +332,6 @@ def test_an_exception_while_failing_exits_the_process(parts):
     client.fail_always = True  # the step's outputs, then the errors too
     client.resume()
     exits.wait()
-    assert exits.codes == [engine_module.FATAL_EXIT_CODE]
+    assert exits.codes == [failures_module.FATAL_EXIT_CODE]
     engine._thread.join(WAIT_S)
     assert not engine._thread.is_alive()

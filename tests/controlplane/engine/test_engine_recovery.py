@@ -30,9 +30,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.config import CacheConfig, ControlPlaneConfig, ModelConfig
 from controlplane.core.outputs import EngineErrorCode
 from controlplane.core.request import FinishReason
+from controlplane.core.scheduler import Scheduler
 from controlplane.engine import recovery as recovery_module
 from controlplane.engine.core import EngineCore
 from controlplane.executor.status import ExecutorStatus, GroupState
+from controlplane.executor.step_executor import DoneStep, StepExecutor
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.records import RecoveryRecord
@@ -106,19 +108,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def make(tiny_model_dir):
-    """make(timeout_s=60, execute=None, **scheduler overrides) -> (engine, executor,
-    client, log): started, group ready; everything stopped afterwards."""
+    """make(timeout_s=60, wrap=None, **scheduler overrides) -> (engine, executor,
+    client, log): started, group ready; everything stopped afterwards. wrap:
+    builds the executor the engine steps through around the in-process one."""
     made = []
 
-    def _make(timeout_s: float = 60.0, execute=None, **overrides):
+    def _make(timeout_s: float = 60.0, wrap=None, **overrides):
         executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=NUM_BLOCKS)
         client, log = PausingClient(), RecoveryLog()
         engine = EngineCore(
             scheduler_config(**{"max_num_batched_tokens": 16, **overrides}),
             CacheConfig(block_size=executor.block_size),
-            execute or executor.execute_model, client.emit,
+            executor if wrap is None else wrap(executor), client.emit,
             recovery_timeout_s=timeout_s, on_recovery=log,
         )
+        executor.report_to(engine)
         engine.input_queue = IdleProbe(engine)
         made.append((engine, executor, client))
         engine.start()
@@ -205,22 +209,19 @@ def test_a_step_failing_in_a_chunked_prefill_resumes_and_counts_one_episode(
     client.wait_paused()
     assert client.records[-1].num_scheduled_tokens == 16 and client.tokens("a") == []
     # The worker loses its state (a crash): its next step fails, which the
-    # executor raises as WorkerGroupFailed before any report names the kind.
+    # executor raises as WorkerGroupFailed and reports, once, with its kind.
     executor.runner.requests.clear()
     client.resume()
     log.wait_for_count(1)
-    assert log.records == [RecoveryRecord(recovering=True)]
+    assert log.records == [RecoveryRecord(recovering=True, episode_reason="worker_error")]
     assert log.sample("kvloom_recovering") == 1
-    # The executor's report of the same failure: counted once, under its kind.
-    engine.group_failed("rank 0 failed in execute_model: KeyError", "worker_error")
-    log.wait_for_count(2)
     engine.group_ready(executor.start_group())
     (final,) = client.wait_finished("a")
     assert final.finish_reason is FinishReason.LENGTH
     _no_error(client, "a")
     assert client.tokens("a") == hf_greedy(tiny_model_dir, prompt, 5)
     _assert_all_free(engine, executor)
-    assert [r.episode_reason for r in log.records] == [None, "worker_error", None]
+    assert [r.episode_reason for r in log.records] == ["worker_error", None]
     assert log.records[-1].num_recovered == 1
     assert log.sample("kvloom_recoveries_total", reason="worker_error") == 1
 
@@ -326,17 +327,21 @@ def test_a_request_that_keeps_failing_its_workers_ends_after_the_cap(
     assert recovery_module.MAX_REQUEST_RECOVERIES > 3
     cap = 2
     monkeypatch.setattr(recovery_module, "MAX_REQUEST_RECOVERIES", cap)
-    holder = {}
 
-    def crash_on_poison(so):
-        executor = holder["executor"]
-        if "poison" in so.num_scheduled_tokens:
-            executor.close()
-            raise WorkerGroupFailed("rank 0 failed in execute_model: RuntimeError: poison")
-        return executor.execute_model(so)
+    class CrashOnPoison(StepExecutor):
+        """The workers fail every step that carries "poison"."""
 
-    engine, executor, client, log = make(execute=crash_on_poison)
-    holder["executor"] = executor
+        def __init__(self, inner: InProcessExecutor) -> None:
+            self.inner = inner
+
+        def submit(self, so, expected):
+            if "poison" in so.num_scheduled_tokens:
+                reason = "rank 0 failed in execute_model: RuntimeError: poison"
+                self.inner.fail_group(reason)
+                return DoneStep(None, WorkerGroupFailed(reason))
+            return self.inner.submit(so, expected)
+
+    engine, executor, client, log = make(wrap=CrashOnPoison)
     engine.add_request(_greedy("poison", _prompt(5, 30)))
     prompt_ok = _prompt(6, 31)
     for episode in range(1, cap + 2):
@@ -387,31 +392,41 @@ def _recovery(timeout_s: float = 10.0):
     return recovery_module.Recovery(timeout_s, records.append, clock), clock, records
 
 
+def _holding(*requests) -> Scheduler:
+    """A scheduler with these requests, for Recovery to hold."""
+    sched = Scheduler(scheduler_config(), CacheConfig(block_size=4), 64)
+    for request in requests:
+        sched.add_request(request)
+    return sched
+
+
 def test_the_deadline_runs_from_the_first_failure_of_an_episode():
     rec, clock, records = _recovery()
     assert rec.state is recovery_module.RecoveryState.IDLE and rec.wait_s(1.0) == 1.0
-    rec.begin("rank 1 disconnected", "disconnected", [])
+    sched = _holding(make_request(4, req_id="a"), make_request(4, req_id="b"))
+    assert rec.hold(sched, "rank 1 disconnected", "disconnected") == []
     assert rec.state is recovery_module.RecoveryState.HOLDING
     clock.now += 9.5
-    rec.failed_again("startup")  # the re-forming group fails: no new deadline
     assert not rec.expired() and rec.wait_s(1.0) == pytest.approx(0.5)
     clock.now += 0.5
     assert rec.expired() and rec.wait_s(1.0) == 0.0
-    error = rec.give_up(3)
-    assert error == f"rank 1 disconnected; the worker group did not re-form within 10 s ({FLAG})"
+    errors = rec.give_up(list(sched.requests.values()))
+    want = f"rank 1 disconnected; the worker group did not re-form within 10 s ({FLAG})"
+    assert [(e.request_id, e.error) for e in errors] == [("a", want), ("b", want)]
+    assert all(e.error_code is EngineErrorCode.UNAVAILABLE for e in errors)
     assert not rec.holding and not rec.expired()
-    # One episode, under the kind of its first failure only.
+    # One episode, under the kind of its failure.
     assert [r.episode_reason for r in records] == ["disconnected", None]
 
 
-def test_an_episode_first_seen_as_a_step_exception_is_counted_once_at_the_latest_at_its_end():
+def test_an_episode_is_counted_once_under_its_kind_and_ends_with_its_duration():
     rec, clock, records = _recovery()
     req = make_request(4, req_id="a")
-    rec.begin("rank 0 failed in execute_model: boom", None, [req])
+    sched = _holding(req)
+    rec.hold(sched, "rank 0 failed in execute_model: boom", "worker_error")
     clock.now += 2.0
-    rec.resumed([req])
-    assert records == [RecoveryRecord(True),
-                       RecoveryRecord(False, recovery_module.DEFAULT_KIND, 1, 2.0)]
+    assert rec.resume(sched, sched.num_gpu_blocks) == []
+    assert records == [RecoveryRecord(True, "worker_error"), RecoveryRecord(False, None, 1, 2.0)]
 
 
 def test_requests_held_too_often_are_handed_back_to_be_failed():
@@ -419,9 +434,12 @@ def test_requests_held_too_often_are_handed_back_to_be_failed():
     cap = recovery_module.MAX_REQUEST_RECOVERIES
     fresh, worn = make_request(4, req_id="fresh"), make_request(4, req_id="worn")
     worn.num_recoveries = cap
-    assert rec.begin("boom", "worker_error", [fresh, worn]) == [worn]
+    sched = _holding(fresh, worn)
+    (error,) = rec.hold(sched, "boom", "worker_error")
     assert (fresh.num_recoveries, worn.num_recoveries) == (1, cap + 1)
-    assert f"in flight for {cap + 1} worker group failures" in rec.poisoned_error(worn)
+    assert error.request_id == "worn" and sched.get_request("worn") is None
+    assert f"in flight for {cap + 1} worker group failures" in error.error
+    assert error.error == rec.poisoned_error(worn)
 
 
 def test_a_survivor_that_kept_its_weights_resumes_the_held_requests(make, tiny_model_dir):

@@ -16,6 +16,7 @@ from controlplane.engine.step_pacing import (
     LONG_STEP_S,
     StepPacing,
 )
+from controlplane.executor.step_executor import StepExecutor
 from kvloom.testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import Client, IdleProbe, _prompt
@@ -108,7 +109,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return tiny_model_path(tmp_path_factory)
 
 
-class LongSteps:
+class LongSteps(StepExecutor):
     """The in-process worker, its outputs reporting a long forward time (as a
     big model's would) so the engine paces for long steps; notes how many
     steps were already out when each was sent."""
@@ -119,11 +120,14 @@ class LongSteps:
         self.engine = None
         self.steps_out: list[int] = []
 
-    def execute_model(self, scheduler_output):
-        self.steps_out.append(len(self.engine._in_flight))
-        out = self.inner.execute_model(scheduler_output)
-        out.forward_time_s = 20.0
-        return out
+    def report_to(self, engine) -> None:
+        self.inner.report_to(engine)
+
+    def submit(self, scheduler_output, expected):
+        self.steps_out.append(len(self.engine.steps))
+        pending = self.inner.submit(scheduler_output, expected)
+        pending.wait().forward_time_s = 20.0
+        return pending
 
 
 class ReplacingClient(Client):

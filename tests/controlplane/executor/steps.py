@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from controlplane.core.outputs import CachedRequestData, SchedulerOutput
+from controlplane.core.outputs import CachedRequestData, ExpectedReply, SchedulerOutput
 
 
-def decode_step(req_ids: list[str]) -> SchedulerOutput:
-    """Every request decodes one token past 5 computed ones, and samples."""
+def decode_step(req_ids: list[str]) -> tuple[SchedulerOutput, ExpectedReply]:
+    """Every request decodes one token past 5 computed ones, and samples: the
+    step and the reply it expects (submit's two arguments)."""
     n = len(req_ids)
-    return SchedulerOutput(
+    so = SchedulerOutput(
         step_id=1,
         scheduled_new_reqs=[],
         scheduled_cached_reqs=CachedRequestData(
@@ -21,5 +22,5 @@ def decode_step(req_ids: list[str]) -> SchedulerOutput:
         total_num_scheduled_tokens=n,
         finished_req_ids=set(),
         preempted_req_ids=set(),
-        sampling_reqs=dict.fromkeys(req_ids),
     )
+    return so, ExpectedReply(so.step_id, sampling_reqs=dict.fromkeys(req_ids))

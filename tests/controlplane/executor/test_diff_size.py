@@ -20,9 +20,14 @@ def decode_step_bytes(prompt_len: int, num_decode_steps: int = 40) -> list[int]:
     )
     executor = InProcessExecutor(SlotProbeModel(), block_size=16, num_gpu_blocks=4000)
 
+    sizes = []
+
     def step():
-        so = sched.schedule()
-        sched.update_from_output(so, executor.execute_model(so))
+        scheduled = sched.schedule_step()
+        so = scheduled.scheduler_output
+        pending = executor.submit(so, scheduled.expected)
+        sched.update_from_output(so, pending.wait())
+        sizes.append(pending.step_bytes)
         return so
 
     for i in range(NUM_REQS):
@@ -30,11 +35,10 @@ def decode_step_bytes(prompt_len: int, num_decode_steps: int = 40) -> list[int]:
     reqs = [sched.get_request(f"req-{i}") for i in range(NUM_REQS)]
     while any(r.num_output_tokens == 0 for r in reqs):  # chunked prefill
         step()
-    sizes = []
+    del sizes[:]
     for _ in range(num_decode_steps):
         so = step()
         assert so.total_num_scheduled_tokens == NUM_REQS and not so.scheduled_new_reqs
-        sizes.append(executor.last_step_bytes)
     # The worker followed: it appended every sampled token itself.
     assert all(
         executor.runner.requests[r.request_id].all_token_ids == r.all_token_ids

@@ -172,7 +172,7 @@ def test_startup_broadcast_and_failure():
             assert ready.describe() == "ready: 2 ranks attached"
 
             # execute_model blocks, so it runs on a thread like the engine's.
-            out = await asyncio.to_thread(h.executor.execute_model, decode_step(["a", "b"]))
+            out = await asyncio.to_thread(h.executor.execute_model, *decode_step(["a", "b"]))
             assert out.req_ids == ["a", "b"] and out.sampled_token_ids == [7, 7]
             # Every rank received byte-identical commands.
             assert workers[0].steps == workers[1].steps and len(workers[0].steps) == 1
@@ -184,7 +184,7 @@ def test_startup_broadcast_and_failure():
 
             def step_in_thread():
                 try:
-                    h.executor.execute_model(decode_step(["a"]))
+                    h.executor.execute_model(*decode_step(["a"]))
                 except WorkerGroupFailed as exc:
                     result["error"] = str(exc)
 

@@ -103,9 +103,10 @@ async def _serve(h: Harness, sched: Scheduler) -> tuple[dict[str, list[int]], Ex
     """Step until done or the group fails; the tokens streamed, and the failure."""
     tokens: dict[str, list[int]] = {}
     while sched.has_unfinished_requests():
-        so = sched.schedule()
+        step = sched.schedule_step()
+        so = step.scheduler_output
         try:
-            out = await asyncio.to_thread(h.executor.execute_model, so)
+            out = await asyncio.to_thread(h.executor.execute_model, so, step.expected)
         except WorkerGroupFailed as exc:
             return tokens, exc
         for o in sched.update_from_output(so, out):

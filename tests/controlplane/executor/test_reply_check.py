@@ -3,8 +3,9 @@ raises ProtocolViolation naming the rank and the mismatch, well-formed replies
 pass (boundaries included), and Hypothesis finds no reply that is accepted
 malformed or that raises anything but ProtocolViolation.
 
-The check is only as good as the scheduler's record of who samples; that
-record is checked against real workers in test_reply_check_real_worker.py.
+The check reads only the step's ExpectedReply, the scheduler's record of who
+samples; that record is checked against real workers in
+test_reply_check_real_worker.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.outputs import (
-    CachedRequestData,
+    ExpectedReply,
     ModelRunnerOutput,
     PromptLogprobs,
     PromptLogprobsWindow,
-    SchedulerOutput,
     TokenLogprobs,
 )
 from controlplane.executor.reply_check import (
@@ -41,20 +41,12 @@ def _step(
     partial: tuple[str, ...] = (),
     windows: dict[str, PromptLogprobsWindow] | None = None,
     step_id: int = 9,
-) -> SchedulerOutput:
-    """A step whose `sampling` requests sample and `partial` ones prefill a chunk."""
-    scheduled = [*sampling, *partial]
-    return SchedulerOutput(
-        step_id=step_id,
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=CachedRequestData(req_ids=scheduled),
-        num_scheduled_tokens=dict.fromkeys(scheduled, 1),
-        total_num_scheduled_tokens=len(scheduled),
-        finished_req_ids=set(),
-        preempted_req_ids=set(),
-        sampling_reqs=dict(sampling),
-        prompt_logprobs_windows=dict(windows or {}),
-    )
+) -> ExpectedReply:
+    """The reply a step expects whose `sampling` requests sample and `partial`
+    ones prefill a chunk (which samples nothing, so it is in no record: the
+    check never sees the step itself)."""
+    del partial
+    return ExpectedReply(step_id, dict(sampling), dict(windows or {}))
 
 
 def _entry(num_top: int, first: int = 0) -> TokenLogprobs:
@@ -83,7 +75,7 @@ def _good() -> ModelRunnerOutput:
     )
 
 
-def _violation(out: ModelRunnerOutput, so: SchedulerOutput = STEP) -> str:
+def _violation(out: ModelRunnerOutput, so: ExpectedReply = STEP) -> str:
     with pytest.raises(ProtocolViolation) as info:
         check_model_runner_output(out, so, VOCAB, RANK)
     assert info.value.rank == RANK
@@ -318,7 +310,7 @@ _IDS = ["a", "b", "c", "d", "e"]
 
 
 @st.composite
-def steps(draw) -> SchedulerOutput:
+def steps(draw) -> ExpectedReply:
     """A step: some of _IDS sample (each maybe asking logprobs), some prefill."""
     roles = draw(st.lists(st.sampled_from(["sample", "partial", "off"]), min_size=5, max_size=5))
     sampling = {
@@ -349,7 +341,7 @@ def entries(draw, num_top: int) -> TokenLogprobs:
 
 
 @st.composite
-def well_formed(draw, so: SchedulerOutput) -> ModelRunnerOutput:
+def well_formed(draw, so: ExpectedReply) -> ModelRunnerOutput:
     req_ids = draw(st.permutations(list(so.sampling_reqs)))
     tokens = draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(req_ids),
                            max_size=len(req_ids)))

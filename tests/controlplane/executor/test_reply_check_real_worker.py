@@ -4,9 +4,9 @@ with what a real workerd ModelRunner answers, through chunked prefill,
 preemption, recompute, prefix hits and failover (random programs over
 SlotProbeModel), and with logprobs and prompt logprobs of the tiny Llama.
 
-Every reply here goes through kvloom.testing.inprocess.InProcessExecutor (both wire
-modules, bytes, a real Worker) and then through reply_check exactly as the
-gRPC executor checks it.
+Every reply here goes through kvloom.testing.inprocess.InProcessExecutor
+(both wire modules, bytes, a real Worker) and then through reply_check
+exactly as the gRPC executor checks it, against the step's ExpectedReply.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.reply_check import ProtocolViolation, check_model_runner_output
 from controlplane.model_info import read_model_info
@@ -51,9 +51,9 @@ def _checked_program(sched: Scheduler) -> tuple[ProgramRunner, list[int]]:
     )
     sampled = [0]
 
-    def execute(sched: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = executor.execute_model(so)
-        check_model_runner_output(out, so, SlotProbeModel.vocab_size, rank=0)
+    def execute(sched: Scheduler, step: ScheduledStep) -> ModelRunnerOutput:
+        out = executor.execute_model(step.scheduler_output, step.expected)
+        check_model_runner_output(out, step.expected, SlotProbeModel.vocab_size, rank=0)
         sampled[0] += len(out.req_ids)
         return out
 
@@ -111,9 +111,9 @@ def test_logprobs_and_prompt_logprobs_of_a_real_model_pass_the_check(tiny_model_
     checked = {"sampled": 0, "prompt_chunks": 0, "logprobs": 0}
     watch = ScheduleWatch(sched, executor)
 
-    def check(so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        watch(so, out)
-        check_model_runner_output(out, so, vocab, rank=0)
+    def check(step: ScheduledStep, out: ModelRunnerOutput) -> None:
+        watch(step, out)
+        check_model_runner_output(out, step.expected, vocab, rank=0)
         checked["sampled"] += len(out.req_ids)
         checked["prompt_chunks"] += len(out.prompt_logprobs)
         checked["logprobs"] += sum(e is not None for e in out.logprobs)
@@ -132,9 +132,9 @@ def test_the_check_refuses_a_real_reply_it_was_not_made_for():
     executor = InProcessExecutor(SlotProbeModel(), block_size=4, num_gpu_blocks=16)
     sched.add_request(make_request(5, 3, "x"))
     sched.add_request(make_request(6, 3, "y"))
-    so = sched.schedule()
-    out = executor.execute_model(so)
-    check_model_runner_output(out, so, SlotProbeModel.vocab_size, rank=0)
-    del so.sampling_reqs["y"]
+    step = sched.schedule_step()
+    out = executor.execute_model(step.scheduler_output, step.expected)
+    check_model_runner_output(out, step.expected, SlotProbeModel.vocab_size, rank=0)
+    del step.expected.sampling_reqs["y"]
     with pytest.raises(ProtocolViolation, match="a token for request 'y', which samples nothing"):
-        check_model_runner_output(out, so, SlotProbeModel.vocab_size, rank=0)
+        check_model_runner_output(out, step.expected, SlotProbeModel.vocab_size, rank=0)

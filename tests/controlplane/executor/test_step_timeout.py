@@ -112,13 +112,13 @@ def test_silent_output_rank_fails_the_step_and_the_group():
         executor, ranks, tasks, failed = await _ready_group(step_timeout_s=1.0)
         try:
             # Control: the same harness answers a step in time.
-            out = await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
+            out = await asyncio.to_thread(executor.execute_model, *decode_step(["a"]))
             assert out.req_ids == ["a"] and out.sampled_token_ids == [7]
 
             for r in ranks:
                 r.answer_steps = False
             with pytest.raises(WorkerGroupFailed) as info:
-                await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
+                await asyncio.to_thread(executor.execute_model, *decode_step(["a"]))
             message = str(info.value)
             assert f"output rank {OUTPUT_RANK} missed the step deadline (1 s)" in message
 
@@ -137,7 +137,7 @@ def test_silent_output_rank_fails_the_step_and_the_group():
             # The engine's next step fails at once, naming the cause, not after
             # another deadline.
             with pytest.raises(WorkerGroupFailed, match="missed the step deadline"):
-                await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
+                await asyncio.to_thread(executor.execute_model, *decode_step(["a"]))
             # A reply that finally arrives for the abandoned step changes nothing.
             late = worker_pb2.WorkerMessage(call_id=ranks[OUTPUT_RANK].step_call_ids[-1])
             late.model_runner_output.req_ids.append("a")
@@ -162,7 +162,7 @@ def test_sub_second_deadline_is_named_as_configured():
             for r in ranks:
                 r.answer_steps = False
             with pytest.raises(WorkerGroupFailed) as info:
-                await asyncio.to_thread(executor.execute_model, decode_step(["a"]))
+                await asyncio.to_thread(executor.execute_model, *decode_step(["a"]))
             await asyncio.wait_for(failed.get(), 10)
         finally:
             await _teardown(executor, tasks)

@@ -94,7 +94,7 @@ def test_answers_to_the_failed_groups_calls_are_dropped():
         async with _harness() as h:
             survivor, victim = _worker(h, 0), _worker(h, 1)
             await _group(h, survivor, victim)
-            last_call = h.executor._next_call_id - 1  # init_kv_cache of that group
+            last_call = h.executor._calls.last_id  # init_kv_cache of that group
             _kill(h, victim)
             await asyncio.wait_for(h.failed.get(), WAIT_S)
             await _until(lambda: survivor.num_resets == 1, "the survivor got Reset")

@@ -121,7 +121,7 @@ def test_workers_register_start_and_answer_steps_while_the_api_loop_is_blocked()
         assert h.plane.loop is not asyncio.get_running_loop()
         # From here on this loop is blocked: every wait below is synchronous.
         assert h.ready.wait(WAIT_S), "the group never became ready"
-        out = h.executor.execute_model(decode_step(["a", "b"]))
+        out = h.executor.execute_model(*decode_step(["a", "b"]))
         assert out.req_ids == ["a", "b"] and out.sampled_token_ids == [7, 7]
         # Unblocked again. The plane's loop lag probe runs there (it wakes up).
         await asyncio.wait_for(_until(lambda: h.probe.num_wakeups > 0), WAIT_S)
@@ -156,7 +156,7 @@ def test_stop_executor_fails_a_waiting_step_at_once():
         worker = await h.start(answer_steps=False)
         assert await asyncio.to_thread(h.ready.wait, WAIT_S)
         step = asyncio.ensure_future(
-            asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
+            asyncio.to_thread(h.executor.execute_model, *decode_step(["a"]))
         )
         assert await asyncio.to_thread(worker.got_step.wait, WAIT_S)
         await h.plane.stop_executor()
@@ -165,7 +165,7 @@ def test_stop_executor_fails_a_waiting_step_at_once():
         # And a step after that is refused without reaching any worker.
         with pytest.raises(WorkerGroupFailed, match="shutting down"):
             await asyncio.wait_for(
-                asyncio.to_thread(h.executor.execute_model, decode_step(["b"])), WAIT_S)
+                asyncio.to_thread(h.executor.execute_model, *decode_step(["b"])), WAIT_S)
         await h.plane.stop()
         await asyncio.to_thread(worker.join, WAIT_S)
         assert worker.kinds.count("execute_model") == 1
@@ -188,7 +188,7 @@ def test_nothing_runs_on_a_stopped_plane():
         # once, not left waiting an hour for a loop that is gone.
         with pytest.raises(WorkerGroupFailed, match="shutting down"):
             await asyncio.wait_for(
-                asyncio.to_thread(h.executor.execute_model, decode_step(["a"])), WAIT_S)
+                asyncio.to_thread(h.executor.execute_model, *decode_step(["a"])), WAIT_S)
         await asyncio.to_thread(worker.join, WAIT_S)
 
     asyncio.run(scenario())

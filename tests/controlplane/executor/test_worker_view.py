@@ -17,7 +17,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 
-from controlplane.core.outputs import ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.scheduler import Scheduler
 from kvloom.testing.inprocess import InProcessExecutor, SlotProbeModel
 from tests.controlplane.core.helpers import (
@@ -64,8 +64,9 @@ def worker_program_runner(sched: Scheduler) -> tuple[ProgramRunner, InProcessExe
         SlotProbeModel(), block_size=sched.block_size, num_gpu_blocks=sched.num_gpu_blocks
     )
 
-    def execute(sched: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = executor.execute_model(so)
+    def execute(sched: Scheduler, step: ScheduledStep) -> ModelRunnerOutput:
+        so = step.scheduler_output
+        out = executor.execute_model(so, step.expected)
         check_worker_view(executor, sched, so, out)
         return out
 

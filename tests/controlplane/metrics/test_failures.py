@@ -44,8 +44,9 @@ def test_round_trip_heartbeat_and_disconnect_are_recorded():
     async def scenario():
         async with Harness() as h:
             workers, tasks = await _ready_group(h)
-            await asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
-            assert 0 < h.executor.last_round_trip_s < 5
+            pending = h.executor.submit(*decode_step(["a"]))
+            await asyncio.to_thread(pending.wait)
+            assert 0 < pending.round_trip_s < 5 and pending.step_bytes > 0
             w0 = next(w for w in workers if w.rank == 0)
             beat = worker_pb2.Heartbeat(last_forward_time_s=0.25)
             await w0.outbox.put(worker_pb2.WorkerMessage(heartbeat=beat))
@@ -70,7 +71,7 @@ def test_step_error_fails_the_group_as_worker_error():
         async with Harness() as h:
             workers, tasks = await _ready_group(h, FailingWorker)
             with pytest.raises(WorkerGroupFailed, match="boom"):
-                await asyncio.to_thread(h.executor.execute_model, decode_step(["a"]))
+                await asyncio.to_thread(h.executor.execute_model, *decode_step(["a"]))
             # The failure is recorded on the loop: poll for it, no fixed sleep.
             for _ in range(3000):
                 if h.failed and h.executor.status().failure_counts:

@@ -88,9 +88,10 @@ class Client:
 
 class IdleProbe(queue.Queue):
     """The engine's input queue, noting when the loop blocks on it with nothing
-    queued and no step in flight (a blocking get, bounded by the idle tick:
-    the engine is idle). With steps in flight a blocking get is the short
-    wait for replacement requests (controlplane/engine/step_pacing.py), not idling."""
+    queued and no step in flight, or its steps stopped by a failure (a
+    blocking get, bounded by the idle tick: the engine is idle). With steps in
+    flight a blocking get is the short wait for replacement requests
+    (controlplane/engine/step_pacing.py), not idling."""
 
     def __init__(self, engine) -> None:
         super().__init__()
@@ -101,7 +102,8 @@ class IdleProbe(queue.Queue):
 
     def get(self, block: bool = True, timeout: float | None = None):
         # Called on the engine's own thread: reading its queue of steps is safe.
-        idle = block and self.empty() and not self.engine.steps
+        steps = self.engine.steps
+        idle = block and self.empty() and (not steps or steps.stopped)
         if idle:
             self._set_blocked(True)
         try:
@@ -181,6 +183,9 @@ def test_requests_from_another_thread_run_to_completion_token_exact(engine_parts
     # 35 prompt tokens under a 16-token budget: prefill took full steps.
     assert client.records[0].num_scheduled_tokens == 16
     assert {r.generation for r in client.records} == {1}
+    # Each step's broadcast size and round trip come with its record, from
+    # the executor's pending step (nothing is read back off the executor).
+    assert all(r.step_bytes > 0 and r.round_trip_s > 0 for r in client.records)
 
 
 def test_a_request_that_can_never_fit_is_refused(engine_parts):

@@ -224,6 +224,66 @@ def test_a_step_failing_in_a_chunked_prefill_resumes_and_counts_one_episode(
     assert [r.episode_reason for r in log.records] == ["worker_error", None]
     assert log.records[-1].num_recovered == 1
     assert log.sample("kvloom_recoveries_total", reason="worker_error") == 1
+    assert final.num_output_tokens == 5
+
+
+class SilentFailure(StepExecutor):
+    """Once armed, fails the next step as a dead worker does, without the
+    executor's report: the test sends that report itself, later."""
+
+    def __init__(self, inner: InProcessExecutor) -> None:
+        self.inner = inner
+        self.armed = False
+
+    def submit(self, so, expected):
+        if not self.armed:
+            return self.inner.submit(so, expected)
+        self.armed = False
+        self.inner.close()
+        return DoneStep(None, WorkerGroupFailed("rank 0 disconnected"))
+
+
+def test_a_failure_seen_both_ways_is_handled_once_on_the_executors_report(
+    make, tiny_model_dir
+):
+    """The step's WorkerGroupFailed only stops the engine; the report is what
+    holds the requests, once: one episode, each request held once, and a
+    second report (the re-forming group failing) changes nothing."""
+    made = []
+    engine, executor, client, log = make(wrap=lambda inner: made.append(
+        SilentFailure(inner)) or made[0])
+    prompt = _prompt(6, 50)
+    client.pause_after_next(2)
+    engine.add_request(_greedy("a", prompt, max_tokens=8))
+    client.wait_paused()
+    made[0].armed = True
+    client.resume()
+    engine.input_queue.wait_blocked()  # the step failed: nothing to do until the report
+    assert log.records == [] and client.final("a") is None
+    num_idle = engine.input_queue.num_idle_waits
+    engine.group_failed("rank 0 disconnected", "disconnected")
+    log.wait_for_count(1)
+    engine.input_queue.wait_idle(num_idle + 1)
+    request = engine.scheduler.get_request("a")
+    assert log.records == [RecoveryRecord(recovering=True, episode_reason="disconnected")]
+    assert request.num_recoveries == 1 and client.final("a") is None
+    # (Outputs of steps out before the failed one were applied first.)
+    num_sent, num_tokens = len(executor.sent), len(client.tokens("a"))
+    engine.group_failed("start-up failed: rank 0 refused LoadModel", "startup")
+    engine.input_queue.wait_idle(num_idle + 2)
+    assert len(log.records) == 1 and request.num_recoveries == 1
+    assert len(executor.sent) == num_sent and len(client.tokens("a")) == num_tokens
+    engine.group_ready(executor.start_group())
+    (final,) = client.wait_finished("a")
+    assert final.finish_reason is FinishReason.LENGTH
+    _no_error(client, "a")
+    assert client.tokens("a") == hf_greedy(tiny_model_dir, prompt, 8)
+    _assert_all_free(engine, executor)
+    assert [r.episode_reason for r in log.records] == ["disconnected", None]
+    assert log.records[-1].num_recovered == 1
+    assert log.sample("kvloom_recoveries_total", reason="disconnected") == 1
+    assert log.sample("kvloom_recoveries_total", reason="startup") == 0
+    assert log.sample("kvloom_requests_recovered_total") == 1
 
 
 def test_past_the_deadline_held_requests_end_unavailable_and_new_ones_fail_fast(

@@ -19,15 +19,6 @@ HISTORY = ROOT / "docs" / "benchmarks.md"
 CODE_DIRS = ("controlplane", "workerd", "kvloom")
 MAX_ROW_CHARS = 200
 
-# Code whose comments still carry figures: the helpers moving them into
-# docs/benchmarks.md are at work there (issue 29). Empty this as they finish;
-# every other file under CODE_DIRS must already be clean.
-PENDING = (
-    "workerd/",
-    "controlplane/engine/",
-    "controlplane/executor/",
-    "controlplane/server.py",
-)
 
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -164,8 +155,6 @@ def test_no_measured_figures_in_code_comments():
     found = []
     for path in _code_files():
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(PENDING):
-            continue
         found += [f"{rel}:{n}: {text.strip()}" for n, text in _notes(path) if figures_in(text)]
     assert found == [], "measurements belong in docs/benchmarks.md:\n" + "\n".join(found)
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.expected_reply import expected_reply
 from controlplane.core.kv_cache_manager import KVCacheManager
 from controlplane.core.kv_cache_utils import blocks_needed, max_num_computed_tokens
 from controlplane.core.outputs import (
@@ -46,7 +47,6 @@ from controlplane.core.outputs import (
     ExpectedReply,
     ModelRunnerOutput,
     NewRequestData,
-    PromptLogprobsWindow,
     ScheduledStep,
     SchedulerOutput,
 )
@@ -205,45 +205,22 @@ class Scheduler:
             active = min(len(self.running) + len(self.waiting), max_reqs)
             max_reqs = max(1, -(-active // self.num_micro_batches))
         budget = self._schedule_running(budget, max_reqs, cached, num_scheduled, preempted)
-        admitted: list[Request] = []
         # As vLLM: admitting while preempting would just thrash the pool.
         if not preempted:
-            self._schedule_waiting(budget, max_reqs, new_reqs, admitted, cached, num_scheduled)
+            self._schedule_waiting(budget, max_reqs, new_reqs, cached, num_scheduled)
         self.step_id += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
         so = SchedulerOutput(
             self.step_id, new_reqs, cached, num_scheduled, total, finished, preempted
         )
-        expected = self._expect_reply(so)
+        expected = expected_reply(so, self.requests)
         # After every preemption of the step is settled.
         self._advance_placeholders(expected)
+        admitted = [self.requests[new.req_id] for new in new_reqs]
         self.worker_requests.step_scheduled(admitted, finished)
         return ScheduledStep(so, expected, [(r.request_id, r.arrival_time) for r in admitted],
                              t_start, time.monotonic())
-
-    def _expect_reply(self, so: SchedulerOutput) -> ExpectedReply:
-        """What the output rank must answer, for the executor's reply check: a
-        request samples when this step completes its context (as the worker
-        decides), and prompt logprobs come only from the positions it computes."""
-        requests = self.requests
-        expected = ExpectedReply(so.step_id)
-        sampling = expected.sampling_reqs
-        for req_id, num_new in so.num_scheduled_tokens.items():
-            request = requests[req_id]
-            params = request.sampling_params
-            num_computed = request.num_computed_tokens  # already advanced by num_new
-            if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
-                sampling[req_id] = params.logprobs
-            # A request that sampled once has had its whole prompt's logprobs.
-            if params.prompt_logprobs is not None and not request.output_token_ids:
-                start = num_computed - num_new + 1
-                stop = min(num_computed + 1, len(request.prompt_token_ids))
-                if start < stop:
-                    expected.prompt_logprobs_windows[req_id] = PromptLogprobsWindow(
-                        params.prompt_logprobs, start, stop
-                    )
-        return expected
 
     def _advance_placeholders(self, expected: ExpectedReply) -> None:
         """With placeholders (async scheduling), each request that samples in
@@ -340,7 +317,6 @@ class Scheduler:
         budget: int,
         max_reqs: int,
         new_reqs: list[NewRequestData],
-        admitted: list[Request],
         cached: CachedRequestData,
         num_scheduled: dict[str, int],
     ) -> None:
@@ -371,7 +347,7 @@ class Scheduler:
             request.status = _RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            self._emit_admitted(request, num_hit, new_reqs, admitted, cached)
+            self._emit_admitted(request, num_hit, new_reqs, cached)
             request.num_computed_tokens = num_hit + num_new
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -381,7 +357,6 @@ class Scheduler:
         request: Request,
         num_computed: int,
         new_reqs: list[NewRequestData],
-        admitted: list[Request],
         cached: CachedRequestData,
     ) -> None:
         """Full data for workers that do not hold the request; for one back from
@@ -390,7 +365,6 @@ class Scheduler:
         req_id = request.request_id
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
         if not self.worker_requests.holds(request):
-            admitted.append(request)
             new_reqs.append(
                 NewRequestData(
                     req_id,

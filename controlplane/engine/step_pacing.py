@@ -4,7 +4,7 @@ Two decisions, both made from the output rank's own forward times:
 
 * How many steps to keep in flight. Three hide a control path (reply ->
   apply -> schedule -> broadcast) that takes about as long as a step of a
-  small model (docs/benchmarks.md, pipelined steps). Once steps take many
+  small model (docs/benchmarks.md, "Pipelined steps"). Once steps take many
   times longer than that path, the second step in flight already hides it
   and a third only costs: a request that joins waits behind one more step (TTFT), every
   request that stops on EOS or a stop string has one more placeholder token
@@ -36,7 +36,7 @@ from collections import deque
 
 # Forward time per step (seconds) from which two steps in flight hide the
 # control path: several times what it takes on a loaded small box
-# (docs/benchmarks.md, pipelined steps).
+# (docs/benchmarks.md, "Pipelined steps").
 LONG_STEP_S = 0.020
 # How many of the latest steps must all have been long to drop the third.
 DEPTH_WINDOW = 4

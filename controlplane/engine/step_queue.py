@@ -28,7 +28,7 @@ from controlplane.executor.worker_calls import WorkerGroupFailed
 # enough across a network boundary: the reply -> next step path (gRPC, a
 # thread hop in each daemon) takes about one step of a small model, so with
 # two in flight the worker idles part of every step (docs/benchmarks.md,
-# pipelined steps). A request that finishes costs at most the steps already
+# "Pipelined steps"). A request that finishes costs at most the steps already
 # out, which are never applied to it. step_pacing.py uses fewer for long steps.
 ASYNC_STEPS_IN_FLIGHT = 3
 

@@ -26,10 +26,9 @@ docs/recovery.md has the whole sequence.
 Threading: registration, replies and start-up run on the worker plane's
 asyncio loop (worker_plane.py: a thread of its own, apart from the client
 API's loop); the engine thread calls submit() (the StepExecutor interface),
-which hands bytes to that loop with call_soon_threadsafe and returns a
-BroadcastStep (step_broadcast.py) whose wait() blocks on a concurrent future
-(both bounded by the step deadline). Every failure is reported once, through
-on_failed. Readers on any thread
+which hands bytes to that loop and returns a BroadcastStep whose wait()
+blocks on a concurrent future (step_broadcast.py; bounded by the step
+deadline). Each failure is reported once, to on_failed. Readers on any thread
 (readiness, the metrics scrape, the API) take one immutable status() snapshot.
 """
 
@@ -64,7 +63,12 @@ from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.executor.step_broadcast import BroadcastStep, post_to_loop
 from controlplane.executor.step_executor import StepExecutor
 from controlplane.executor.wire import scheduler_output_to_proto
-from controlplane.executor.worker_calls import CallTable, PendingCall, WorkerGroupFailed
+from controlplane.executor.worker_calls import (
+    CallTable,
+    PendingCall,
+    WorkerGroupFailed,
+    replies_within,
+)
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -408,7 +412,7 @@ class Executor(StepExecutor):
         self, command: worker_pb2.ControlMessage, timeout_s: float, what: str
     ) -> dict[int, worker_pb2.WorkerMessage]:
         """Send one command to every attached rank; their replies by rank (loop thread)."""
-        return await self._await_call(self._send(command, set(self._handles)), timeout_s, what)
+        return await replies_within(self._send(command, set(self._handles)), timeout_s, what)
 
     async def call_each(
         self,
@@ -424,16 +428,7 @@ class Executor(StepExecutor):
             command = commands[rank]
             command.call_id = call_id
             handle.outbox.put_nowait(command.SerializeToString())
-        return await self._await_call(call, timeout_s, what)
-
-    async def _await_call(self, call: PendingCall, timeout: float, what: str):
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(call.future), timeout)
-        except TimeoutError:
-            missing = sorted(call.expected - set(call.replies))
-            raise WorkerGroupFailed(
-                f"{what} timed out after {timeout:g} s waiting for rank(s) {missing}"
-            ) from None
+        return await replies_within(call, timeout_s, what)
 
     async def canary(self, timeout_s: float) -> None:
         """Ping every rank through its command queue; a rank that does not answer
@@ -451,18 +446,19 @@ class Executor(StepExecutor):
 
     # ---- step (engine thread) -------------------------------------------
 
-    def submit(self, so: SchedulerOutput, expected: ExpectedReply) -> BroadcastStep:
+    def submit(self, scheduler_output: SchedulerOutput, expected: ExpectedReply
+               ) -> BroadcastStep:
         """Hand one step to the worker plane's loop and return at once; the
         returned step waits for the output rank's checked reply (engine
         thread). Steps are sent in submission order (the loop runs its
         callbacks FIFO), and every rank runs them in that order."""
         if self._state is not GroupState.READY or self._loop is None:
             raise WorkerGroupFailed(self.status().describe())
-        command = worker_pb2.ControlMessage(execute_model=scheduler_output_to_proto(so))
+        command = worker_pb2.ControlMessage(
+            execute_model=scheduler_output_to_proto(scheduler_output))
         t_send = time.perf_counter()
         self._steps_in_flight += 1
         try:
-            assert self._loop is not None
             sent = post_to_loop(self._loop, lambda: self._send_step(command))
         except BaseException:
             self._steps_in_flight -= 1

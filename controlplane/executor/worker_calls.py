@@ -8,6 +8,7 @@ engine thread (steps) can wait on it. The executor keeps them in a CallTable.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 
 from kvloom.worker.v1 import worker_pb2
@@ -53,6 +54,19 @@ class PendingCall:
     def fail(self, exc: Exception) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
+
+
+async def replies_within(
+    call: PendingCall, timeout: float, what: str
+) -> dict[int, worker_pb2.WorkerMessage]:
+    """The call's replies by rank, awaited on the loop for at most `timeout`."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(call.future), timeout)
+    except TimeoutError:
+        missing = sorted(call.expected - set(call.replies))
+        raise WorkerGroupFailed(
+            f"{what} timed out after {timeout:g} s waiting for rank(s) {missing}"
+        ) from None
 
 
 class CallTable:

@@ -224,12 +224,13 @@ class InProcessExecutor(StepExecutor):
         gRPC executor's on_failed."""
         self.on_failed = lambda reason, kind: engine.group_failed(reason, kind.value)
 
-    def submit(self, so: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
+    def submit(self, scheduler_output: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
         """Run the step now; `expected` is for the gRPC executor's reply check."""
         if self.worker is None:
             raise WorkerGroupFailed(f"worker group is down: {self.failure_reason}")
         command = worker_pb2.ControlMessage(
-            call_id=next(self._call_ids), execute_model=scheduler_output_to_proto(so)
+            call_id=next(self._call_ids),
+            execute_model=scheduler_output_to_proto(scheduler_output),
         )
         raw = command.SerializeToString()
         self.sent.append(raw)

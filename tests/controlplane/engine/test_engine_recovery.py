@@ -249,9 +249,13 @@ def test_a_failure_seen_both_ways_is_handled_once_on_the_executors_report(
     """The step's WorkerGroupFailed only stops the engine; the report is what
     holds the requests, once: one episode, each request held once, and a
     second report (the re-forming group failing) changes nothing."""
-    made = []
-    engine, executor, client, log = make(wrap=lambda inner: made.append(
-        SilentFailure(inner)) or made[0])
+    made: list[SilentFailure] = []
+
+    def wrap(inner: InProcessExecutor) -> SilentFailure:
+        made.append(SilentFailure(inner))
+        return made[0]
+
+    engine, executor, client, log = make(wrap=wrap)
     prompt = _prompt(6, 50)
     client.pause_after_next(2)
     engine.add_request(_greedy("a", prompt, max_tokens=8))

@@ -15,17 +15,11 @@ policy order. When the block pool runs dry a running request is preempted by
 recompute: its blocks are freed and it goes back to the head of the waiting
 queue, to be recomputed later (mostly from the prefix cache).
 
-Pipelined steps (the engine keeps more than one step in flight): with
-placeholders on (async scheduling at PP=1, as vLLM's AsyncScheduler) a
-request is scheduled for its next token before the previous step's token is
-known; num_output_placeholders counts its sampled-but-unseen tokens and the
-workers fill them in themselves. With num_micro_batches > 1 (the PP batch
-queue) a step takes at most 1/num_micro_batches of the active requests, so
-consecutive steps hold disjoint requests and pipeline stages overlap; a
-request with a step in flight has nothing left to schedule until its output
-is in. Outputs always arrive in step order; a step's output may reach a
-request that was preempted after the step was scheduled (its token is kept,
-as the workers kept it), never one added after it (Request.added_after_step).
+Pipelined steps (docs/pipelined_steps.md, "Placeholders (PP = 1)"): with
+placeholders a request is scheduled for its next token before the previous
+one is known (num_output_placeholders); with num_micro_batches > 1
+consecutive steps hold disjoint requests. Outputs arrive in step order and
+never reach a request added after their step (Request.added_after_step).
 
 Priority convention (as vLLM): a SMALLER Request.priority value is served
 first; ties go to the earlier arrival. The preemption victim is the request
@@ -489,55 +483,7 @@ class Scheduler:
             attach_prompt_logprobs(prompt_chunks, outputs, requests)
         return outputs
 
-    # -- failover and metrics ---------------------------------------------
-
-    def reset_for_recompute(self) -> None:
-        """The worker group was replaced and holds no request state or KV:
-        every request goes back to waiting and is sent again as new."""
-        kv = self.kv_cache_manager
-        for request in self.running:
-            kv.free(request)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            request.num_preemptions += 1
-        for request in self.waiting:
-            request.num_computed_tokens = 0
-        for request in self.requests.values():
-            # Steps in flight on the failed group never answer.
-            request.num_output_placeholders = 0
-        self.waiting.prepend_many(self.running)
-        self.running = []
-        kv.reset_prefix_cache()
-        self.finished_req_ids = set()
-        self.worker_requests.forget()
-
-    def inherit_worker_ids(self, req_ids: set[str]) -> None:
-        """This scheduler replaces one over the same workers (EngineCore._recover),
-        which may hold state for `req_ids`: no request here has them, so the
-        next step sends them as finished, the path of any finish."""
-        self.finished_req_ids |= req_ids
-        self.worker_requests.inherit(req_ids)
-
-    def replace_kv_pool(self, num_gpu_blocks: int) -> list[Request]:
-        """The group re-formed with a KV pool of another size (only after
-        reset_for_recompute: no request holds blocks). Requests that could never
-        fit it leave as FINISHED_ERROR and are returned for the caller to fail."""
-        old = self.kv_cache_manager
-        if self.running or old.req_to_blocks:
-            raise RuntimeError("replace_kv_pool while requests hold KV blocks")
-        new = KVCacheManager(num_gpu_blocks, self.block_size, old.enable_caching)
-        # Cumulative counters: metrics take deltas and must not see them restart.
-        new.prefix_cache_queries = old.prefix_cache_queries
-        new.prefix_cache_hits = old.prefix_cache_hits
-        self.kv_cache_manager, self.num_gpu_blocks = new, num_gpu_blocks
-        size = self.block_size
-        too_big = [r for r in self.requests.values()
-                   if blocks_needed(r.num_prompt_tokens, r.max_tokens, size) > num_gpu_blocks]
-        for request in too_big:
-            request.status = RequestStatus.FINISHED_ERROR
-            del self.requests[request.request_id]
-        self.waiting.remove_ids({r.request_id for r in too_big})
-        return too_big
+    # -- metrics ------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

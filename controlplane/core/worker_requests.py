@@ -9,7 +9,7 @@ replaced holds nothing (forget()).
 
 ids() is every id the workers may hold. EngineCore reads it when it replaces
 a scheduler it cannot trust any more (an internal error): its successor sends
-them all as finished (Scheduler.inherit_worker_ids). An id sent as finished
+them all as finished (failover.inherit_worker_ids). An id sent as finished
 counts until the next step is scheduled, which the engine does only once the
 step carrying it went out: a step that never reached the workers (its
 submission raised) leaves no state behind on them.

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.failover import inherit_worker_ids
 from controlplane.core.outputs import (
     EngineCoreOutput,
     EngineErrorCode,
@@ -452,7 +453,7 @@ class EngineCore:
             on_workers = sched.worker_requests.ids()
             self._forget_worker_state()
             self._new_scheduler(sched.num_gpu_blocks)
-            self.scheduler.inherit_worker_ids(on_workers)
+            inherit_worker_ids(self.scheduler, on_workers)
             reason = internal_reason(exc)
             outputs = [error_output(r, reason, EngineErrorCode.INTERNAL) for r in live.values()]
             if outputs:

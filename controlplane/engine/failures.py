@@ -8,7 +8,7 @@ counters may disagree in ways no check can enumerate, so the only state
 trusted afterwards is the new scheduler's. The workers must agree with it:
 they may hold state for requests it never heard of. Rather than failing the
 group (every rank would reload its weights), its first step sends every id
-the workers may hold as finished (Scheduler.inherit_worker_ids), which drops
+the workers may hold as finished (failover.inherit_worker_ids), which drops
 all their per-request state (the same path as any finish). The KV blocks they
 keep hold no meaning: the new scheduler's prefix cache is empty, so no block
 is read before this generation writes it. If that step fails on a worker, the

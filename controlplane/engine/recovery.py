@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from controlplane.core.failover import replace_kv_pool, reset_for_recompute
 from controlplane.core.outputs import EngineCoreOutput, error_output
 from controlplane.core.request import Request, RequestStatus
 from controlplane.core.scheduler import Scheduler
@@ -96,7 +97,7 @@ class Recovery:
         """The group failed while serving (kind: the executor's FailureKind
         value): hold every request of `sched` for recompute. Returns the
         errors of those held too often already, which end here."""
-        sched.reset_for_recompute()
+        reset_for_recompute(sched)
         poisoned = self._begin(reason, kind, list(sched.requests.values()))
         if not poisoned:
             return []
@@ -107,7 +108,7 @@ class Recovery:
         """The group is ready again with `num_gpu_blocks`: the held requests
         are recomputed on it. Returns the errors of those that no longer fit."""
         old_blocks = sched.num_gpu_blocks
-        too_big = sched.replace_kv_pool(num_gpu_blocks) if num_gpu_blocks != old_blocks else []
+        too_big = replace_kv_pool(sched, num_gpu_blocks) if num_gpu_blocks != old_blocks else []
         # Ids finished while holding belong to the old group; this one holds none.
         sched.finished_req_ids = set()
         episode = self._end()

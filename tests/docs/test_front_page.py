@@ -33,7 +33,9 @@ FIGURE = re.compile(
     r"|\(measured\b|\bmeasured:"
 )
 DEFAULT = re.compile(r"\d[\d.]*\s?\w+ by default|\bdefault(?: of)? \d[\d.]*\s?\w+")
-POINTER = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+)|,\s*\"?([^\");.]+?)\"?\s*[);.])")
+# docs/X.md#anchor, docs/X.md, "Quoted section" (may hold parentheses), or
+# docs/X.md, Unquoted section) -- the unquoted name ends at ) ; or .
+POINTER = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+)|,\s*\"([^\"]+)\"|,\s*([^\");.]+?)\s*[);.])")
 
 
 def _section(text: str, heading: str) -> str:
@@ -165,7 +167,8 @@ def test_comment_pointers_name_a_section_that_exists():
     bad = []
     for path in [*_code_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]:
         notes = " ".join(text.strip() for _, text in _notes(path))
-        for doc, anchor, name in POINTER.findall(notes):
+        for doc, anchor, quoted, unquoted in POINTER.findall(notes):
+            name = quoted or unquoted
             where = f"{path.relative_to(ROOT)}: docs/{doc} {anchor or name!r}"
             if not (ROOT / "docs" / doc).is_file():
                 bad.append(where)

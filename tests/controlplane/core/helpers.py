@@ -17,6 +17,7 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.failover import reset_for_recompute
 from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.request import Request, RequestStatus, SamplingParams
 from controlplane.core.scheduler import Scheduler
@@ -245,7 +246,7 @@ class ProgramRunner:
             assert done == [req_id]
 
     def reset(self) -> None:
-        self.sched.reset_for_recompute()
+        reset_for_recompute(self.sched)
         self.on_reset()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from controlplane.core.failover import reset_for_recompute
 from controlplane.core.request import FinishReason, RequestStatus
 from tests.controlplane.core.helpers import EOS, make_request, make_scheduler, model_output, step
 
@@ -322,7 +323,7 @@ def test_max_model_len_is_enforced_by_admission_alone():
         so, o = step(sched, {req.request_id: tok})
         outs.extend(o)
         if len(outs) == 2:
-            sched.reset_for_recompute()  # recompute must not lose the length cap
+            reset_for_recompute(sched)  # recompute must not lose the length cap
         if o and o[-1].finished:
             break
     assert outs[-1].finish_reason is FinishReason.LENGTH and req.num_tokens == 10
@@ -369,7 +370,7 @@ def test_reset_for_recompute_resends_everything_as_new():
     sched.add_request(make_request(prompt, max_tokens=6, req_id="b"))
     step(sched, {"a": 70, "b": 80})
     step(sched, {"a": 71, "b": 81})
-    sched.reset_for_recompute()
+    reset_for_recompute(sched)
     kv = sched.kv_cache_manager
     assert kv.get_num_free_blocks() == 100 and kv.block_pool.cached_block_hash_to_block == {}
     so = sched.schedule()

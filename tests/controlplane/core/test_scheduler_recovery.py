@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from controlplane.core.failover import replace_kv_pool, reset_for_recompute
 from controlplane.core.outputs import PromptLogprobs, TokenLogprobs
 from controlplane.core.request import RequestStatus
 from tests.controlplane.core.helpers import make_request, make_scheduler, model_output, step
@@ -23,7 +24,7 @@ def _mid_run_then_reset(num_blocks: int = 20):
         sched.add_request(request)
     step(sched, {"a": 70, "b": 80})
     step(sched, {"a": 71, "b": 81})
-    sched.reset_for_recompute()
+    reset_for_recompute(sched)
     return sched, a, b, c
 
 
@@ -31,7 +32,7 @@ def test_a_smaller_pool_drops_only_what_can_never_fit_and_the_rest_recompute():
     sched, a, b, c = _mid_run_then_reset()
     queries = sched.kv_cache_manager.prefix_cache_queries
     assert queries > 0
-    too_big = sched.replace_kv_pool(5)
+    too_big = replace_kv_pool(sched, 5)
     assert too_big == [b] and b.status is RequestStatus.FINISHED_ERROR
     assert sched.get_request("b") is None and "b" not in {r.request_id for r in sched.waiting}
     kv = sched.kv_cache_manager
@@ -51,7 +52,7 @@ def test_a_smaller_pool_drops_only_what_can_never_fit_and_the_rest_recompute():
 
 def test_a_larger_pool_keeps_every_request():
     sched, *_ = _mid_run_then_reset()
-    assert sched.replace_kv_pool(40) == []
+    assert replace_kv_pool(sched, 40) == []
     assert sched.get_num_unfinished_requests() == 3
     assert sched.kv_cache_manager.get_num_free_blocks() == 40
     # Admission now checks against the new pool.
@@ -63,7 +64,7 @@ def test_replace_kv_pool_refuses_while_requests_hold_blocks():
     sched.add_request(make_request(4, req_id="a"))
     step(sched)
     with pytest.raises(RuntimeError, match="hold KV blocks"):
-        sched.replace_kv_pool(10)
+        replace_kv_pool(sched, 10)
     assert sched.num_gpu_blocks == 20
 
 
@@ -72,8 +73,8 @@ def test_a_priority_queue_loses_only_the_requests_that_no_longer_fit():
     sched.add_request(make_request(4, max_tokens=4, req_id="small", priority=1))
     sched.add_request(make_request(30, max_tokens=2, req_id="big", priority=0))
     step(sched)
-    sched.reset_for_recompute()
-    assert [r.request_id for r in sched.replace_kv_pool(4)] == ["big"]
+    reset_for_recompute(sched)
+    assert [r.request_id for r in replace_kv_pool(sched, 4)] == ["big"]
     assert [r.request_id for r in sched.waiting] == ["small"]
 
 
@@ -111,7 +112,7 @@ def test_a_recomputed_prefill_never_sends_a_prompt_logprob_twice(finish_in_the_r
     run_step()
     run_step()
     assert sent == list(range(1, 9))
-    sched.reset_for_recompute()
+    reset_for_recompute(sched)
     while sched.has_unfinished_requests():
         run_step()
     assert sent == list(range(1, 12))  # each prompt position once, in order

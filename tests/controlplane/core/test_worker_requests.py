@@ -6,6 +6,7 @@ finished by its successor's first step."""
 
 from __future__ import annotations
 
+from controlplane.core.failover import inherit_worker_ids, reset_for_recompute
 from controlplane.core.request import RequestStatus
 from controlplane.core.worker_requests import WorkerRequests
 from tests.controlplane.core.helpers import make_request, make_scheduler, model_output, step
@@ -56,12 +57,12 @@ def test_a_reset_group_holds_nothing_and_a_successor_sends_inherited_ids():
     a = make_request(4, max_tokens=8, req_id="a")
     sched.add_request(a)
     step(sched)
-    sched.reset_for_recompute()
+    reset_for_recompute(sched)
     assert sched.worker_requests.ids() == set()
     so, _ = step(sched)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["a"]  # sent in full again
     successor = make_scheduler()
-    successor.inherit_worker_ids(sched.worker_requests.ids())
+    inherit_worker_ids(successor, sched.worker_requests.ids())
     assert successor.has_finished_requests()
     first = successor.schedule()
     assert first.finished_req_ids == {"a"} and first.is_empty()

@@ -5,7 +5,7 @@ The first half drives _update_states/prepare_inputs/execute_model with
 hand-written diffs and a fake model whose logits name the input token, so
 every expectation is visible in the test. The second half runs the tiny Llama
 checkpoint under the real controlplane Scheduler, each step through
-tests.inprocess.InProcessExecutor (both wire modules, bytes, a real Worker):
+kvloom.testing.inprocess.InProcessExecutor (both wire modules, bytes, a real Worker):
 chunked prefill, preemption resumed into other blocks and recomputed from 0 in
 chunks, prefix-cache hits on another request's KV, seeded sampling; every
 output is checked against transformers on the same weights.

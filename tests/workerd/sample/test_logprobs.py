@@ -1,5 +1,5 @@
 """The tiny Llama with the sampling knobs, under the real controlplane Scheduler
-(each step through tests.inprocess.InProcessExecutor: both wire modules, bytes,
+(each step through kvloom.testing.inprocess.InProcessExecutor: both wire modules, bytes,
 a real Worker), against transformers on the same weights.
 
 * Sampled-token logprobs (logprob, 1-based rank, top-N) equal log_softmax of

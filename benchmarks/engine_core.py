@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks import hf_baseline, serving  # noqa: E402
 from controlplane.core.request import Request, SamplingParams  # noqa: E402
 from controlplane.model_info import read_model_info  # noqa: E402
-from kvloom.testing.inprocess import InProcessExecutor, make_scheduler  # noqa: E402
+from kvloom.testing.inprocess import InProcessExecutor  # noqa: E402
+from kvloom.testing.scheduler import make_scheduler  # noqa: E402
 
 BLOCK_SIZE = 16
 

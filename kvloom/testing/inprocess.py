@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -55,6 +54,8 @@ from controlplane.executor.step_executor import DoneStep, PendingStep, StepExecu
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
+from kvloom.common.ports import free_port
+from kvloom.testing.scheduler import scheduler_config
 from kvloom.worker.v1 import worker_pb2
 from workerd.limits import WorkerLimits
 from workerd.runner.model_runner import ModelRunner
@@ -73,12 +74,6 @@ def limits_pb(config: SchedulerConfig | None = None) -> worker_pb2.WorkerLimits:
 
 def runner_limits(config: SchedulerConfig | None = None) -> WorkerLimits:
     return WorkerLimits.from_proto(limits_pb(config))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def call_worker(
@@ -299,22 +294,6 @@ class SlotProbeModel:
 
 
 # ---- factories ------------------------------------------------------------------
-
-
-def scheduler_config(**overrides) -> SchedulerConfig:
-    defaults = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
-    return SchedulerConfig(**{**defaults, **overrides})
-
-
-def make_scheduler(
-    executor: InProcessExecutor, *, enable_prefix_caching: bool = True, **scheduler_overrides
-) -> Scheduler:
-    """A real Scheduler over the KV blocks the executor's worker was given."""
-    return Scheduler(
-        scheduler_config(**scheduler_overrides),
-        CacheConfig(block_size=executor.block_size, enable_prefix_caching=enable_prefix_caching),
-        executor.num_gpu_blocks,
-    )
 
 
 StepHook = Callable[[ScheduledStep, ModelRunnerOutput], None]

@@ -14,7 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvloom.testing.inprocess import free_port, limits_pb
+from kvloom.common.ports import free_port
+from kvloom.testing.inprocess import limits_pb
 from kvloom.worker.v1 import worker_pb2
 from workerd.worker import Worker
 

@@ -10,8 +10,9 @@ import pytest
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.validation import InvalidRequest, Limits, ValidatedRequest, validate
 from controlplane.core.request import SamplingParams
+from kvloom.testing.scheduler import make_scheduler
 from kvloom.v1 import generation_pb2 as pb
-from tests.controlplane.core.helpers import make_request, make_scheduler
+from tests.controlplane.core.helpers import make_request
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 4  # 16 KV slots
 

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.failover import reset_for_recompute
 from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.request import Request, RequestStatus, SamplingParams
@@ -24,31 +23,6 @@ from controlplane.core.scheduler import Scheduler
 
 EOS = 2
 _ids = itertools.count()
-
-
-def make_scheduler(
-    num_blocks: int = 100,
-    block_size: int = 4,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 256,
-    enable_prefix_caching: bool = True,
-    long_prefill_token_threshold: int = 0,
-    enable_chunked_prefill: bool = True,
-    policy: str = "fcfs",
-) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            policy=policy,
-        ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        num_blocks,
-    )
 
 
 def make_request(

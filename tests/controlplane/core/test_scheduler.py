@@ -6,7 +6,8 @@ import pytest
 
 from controlplane.core.failover import reset_for_recompute
 from controlplane.core.request import FinishReason, RequestStatus
-from tests.controlplane.core.helpers import EOS, make_request, make_scheduler, model_output, step
+from kvloom.testing.scheduler import make_scheduler
+from tests.controlplane.core.helpers import EOS, make_request, model_output, step
 
 # -- admission ---------------------------------------------------------------
 

@@ -13,10 +13,10 @@ import random
 
 from hypothesis import HealthCheck, event, given, settings
 
+from kvloom.testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,
-    make_scheduler,
     program_configs,
     program_ops,
     random_program,

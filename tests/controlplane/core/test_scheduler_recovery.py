@@ -10,7 +10,8 @@ import pytest
 from controlplane.core.failover import replace_kv_pool, reset_for_recompute
 from controlplane.core.outputs import PromptLogprobs, TokenLogprobs
 from controlplane.core.request import RequestStatus
-from tests.controlplane.core.helpers import make_request, make_scheduler, model_output, step
+from kvloom.testing.scheduler import make_scheduler
+from tests.controlplane.core.helpers import make_request, model_output, step
 
 
 def _mid_run_then_reset(num_blocks: int = 20):

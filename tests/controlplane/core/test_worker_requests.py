@@ -9,7 +9,8 @@ from __future__ import annotations
 from controlplane.core.failover import inherit_worker_ids, reset_for_recompute
 from controlplane.core.request import RequestStatus
 from controlplane.core.worker_requests import WorkerRequests
-from tests.controlplane.core.helpers import make_request, make_scheduler, model_output, step
+from kvloom.testing.scheduler import make_scheduler
+from tests.controlplane.core.helpers import make_request, model_output, step
 
 
 def test_held_by_identity_from_the_step_that_sends_it_until_its_finish_went_out():

@@ -26,12 +26,11 @@ from kvloom.testing.inprocess import (
     SlotProbeModel,
     run_to_completion,
 )
-from kvloom.testing.inprocess import make_scheduler as make_scheduler_over
+from kvloom.testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,
     make_request,
-    make_scheduler,
     program_configs,
     program_ops,
     random_program,
@@ -96,7 +95,7 @@ def test_logprobs_and_prompt_logprobs_of_a_real_model_pass_the_check(tiny_model_
     requests asking for sampled logprobs (0, 2, 5 candidates) and none."""
     vocab = read_model_info(tiny_model_dir).vocab_size
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=7)
-    sched = make_scheduler_over(
+    sched = make_scheduler(
         executor, max_num_batched_tokens=16, enable_prefix_caching=False, policy="priority"
     )
     prompts = [[3 + (7 * i + j) % 50 for j in range(n)] for i, n in enumerate((5, 6, 11))]

@@ -12,7 +12,7 @@ import prometheus_client
 import pytest
 
 from kvloom.common.metrics_http import MetricsEndpoint
-from kvloom.testing.inprocess import free_port
+from kvloom.common.ports import free_port
 
 
 def _bindable(host: str) -> bool:

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
+from kvloom.common.ports import free_port
 from kvloom.testing.attention import paged_step
-from kvloom.testing.inprocess import free_port, limits_pb
+from kvloom.testing.inprocess import limits_pb
 from kvloom.worker.v1 import worker_pb2
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention import backend as ab

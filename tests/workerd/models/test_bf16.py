@@ -7,12 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvloom.testing.inprocess import (
-    InProcessExecutor,
-    make_scheduler,
-    output_tokens,
-    run_to_completion,
-)
+from kvloom.testing.inprocess import InProcessExecutor, output_tokens, run_to_completion
+from kvloom.testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 
 

@@ -22,7 +22,8 @@ import torch
 from controlplane.config import CacheConfig
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
-from kvloom.testing.inprocess import runner_limits, scheduler_config
+from kvloom.testing.inprocess import runner_limits
+from kvloom.testing.scheduler import scheduler_config
 from tests.controlplane.core.helpers import make_request
 from tests.integration.reference import hf_greedy
 from tests.workerd.layers import fake_flashinfer

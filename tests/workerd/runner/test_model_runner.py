@@ -21,19 +21,19 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 
+from kvloom.common.ports import free_port
 from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
 from kvloom.testing.inprocess import (
     BLOCK_SIZE,
     InProcessExecutor,
     ScheduleWatch,
-    free_port,
-    make_scheduler,
     output_tokens,
     replay_rank,
     replayed_outputs,
     run_to_completion,
     runner_limits,
 )
+from kvloom.testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 from tests.factories import layout_state
 from tests.integration.reference import hf_greedy

@@ -21,17 +21,17 @@ import torch
 import torch.multiprocessing as mp
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
+from kvloom.common.ports import free_port
 from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
 from kvloom.testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
-    free_port,
-    make_scheduler,
     output_tokens,
     replay_rank,
     replayed_outputs,
     run_to_completion,
 )
+from kvloom.testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 
 torch.set_num_threads(1)

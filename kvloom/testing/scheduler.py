@@ -1,0 +1,43 @@
+"""The one Scheduler factory of tests and benchmarks: the controlplane's real
+Scheduler with small limits, over an executor's KV pool or a given one.
+Torch-free, so the controlplane core tests run in an install without torch."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from controlplane.config import CacheConfig, SchedulerConfig
+from controlplane.core.scheduler import Scheduler
+
+# Small enough that a tiny model's steps chunk, batch and preempt.
+_DEFAULTS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
+
+
+class KVPool(Protocol):
+    """What a worker group reported at start-up (InProcessExecutor has both)."""
+
+    num_gpu_blocks: int
+    block_size: int
+
+
+def scheduler_config(**overrides) -> SchedulerConfig:
+    return SchedulerConfig(**{**_DEFAULTS, **overrides})
+
+
+def make_scheduler(
+    pool: KVPool | None = None,
+    *,
+    num_blocks: int = 100,
+    block_size: int = 4,
+    enable_prefix_caching: bool = True,
+    **scheduler_overrides,
+) -> Scheduler:
+    """A real Scheduler over `pool`'s KV blocks (the executor's worker was
+    given them), else over `num_blocks` blocks of `block_size` tokens."""
+    if pool is not None:
+        num_blocks, block_size = pool.num_gpu_blocks, pool.block_size
+    return Scheduler(
+        scheduler_config(**scheduler_overrides),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        num_blocks,
+    )

@@ -8,7 +8,7 @@ ControlMessage, it is serialized and parsed back, a real workerd Worker
 dispatches it through its command table (workerd.wire -> ModelRunner ->
 workerd.wire), and the reply is serialized, parsed and converted by the
 controlplane's wire module. The reply check is the gRPC executor's alone
-(tests run real replies through it: test_reply_check_real_worker.py). Start-up
+(tests run real replies through it: tests/inprocess/test_reply_check_real_worker.py). Start-up
 is the group handshake at world size 1 (init_distributed on a free loopback
 port -> load_model -> profile_memory -> init_kv_cache), sent through the same
 path. A WorkerError reply fails the step with WorkerGroupFailed, resolved by

@@ -4,7 +4,7 @@ returns the tokens a test dictates, and random add/abort/step/failover programs.
 Torch-free, like controlplane/core. Nothing here models the worker: the
 workers' side of the same diffs (state rebuilt from SchedulerOutput, KV slots,
 who samples) is checked against a real workerd Worker in
-tests/controlplane/executor/test_worker_view.py, which runs these programs
+tests/inprocess/test_worker_view.py, which runs these programs
 through kvloom.testing.inprocess.InProcessExecutor.
 """
 

@@ -4,7 +4,7 @@ consistent after every op and always drain.
 The model is helpers.model_output, a stateless stand-in returning the tokens
 the program dictates: thousands of steps stay fast and torch-free. The same
 programs run against a real worker, whose state is rebuilt from the diffs, in
-tests/controlplane/executor/test_worker_view.py.
+tests/inprocess/test_worker_view.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ malformed or that raises anything but ProtocolViolation.
 
 The check reads only the step's ExpectedReply, the scheduler's record of who
 samples; that record is checked against real workers in
-test_reply_check_real_worker.py.
+tests/inprocess/test_reply_check_real_worker.py.
 """
 
 from __future__ import annotations

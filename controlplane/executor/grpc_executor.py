@@ -457,19 +457,14 @@ class Executor(StepExecutor):
         command = worker_pb2.ControlMessage(
             execute_model=scheduler_output_to_proto(scheduler_output))
         t_send = time.perf_counter()
-        self._steps_in_flight += 1
-        try:
-            sent = post_to_loop(self._loop, lambda: self._send_step(command))
-        except BaseException:
-            self._steps_in_flight -= 1
-            raise
+        sent = post_to_loop(self._loop, lambda: self._send_step(command))
         return BroadcastStep(
             sent, expected, output_rank=self.parallel.output_rank, vocab_size=self._vocab_size,
             step_timeout_s=self.cfg.step_timeout_s, t_send=t_send, fail=self._fail_soon,
-            settled=self._step_settled, answered=self._step_answered,
+            answered=self._step_answered,
         )
 
-    def _step_settled(self) -> None:
+    def _step_off_the_wire(self, _future) -> None:
         self._steps_in_flight -= 1
 
     def _step_answered(self) -> None:
@@ -490,4 +485,10 @@ class Executor(StepExecutor):
             raise WorkerGroupFailed(self.status().describe())
         if not self._handles:  # stop() let every worker go
             raise WorkerGroupFailed("controlplane is shutting down")
-        return self._send(command, {self.parallel.output_rank})
+        call = self._send(command, {self.parallel.output_rank})
+        # Counted on the loop, off when the call resolves (answered, or failed
+        # with the group), not when the engine waits: a step the engine drops
+        # (group failure, internal error) is never waited on.
+        self._steps_in_flight += 1
+        call.future.add_done_callback(self._step_off_the_wire)
+        return call

@@ -65,32 +65,26 @@ class BroadcastStep(PendingStep):
         step_timeout_s: float,
         t_send: float,
         fail: FailGroup,
-        settled: Callable[[], None],
         answered: Callable[[], None],
     ) -> None:
-        """t_send: time.perf_counter() when it was handed to the loop; settled:
-        the step is off the wire (answered or failed); answered: its reply
-        passed the check."""
+        """t_send: time.perf_counter() when it was handed to the loop;
+        answered: its reply passed the check."""
         self._sent = sent
         self._expected = expected
         self._output_rank = output_rank
         self._vocab_size = vocab_size
         self._timeout_s = step_timeout_s
         self._fail = fail
-        self._settled = settled
         self._answered = answered
         self._t_send = t_send
 
     def wait(self) -> ModelRunnerOutput:
-        try:
-            call = self._await_sent()
-            # Set here, on the engine thread, from this step's own call: a
-            # canary sent from the loop meanwhile is not this step's broadcast.
-            self.step_bytes = call.nbytes
-            reply = self._wait_for_output_rank(call)
-            self.round_trip_s = time.perf_counter() - self._t_send
-        finally:
-            self._settled()
+        call = self._await_sent()
+        # Set here, on the engine thread, from this step's own call: a
+        # canary sent from the loop meanwhile is not this step's broadcast.
+        self.step_bytes = call.nbytes
+        reply = self._wait_for_output_rank(call)
+        self.round_trip_s = time.perf_counter() - self._t_send
         return self._check(reply)
 
     def ready(self) -> bool:

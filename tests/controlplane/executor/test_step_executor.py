@@ -75,6 +75,38 @@ def test_the_grpc_executor_submits_a_step_and_its_pending_step_waits():
     asyncio.run(scenario())
 
 
+async def _until_no_step_is_out(executor, limit_s: float = 5.0) -> int:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while executor.status().steps_in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return executor.status().steps_in_flight
+
+
+def test_steps_the_engine_never_waits_on_leave_the_in_flight_count():
+    """kvloom_steps_in_flight counts steps sent and not yet answered: a step the
+    engine drops (its group failed, or an internal error reset the scheduler)
+    is never waited on, and must not hold the count (readiness skips its stall
+    checks while a step is out)."""
+
+    async def scenario():
+        async with Harness() as h:
+            workers = [FakeWorker(h.address, 8) for _ in range(2)]
+            tasks = [asyncio.create_task(w.run()) for w in workers]
+            await asyncio.wait_for(h.ready, 10)
+            for req_ids in (["a"], ["a", "b"]):
+                h.executor.submit(*decode_step(req_ids))  # answered, never waited on
+            assert await _until_no_step_is_out(h.executor) == 0
+            h.executor.submit(*decode_step(["c"]))
+            h.executor.fail_group("test: the group fails with a step out",
+                                  FailureKind.WORKER_ERROR)
+            assert await _until_no_step_is_out(h.executor) == 0
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 def test_the_in_process_executor_runs_a_tiny_model_step_end_to_end(tiny_model_dir):
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=16)
     try:

@@ -1,2 +1,5 @@
-"""Code the two daemons share and the client never needs: logging set-up, the
-/metrics endpoint, the default-model converter. Installed with `kvloom[server]`."""
+"""Helpers shared by the two daemons and the `kvloom` CLI (which starts them):
+logging set-up, the /metrics endpoint, ports, CPU core plans, TLS and secret
+files, option-driven config parsing, the default-model converter. The client
+library (kvloom.client, kvloom.api) never imports them; some need the
+`kvloom[server]` extra (torch for the converter, cryptography for certificates)."""

@@ -2,4 +2,5 @@
 logging set-up, the /metrics endpoint, ports, CPU core plans, TLS and secret
 files, option-driven config parsing, the default-model converter. The client
 library (kvloom.client, kvloom.api) never imports them; some need the
-`kvloom[server]` extra (torch for the converter, cryptography for certificates)."""
+`kvloom[server]` or `kvloom[default-model]` extras (gguf for the converter,
+cryptography for certificates)."""

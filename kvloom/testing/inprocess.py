@@ -435,6 +435,20 @@ def replay_rank(
         worker.close()
 
 
+def replay_layout(executor: InProcessExecutor, model_dir: str, out_dir: str,
+                  tp: int, pp: int) -> None:
+    """Replay everything `executor` broadcast on a tp x pp group of spawned
+    ranks (replay_rank each); their replies land in out_dir/rank<N>.pt."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(
+        replay_rank,
+        args=(tp, pp, free_port(), model_dir, executor.num_gpu_blocks, executor.sent, out_dir),
+        nprocs=tp * pp,
+        join=True,
+    )
+
+
 def replayed_outputs(path) -> list[ModelRunnerOutput | None]:
     """A replay_rank file, converted as the controlplane converts replies."""
     raws = torch.load(path, weights_only=False)

@@ -18,17 +18,15 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
-from kvloom.common.ports import free_port
 from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
 from kvloom.testing.inprocess import (
     BLOCK_SIZE,
     InProcessExecutor,
     ScheduleWatch,
     output_tokens,
-    replay_rank,
+    replay_layout,
     replayed_outputs,
     run_to_completion,
     runner_limits,
@@ -537,13 +535,7 @@ def test_real_model_kv_cache_geometry(tiny_model_dir):
 def test_tp2_pp2_ranks_replaying_the_broadcast_match_single_process(tiny_model_dir, tmp_path):
     executor, _, _, _ = _run_mixed_schedule(tiny_model_dir)
     tp, pp = 2, 2
-    mp.spawn(
-        replay_rank,
-        args=(tp, pp, free_port(), tiny_model_dir, executor.num_gpu_blocks, executor.sent,
-              str(tmp_path)),
-        nprocs=tp * pp,
-        join=True,
-    )
+    replay_layout(executor, tiny_model_dir, str(tmp_path), tp, pp)
     output_rank = (pp - 1) * tp
     for rank in range(tp * pp):
         got = replayed_outputs(tmp_path / f"rank{rank}.pt")

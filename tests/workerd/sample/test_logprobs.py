@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.common.ports import free_port
 from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
 from kvloom.testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
     output_tokens,
-    replay_rank,
+    replay_layout,
     replayed_outputs,
     run_to_completion,
 )
@@ -252,13 +250,7 @@ def test_tp2_pp2_ranks_return_the_same_logprobs(tiny_model_dir, tmp_path):
     }
     run_to_completion(sched, executor, arrivals)
     tp, pp = 2, 2
-    mp.spawn(
-        replay_rank,
-        args=(tp, pp, free_port(), tiny_model_dir, executor.num_gpu_blocks, executor.sent,
-              str(tmp_path)),
-        nprocs=tp * pp,
-        join=True,
-    )
+    replay_layout(executor, tiny_model_dir, str(tmp_path), tp, pp)
     got = replayed_outputs(tmp_path / f"rank{(pp - 1) * tp}.pt")
 
     def flat(out):

@@ -9,9 +9,12 @@ layer with it (forward). Beyond that a backend may:
 * replay decode steps as CUDA graphs (cuda_graph_decode: graph_decode_plan
   builds the plan a graph is captured with, replan points it at a later
   step's pages before each replay);
-* attend within a sliding window, or soft-cap the attention logits: no
-  backend does yet, so no method takes either; a model that needs one is
-  refused at load instead of attending to the whole context.
+* attend within a sliding window, or soft-cap the attention logits
+  (sliding_window, logits_soft_cap): the layer's AttentionLayerKind, handed
+  to build_plan, says which window and cap a plan attends with. A model
+  builds one plan per distinct kind per step (Gemma 2 alternates two), and a
+  model that needs a capability its backend does not declare is refused at
+  load instead of attending to the whole context.
 
 A backend states these in its class's `capabilities`; the optional methods
 of one it does not declare raise NotImplementedError. Callers read the
@@ -51,6 +54,27 @@ class AttentionCapabilities:
         return [name for name, on in asdict(self).items() if on]
 
 
+@dataclass(frozen=True)
+class AttentionLayerKind:
+    """How one layer attends, beyond causal: what its plan is built for.
+
+    sliding_window W: a query at position p sees keys p - W < k <= p (W keys,
+    its own included: transformers' sliding_window_overlay; FlashInfer's
+    window_left is W - 1). logits_soft_cap c: scores become c * tanh(s / c)
+    after the scale, before the mask (Gemma 2's attn_logit_softcapping)."""
+
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    def needs(self) -> AttentionCapabilities:
+        """The backend capabilities attending this way takes."""
+        return AttentionCapabilities(sliding_window=self.sliding_window is not None,
+                                     logits_soft_cap=self.logits_soft_cap is not None)
+
+
+FULL_ATTENTION = AttentionLayerKind()
+
+
 class AttentionBackend(ABC):
     """One worker's attention implementation (workerd/layers/attention/backend.py
     picks which)."""
@@ -59,8 +83,11 @@ class AttentionBackend(ABC):
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities()
 
     @abstractmethod
-    def build_plan(self, md: AttentionMetadata, num_tokens: int) -> Any:
-        """What every layer of one forward reuses (index tables, planned kernels)."""
+    def build_plan(self, md: AttentionMetadata, num_tokens: int,
+                   kind: AttentionLayerKind = FULL_ATTENTION) -> Any:
+        """What every layer of `kind` in one forward reuses (index tables,
+        planned kernels). A kind whose window or cap the backend does not
+        declare is a ValueError (the model checked at load)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

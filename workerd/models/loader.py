@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvloom.common.model_config import load_model_config
 from workerd.distributed.parallel_state import ParallelState
 from workerd.models import get_model_class
-from workerd.models.config import load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def load_model(
     config.json's architectures, via the workerd.models registry) and load its
     weights."""
     # Not AutoConfig: importing transformers costs a starting rank seconds
-    # (workerd/models/config.py).
+    # (kvloom/common/model_config.py).
     config = load_model_config(model_path)
     archs = getattr(config, "architectures", None) or []
     if not archs:

@@ -11,9 +11,17 @@
  * the query heads that share the KV head (GQA) reuse every K and V row it
  * loads.
  *
+ * A layer's sliding window W (0: none) starts each query's walk at its first
+ * visible key, max(0, pos + 1 - W), so blocks wholly before the window are
+ * never touched (the controlplane may have freed them); a soft cap c (0:
+ * none) turns each scaled score s into c * tanh(s / c) before the online
+ * maximum sees it.
+ *
  * Every index that comes from the step's metadata is checked before anything
  * is written (slots, block ids, lengths): a bad step is refused with an error
- * code, never turned into an out-of-bounds read or write.
+ * code, never turned into an out-of-bounds read or write. With a window only
+ * the block-table entries some query reads are checked: those before the
+ * earliest query's window may name freed blocks, and are never read.
  */
 
 #include <stdlib.h>
@@ -31,12 +39,19 @@ enum {
     KV_ERR_BLOCK_ID = 4,   /* a block id outside the cache */
     KV_ERR_SLOT = 5,       /* a slot outside the cache */
     KV_ERR_NOMEM = 6,
+    KV_ERR_KIND = 7,       /* a negative window, or a soft cap not finite and >= 0 */
 };
+
+/* The first key a query at `pos` attends: 0 without a window. */
+static inline int64_t first_key(int64_t pos, int64_t window) {
+    int64_t k = window > 0 ? pos + 1 - window : 0;
+    return k > 0 ? k : 0;
+}
 
 static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t *query_start_loc,
                       const int64_t *seq_lens, const int64_t *block_table, int64_t bt_stride,
                       int64_t bt_cols, int64_t num_blocks, int64_t block_size,
-                      const int64_t *slot_mapping) {
+                      const int64_t *slot_mapping, int64_t window) {
     if (query_start_loc[0] != 0 || query_start_loc[num_reqs] != num_actual_tokens)
         return KV_ERR_QUERY_LOC;
     for (int64_t r = 0; r < num_reqs; r++) {
@@ -45,7 +60,9 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
         int64_t sl = seq_lens[r];
         if (sl < ql || sl > bt_cols * block_size) return KV_ERR_SEQ_LEN;
         const int64_t *bt = block_table + r * bt_stride;
-        for (int64_t b = 0, nb = (sl + block_size - 1) / block_size; b < nb; b++)
+        /* From the block of the earliest query's first key: what attend reads. */
+        for (int64_t b = first_key(sl - ql, window) / block_size,
+                     nb = (sl + block_size - 1) / block_size; b < nb; b++)
             if (bt[b] < 0 || bt[b] >= num_blocks) return KV_ERR_BLOCK_ID;
     }
     int64_t num_slots = num_blocks * block_size;
@@ -68,8 +85,8 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
 #define DEFINE_ATTEND(G)                                                                    \
     static void attend_##G(const float *q, int64_t head_dim, const float *k_cache,         \
                            const float *v_cache, int64_t row_stride, const int64_t *blocks, \
-                           int64_t block_size, int64_t num_keys, float *acc, float *out,    \
-                           int64_t out_head_stride) {                                       \
+                           int64_t block_size, int64_t first, int64_t num_keys, float cap,  \
+                           float *acc, float *out, int64_t out_head_stride) {               \
         const int64_t nv = head_dim / 8;                                                    \
         float m[G], l[G], s[G][KEYS_PER_CHUNK];                                             \
         for (int g = 0; g < G; g++) {                                                       \
@@ -77,7 +94,7 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
             l[g] = 0.0f;                                                                    \
         }                                                                                   \
         memset(acc, 0, sizeof(float) * G * head_dim);                                       \
-        for (int64_t start = 0; start < num_keys;) {                                        \
+        for (int64_t start = first; start < num_keys;) {                                    \
             int64_t in_block = start % block_size;                                          \
             int64_t n = block_size - in_block;                                              \
             if (n > KEYS_PER_CHUNK) n = KEYS_PER_CHUNK;                                     \
@@ -113,6 +130,9 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                         a0[g] += ((const v8 *)(q + g * head_dim))[c] * k0[c];               \
                 for (int g = 0; g < G; g++) s[g][j] = hsum(a0[g]);                          \
             }                                                                               \
+            if (cap > 0.0f)                                                                 \
+                for (int g = 0; g < G; g++)                                                 \
+                    for (int64_t i = 0; i < n; i++) s[g][i] = cap * tanhf(s[g][i] / cap);   \
             for (int g = 0; g < G; g++) {                                                   \
                 float cm = s[g][0];                                                         \
                 for (int64_t i = 1; i < n; i++) cm = s[g][i] > cm ? s[g][i] : cm;           \
@@ -179,7 +199,8 @@ DEFINE_ATTEND(3)
 DEFINE_ATTEND(4)
 
 typedef void (*attend_fn)(const float *, int64_t, const float *, const float *, int64_t,
-                          const int64_t *, int64_t, int64_t, float *, float *, int64_t);
+                          const int64_t *, int64_t, int64_t, int64_t, float, float *, float *,
+                          int64_t);
 
 /* x (head_dim floats) rotated as HF's NeoX-style rotary does: the two halves
  * of the head as a pair, x * cos + swap_halves(x) * signed_sin, signed_sin
@@ -199,6 +220,8 @@ static inline void rotate(const float *x, const float *cos, const float *signed_
  * rope_cos, rope_sin: NULL when q and k arrive rotated, else each token's
  * rotary tables ([num_tokens, head_dim] contiguous; cos and signed sin), and
  * q and k are rotated here (k on its way into the cache);
+ * window: the layer's sliding window in tokens, 0 for none; soft_cap: its
+ * logit soft cap, 0 for none;
  * out: [num_tokens, num_heads * head_dim] contiguous, rows past
  * num_actual_tokens (padding) set to 0. Returns KV_OK or an error code, in
  * which case nothing has been written. */
@@ -208,14 +231,15 @@ int kvloom_paged_attention_f32(
     const int64_t *slot_mapping, int64_t num_tokens, int64_t num_actual_tokens,
     const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
     const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, float scale, const float *rope_cos,
-    const float *rope_sin, float *out) {
+    int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float soft_cap,
+    const float *rope_cos, const float *rope_sin, float *out) {
     if (num_reqs < 0 || num_tokens < num_actual_tokens || num_actual_tokens < 0 ||
         num_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || num_heads % num_kv_heads || block_size <= 0 ||
         num_blocks < 0 || bt_cols < 0 || bt_stride < bt_cols)
         return KV_ERR_SHAPE;
+    if (window < 0 || !(soft_cap >= 0.0f) || isinf(soft_cap)) return KV_ERR_KIND;
     int rc = check_step(num_reqs, num_actual_tokens, query_start_loc, seq_lens, block_table,
-                        bt_stride, bt_cols, num_blocks, block_size, slot_mapping);
+                        bt_stride, bt_cols, num_blocks, block_size, slot_mapping, window);
     if (rc != KV_OK) return rc;
     int64_t group = num_heads / num_kv_heads;
     /* The widest specialization that divides the group; a group of 8 runs
@@ -257,7 +281,8 @@ int kvloom_paged_attention_f32(
                                    rope_sin + t * head_dim, head_dim, scale, qs + g * head_dim);
                     }
                     attend(qs, head_dim, k_cache + h * head_dim, v_cache + h * head_dim, width,
-                           blocks, block_size, first_pos + i + 1, acc,
+                           blocks, block_size, first_key(first_pos + i, window),
+                           first_pos + i + 1, soft_cap, acc,
                            out + t * num_heads * head_dim + head * head_dim, head_dim);
                 }
             }

@@ -48,7 +48,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "kvloom_paged_attention_f32": (ctypes.c_int, [
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _PTR, _PTR, _PTR]),
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR]),
     "kvloom_rms_norm_f32": (None, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
     "kvloom_silu_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
 }

@@ -1,9 +1,11 @@
 """A stand-in `flashinfer` module for CPU tests of the FlashInfer backend's
 wiring: the two paged-KV wrappers with the 0.6 plan/run calling convention
 the backend uses, computing attention naively from exactly what they were
-planned with (page tables, causal, scale, dtypes). What it proves is that
-the backend hands FlashInfer a correct problem; that FlashInfer solves it
-is the gpu-marked test's job."""
+planned with (page tables, causal, scale, dtypes, window_left,
+logits_soft_cap). Like a kernel it reads every page it is handed, whole: a
+NaN in a page the backend should have left out reaches the output. What it
+proves is that the backend hands FlashInfer a correct problem; that
+FlashInfer solves it is the gpu-marked test's job."""
 
 from __future__ import annotations
 
@@ -12,8 +14,12 @@ import types
 import torch
 
 
-def _attend(q, k_cache, v_cache, qo_indptr, kv_indptr, indices, last_page_len, causal, scale):
-    """q [nnz, Hq, D]; caches NHD [pages, page_size, Hkv, D]."""
+def _attend(q, k_cache, v_cache, qo_indptr, kv_indptr, indices, last_page_len, causal, scale,
+            window_left, soft_cap):
+    """q [nnz, Hq, D]; caches NHD [pages, page_size, Hkv, D]. FlashInfer's
+    semantics: queries aligned to the end of the pages given, key j visible
+    to the query at pos when j >= pos - window_left (window_left >= 0), and
+    scores capped as soft_cap * tanh(s / soft_cap) (soft_cap > 0)."""
     page_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     for i in range(len(kv_indptr) - 1):
@@ -25,9 +31,14 @@ def _attend(q, k_cache, v_cache, qo_indptr, kv_indptr, indices, last_page_len, c
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         qs = q[qo_indptr[i]:qo_indptr[i + 1]].float()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        if causal:  # queries aligned to the context's end
-            pos = kv_len - qs.shape[0] + torch.arange(qs.shape[0])
-            scores.masked_fill_(torch.arange(kv_len)[None, :] > pos[:, None], float("-inf"))
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        pos = kv_len - qs.shape[0] + torch.arange(qs.shape[0])  # aligned to the end
+        j = torch.arange(kv_len)[None, :]
+        if causal:
+            scores.masked_fill_(j > pos[:, None], float("-inf"))
+        if window_left >= 0:
+            scores.masked_fill_(j < pos[:, None] - window_left, float("-inf"))
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         out[qo_indptr[i]:qo_indptr[i + 1]] = o.to(q.dtype)
     return out
@@ -49,21 +60,30 @@ class _Wrapper:
         assert q.shape[0] == int(p["qo_indptr"][-1])
         self.runs += 1
         return _attend(q, k_cache, v_cache, p["qo_indptr"], p["kv_indptr"], p["indices"],
-                       p["last_page_len"], p["causal"], p["sm_scale"])
+                       p["last_page_len"], p["causal"], p["sm_scale"], p["window_left"],
+                       p["logits_soft_cap"])
+
+
+def _kind_args(window_left, logits_soft_cap) -> dict:
+    """FlashInfer's types for the two: an int >= -1, a float >= 0 (None is 0)."""
+    soft_cap = 0.0 if logits_soft_cap is None else logits_soft_cap
+    assert isinstance(window_left, int) and window_left >= -1, window_left
+    assert isinstance(soft_cap, float) and soft_cap >= 0, soft_cap
+    return dict(window_left=window_left, logits_soft_cap=soft_cap)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, *, causal=False,
-             pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16",
-             kv_data_type=None):
+             pos_encoding_mode="NONE", sm_scale=None, window_left=-1, logits_soft_cap=None,
+             q_data_type="float16", kv_data_type=None):
         assert pos_encoding_mode == "NONE"  # rotary is applied before attention
         self.plans.append(dict(
             qo_indptr=qo_indptr, kv_indptr=paged_kv_indptr, indices=paged_kv_indices,
             last_page_len=paged_kv_last_page_len, num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim_qk, page_size=page_size,
             causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
-            kv_data_type=kv_data_type))
+            kv_data_type=kv_data_type, **_kind_args(window_left, logits_soft_cap)))
 
 
 # Set by tests' stand-in CUDA graph while it runs a captured forward: FlashInfer
@@ -83,8 +103,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                             paged_kv_last_page_len_buffer)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, *, pos_encoding_mode="NONE", sm_scale=None, q_data_type="float16",
-             kv_data_type=None):
+             page_size, *, pos_encoding_mode="NONE", sm_scale=None, window_left=-1,
+             logits_soft_cap=None, q_data_type="float16", kv_data_type=None):
         assert pos_encoding_mode == "NONE"
         if self.use_cuda_graph:
             assert not CAPTURING, "plan() inside a captured region"
@@ -102,7 +122,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             qo_indptr=torch.arange(len(indptr), dtype=torch.int32), kv_indptr=indptr,
             indices=indices, last_page_len=last_page_len, num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=False,
-            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type))
+            sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type,
+            **_kind_args(window_left, logits_soft_cap)))
 
 
 def module() -> types.ModuleType:

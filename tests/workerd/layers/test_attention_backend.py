@@ -21,6 +21,7 @@ from workerd.layers.attention.backend import (
     resolve_attention_backend,
 )
 from workerd.layers.attention.cpu import CpuAttentionBackend
+from workerd.layers.attention.interface import FULL_ATTENTION
 from workerd.models.loader import load_model
 from workerd.worker import Worker
 
@@ -188,8 +189,8 @@ class _Recording(TorchAttentionBackend):
         super().__init__()
         self.plans, self.layers_seen = [], []
 
-    def build_plan(self, md, num_tokens):
-        plan = super().build_plan(md, num_tokens)
+    def build_plan(self, md, num_tokens, kind=FULL_ATTENTION):
+        plan = super().build_plan(md, num_tokens, kind)
         self.plans.append(plan)
         return plan
 

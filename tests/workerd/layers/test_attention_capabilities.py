@@ -1,9 +1,10 @@
 """The declared attention-backend interface (workerd/layers/attention/interface.py):
 each backend declares exactly what it does (the optional methods it has,
 rotary inside its kernel giving what rotating first gives, graph decode
-plans that re-plan), a model that needs what its backend lacks is refused
-at load naming both, and nothing in workerd asks a backend or a layer what
-it has instead of reading the declaration."""
+plans that re-plan, windows and soft-caps attending as the dense reference
+does), a model that needs what its backend lacks is refused at load naming
+both, and nothing in workerd asks a backend or a layer what it has instead
+of reading the declaration."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 from kvloom.testing.attention import build_attn_metadata
 from kvloom.testing.inprocess import runner_limits
 from tests.workerd.layers import fake_flashinfer
+from tests.workerd.layers.test_attention_window import SCALE as WINDOW_SCALE
+from tests.workerd.layers.test_attention_window import Requests as WindowRequests
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention.backend import (
     ATTENTION_BACKENDS,
@@ -26,7 +29,12 @@ from workerd.layers.attention.backend import (
 )
 from workerd.layers.attention.cpu import CpuAttentionBackend
 from workerd.layers.attention.flashinfer import FlashInferBackend
-from workerd.layers.attention.interface import AttentionBackend, AttentionCapabilities
+from workerd.layers.attention.interface import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayerKind,
+)
 from workerd.layers.attention.torch_sdpa import paged_attention
 from workerd.layers.rotary import RotaryEmbedding, apply_rotary_tables
 from workerd.models.loader import load_model
@@ -39,7 +47,9 @@ CLASSES = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend,
            "flashinfer": FlashInferBackend}
 # What each really does beyond build_plan and forward. A change here comes
 # with the test below that proves the new capability.
-DECLARED = {"torch": [], "cpu": ["rotary_in_kernel"], "flashinfer": ["cuda_graph_decode"]}
+_KINDS = ["sliding_window", "logits_soft_cap"]
+DECLARED = {"torch": _KINDS, "cpu": ["rotary_in_kernel", *_KINDS],
+            "flashinfer": ["cuda_graph_decode", *_KINDS]}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 SCALE = HEAD_DIM**-0.5
 
@@ -67,8 +77,53 @@ def test_a_backend_has_the_optional_methods_it_declares_and_no_others(name):
 
     assert own("forward_rotary") == caps.rotary_in_kernel
     assert own("graph_decode_plan") == own("replan") == caps.cuda_graph_decode
-    # No forward takes a window or a cap yet: declaring one needs both.
-    assert not caps.sliding_window and not caps.logits_soft_cap
+    # A window or a cap is a kind build_plan takes, not a method: what
+    # proves them is test_windows_and_caps_attend_as_the_reference.
+
+
+# What each kind capability is checked with: a window not aligned to the
+# blocks, a cap the scores exceed, and both.
+_KIND_CHECKS = {
+    "sliding_window": [AttentionLayerKind(sliding_window=5)],
+    "logits_soft_cap": [AttentionLayerKind(logits_soft_cap=2.0),
+                        AttentionLayerKind(sliding_window=5, logits_soft_cap=2.0)],
+}
+
+
+@pytest.mark.parametrize("backend", list(CLASSES), indirect=True)
+@pytest.mark.parametrize("capability", list(_KIND_CHECKS))
+@torch.inference_mode()
+def test_windows_and_caps_attend_as_the_reference(backend, capability):
+    """A backend declaring a window or a cap attends with it as the dense
+    float64 reference does (decodes past the window, a chunk crossing its
+    edge, a prompt longer than it, GQA); one that does not is refused at
+    build_plan."""
+    for kind in _KIND_CHECKS[capability]:
+        steps = [(20, 1), (6, 7), (0, 11), (3, 1)]
+        reqs = WindowRequests([c + n for c, n in steps], seed=3, spread=2.0)
+        for r, (c, _) in enumerate(steps):
+            reqs.prefill_cache(r, c)
+        rows, scheduled = list(range(len(steps))), [n for _, n in steps]
+        md, q, k, v = reqs.step(rows, scheduled)
+        if capability not in backend.capabilities.names():
+            with pytest.raises(ValueError, match=f"does not declare {capability}"):
+                backend.build_plan(md, len(q), kind)
+            continue
+        out = backend.forward(q, k, v, reqs.cache, md, WINDOW_SCALE,
+                              backend.build_plan(md, len(q), kind))
+        torch.testing.assert_close(out.double(), reqs.expected(rows, scheduled, kind),
+                                   atol=2e-5, rtol=2e-5, msg=str(kind))
+
+
+def test_a_kind_beyond_the_declaration_is_refused_at_build_plan():
+    class Plain(TorchAttentionBackend):
+        capabilities = AttentionCapabilities()
+
+    md, _ = build_attn_metadata([0], [3], [[1]], BLOCK)
+    Plain().build_plan(md, 3, FULL_ATTENTION)
+    with pytest.raises(ValueError, match="the 'torch' attention backend does not declare "
+                                         "sliding_window, logits_soft_cap, which"):
+        Plain().build_plan(md, 3, AttentionLayerKind(sliding_window=4, logits_soft_cap=30))
 
 
 def _step(seed: int):
@@ -149,11 +204,14 @@ def test_graph_decode_plans_replan_to_each_step(backend):
 
 @torch.inference_mode()
 def test_a_model_needing_an_undeclared_capability_is_refused(tiny_model_dir):
+    class Unwindowed(CpuAttentionBackend):  # the cpu backend before it took windows
+        capabilities = AttentionCapabilities(rotary_in_kernel=True)
+
     model = load_model(tiny_model_dir, single_process_state(), torch.float32)
     model.attention_needs = AttentionCapabilities(sliding_window=True, rotary_in_kernel=True)
     before = [model.attn_backend, *(layer.self_attn.attn_backend for layer in model.layers)]
     with pytest.raises(ValueError) as err:
-        model.set_attention_backend(CpuAttentionBackend())
+        model.set_attention_backend(Unwindowed())
     assert str(err.value) == (
         "LlamaForCausalLM needs attention with sliding_window, which the 'cpu' attention "
         "backend does not declare (it declares: rotary_in_kernel)")
@@ -162,7 +220,7 @@ def test_a_model_needing_an_undeclared_capability_is_refused(tiny_model_dir):
     model.attention_needs = AttentionCapabilities(rotary_in_kernel=True)
     with pytest.raises(ValueError, match="needs attention with rotary_in_kernel, which the "
                                          "'torch' attention backend does not declare "
-                                         r"\(it declares: none\)"):
+                                         r"\(it declares: sliding_window, logits_soft_cap\)"):
         model.set_attention_backend(TorchAttentionBackend())
     cpu = CpuAttentionBackend()
     model.set_attention_backend(cpu)  # what it needs, declared
@@ -172,16 +230,16 @@ def test_a_model_needing_an_undeclared_capability_is_refused(tiny_model_dir):
 def test_the_runner_refuses_such_a_model_at_load(tiny_model_dir, monkeypatch):
     real = model_runner_module.load_model
 
-    def needs_soft_cap(*args, **kwargs):
+    def needs_rotary_in_kernel(*args, **kwargs):
         model = real(*args, **kwargs)
-        model.attention_needs = AttentionCapabilities(logits_soft_cap=True)
+        model.attention_needs = AttentionCapabilities(logits_soft_cap=True, rotary_in_kernel=True)
         return model
 
-    monkeypatch.setattr(model_runner_module, "load_model", needs_soft_cap)
+    monkeypatch.setattr(model_runner_module, "load_model", needs_rotary_in_kernel)
     runner = ModelRunner(single_process_state(), tiny_model_dir, torch.float32, 0,
                          limits=runner_limits(), attention_backend="torch")
     with pytest.raises(ValueError, match="LlamaForCausalLM needs attention with "
-                                         "logits_soft_cap, which the 'torch' attention backend"):
+                                         "rotary_in_kernel, which the 'torch' attention backend"):
         runner.load_model()
 
 

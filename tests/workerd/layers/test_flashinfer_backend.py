@@ -14,9 +14,12 @@ import torch
 from kvloom.testing.attention import build_attn_metadata
 from kvloom.testing.checkpoints import make_tiny_llama
 from tests.workerd.layers import fake_flashinfer
+from tests.workerd.layers.test_attention_window import SCALE as WINDOW_SCALE
+from tests.workerd.layers.test_attention_window import Requests as WindowRequests
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention.backend import TorchAttentionBackend, make_attention_backend
 from workerd.layers.attention.flashinfer_index import paged_kv_index
+from workerd.layers.attention.interface import FULL_ATTENTION, AttentionLayerKind
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.attention.torch_sdpa import paged_attention
 from workerd.models.loader import load_model
@@ -40,6 +43,24 @@ def test_page_tables_of_a_mixed_batch():
               idx.paged_kv_last_page_len):
         assert t.dtype == torch.int32
     assert idx.qo_indptr.device.type == "cpu"
+
+
+def test_page_tables_under_a_window_start_at_the_first_needed_page():
+    """The mixed batch above with a window of 5: request 0's query at 8
+    sees 4..8 (pages 1 and 2 of its table), the chunk at 3..7 sees from 0;
+    with a window of 1 request 0 keeps its last page only. The last page's
+    length and the query pointers do not change."""
+    md, _ = build_attn_metadata(
+        [8, 3, 0, 3], [1, 5, 3, 1], [[7, 2, 5], [1, 3, 8], [4], [9]], block_size=4)
+    full = paged_kv_index(md)
+    for window, indptr, indices in [(5, [0, 2, 4, 5, 6], [2, 5, 1, 3, 4, 9]),
+                                    (1, [0, 1, 3, 4, 5], [5, 1, 3, 4, 9]),
+                                    (100, [0, 3, 5, 6, 7], [7, 2, 5, 1, 3, 4, 9])]:
+        idx = paged_kv_index(md, window)
+        assert idx.paged_kv_indptr.tolist() == indptr
+        assert idx.paged_kv_indices.tolist() == indices
+        assert idx.paged_kv_last_page_len.tolist() == full.paged_kv_last_page_len.tolist()
+        assert idx.qo_indptr.tolist() == full.qo_indptr.tolist()
 
 
 def test_page_tables_ignore_requests_past_num_reqs():
@@ -94,7 +115,8 @@ def test_wiring_matches_torch_with_a_stand_in_flashinfer(tiny_model_dir, stand_i
     assert tokens == ref_tokens
     # Steps 1-2 hold multi-token queries: prefill; then decode-only steps.
     # One plan per step, one run per layer and step.
-    prefill, decode = stand_in._prefill, stand_in._decode[False]
+    wrappers = stand_in._wrappers[FULL_ATTENTION]
+    prefill, decode = wrappers.prefill, wrappers.decode[False]
     layers = model.num_local_layers
     assert (len(prefill.plans), prefill.runs) == (2, 2 * layers)
     assert (len(decode.plans), decode.runs) == (4, 4 * layers)
@@ -121,7 +143,70 @@ def test_padding_gets_zeros_and_the_profile_run_is_the_torch_path(stand_in):
     plan = stand_in.build_plan(md, 5)
     assert torch.equal(stand_in.forward(q, k, v, None, md, 0.25, plan),
                        paged_attention(q, k, v, None, md, 0.25))
-    assert len(stand_in._prefill.plans) == 1 and not plan.wrappers  # nothing planned
+    full = stand_in._wrappers[FULL_ATTENTION]
+    assert len(full.prefill.plans) == 1 and not plan.wrappers  # nothing planned
+
+
+_WINDOW = AttentionLayerKind(sliding_window=5)
+_CAPPED = AttentionLayerKind(sliding_window=5, logits_soft_cap=2.0)
+
+
+def _window_step(steps, seed):
+    reqs = WindowRequests([c + n for c, n in steps], seed=seed, spread=2.0)
+    for r, (c, _) in enumerate(steps):
+        reqs.prefill_cache(r, c)
+    rows, scheduled = list(range(len(steps))), [n for _, n in steps]
+    return (reqs, rows, scheduled, *reqs.step(rows, scheduled))
+
+
+@pytest.mark.parametrize("steps", [[(20, 1), (6, 7), (0, 11), (3, 1)],  # prefill wrapper
+                                   [(20, 1), (9, 1), (3, 1)]])  # decode wrapper
+@torch.inference_mode()
+def test_kinds_plan_their_own_wrappers_with_their_window_and_cap(stand_in, steps):
+    """Two kinds and full attention planned for one step, their layers
+    interleaved (as Gemma 2's alternate): each kind's wrapper is its own,
+    planned once with its window_left and logits_soft_cap, and every layer
+    attends as the torch backend does for its kind (so no layer ran with
+    another kind's plan)."""
+    reqs, rows, scheduled, md, q, k, v = _window_step(steps, seed=4)
+    kinds = [_WINDOW, _CAPPED, FULL_ATTENTION]
+    plans = {kind: stand_in.build_plan(md, len(q), kind) for kind in kinds}
+    torch_backend = TorchAttentionBackend()
+    for kind in kinds * 2:  # two "layers" of each kind, interleaved
+        cache, ref_cache = reqs.cache.clone(), reqs.cache.clone()
+        out = stand_in.forward(q, k, v, cache, md, WINDOW_SCALE, plans[kind])
+        ref = torch_backend.forward(q, k, v, ref_cache, md, WINDOW_SCALE,
+                                    torch_backend.build_plan(md, len(q), kind))
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5, msg=str(kind))
+        assert torch.equal(cache, ref_cache)
+    decode = len(steps) == 3
+    wrappers = [stand_in._wrappers[kind] for kind in kinds]
+    used = [w.decode[False] if decode else w.prefill for w in wrappers]
+    assert len({id(w) for w in used}) == 3
+    for wrapper, (window_left, cap) in zip(used, [(4, 0.0), (4, 2.0), (-1, 0.0)], strict=True):
+        (planned,) = wrapper.plans
+        assert (planned["window_left"], planned["logits_soft_cap"]) == (window_left, cap)
+        assert wrapper.runs == 2
+
+
+@torch.inference_mode()
+def test_pages_before_the_window_never_reach_the_kernels(stand_in):
+    """The stand-in reads every page it is handed: with the pages wholly
+    before each request's window NaN, the outputs are finite and equal."""
+    steps = [(22, 1), (14, 6), (3, 1)]
+    reqs, rows, scheduled, md, q, k, v = _window_step(steps, seed=6)
+    clean = stand_in.forward(q, k, v, reqs.cache.clone(), md, WINDOW_SCALE,
+                             stand_in.build_plan(md, len(q), _CAPPED))
+    poisoned = reqs.cache.clone()
+    for (c, _), table in zip(steps, reqs.tables, strict=True):
+        for block in table[: max(c - 5 + 1, 0) // 4]:
+            poisoned[:, block] = float("nan")
+    assert poisoned.isnan().any()
+    out = stand_in.forward(q, k, v, poisoned, md, WINDOW_SCALE,
+                           stand_in.build_plan(md, len(q), _CAPPED))
+    assert torch.isfinite(out).all() and torch.equal(out, clean)
+    torch.testing.assert_close(out.double(), reqs.expected(rows, scheduled, _CAPPED),
+                               atol=2e-5, rtol=2e-5)
 
 
 def test_the_runner_builds_it_and_profiles_through_it(tiny_model_dir, stand_in):
@@ -141,10 +226,11 @@ def test_the_runner_builds_it_and_profiles_through_it(tiny_model_dir, stand_in):
     assert isinstance(backend, FlashInferBackend)
     assert all(layer.self_attn.attn_backend is backend for layer in runner.model.layers)
     runner._profile_run(block_size=4)
-    (planned,) = backend._prefill.plans
+    prefill = backend._wrappers[FULL_ATTENTION].prefill
+    (planned,) = prefill.plans
     assert planned["qo_indptr"].tolist() == [0, 24]
     assert planned["last_page_len"].tolist() == [4]
-    assert backend._prefill.runs == runner.model.num_local_layers
+    assert prefill.runs == runner.model.num_local_layers
 
 
 # ---- on a GPU ------------------------------------------------------------
@@ -203,3 +289,47 @@ def test_flashinfer_matches_torch_token_by_token(tmp_path):
         # bf16 kernels round differently; the sampled tokens must agree.
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2, msg=f"step {step}")
     assert fi_tokens == ref_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [AttentionLayerKind(sliding_window=5),
+                                  AttentionLayerKind(logits_soft_cap=2.0),
+                                  AttentionLayerKind(sliding_window=7, logits_soft_cap=2.0)],
+                         ids=str)
+@torch.inference_mode()
+def test_flashinfer_windows_and_caps_match_torch(kind):
+    """FlashInfer's own kernels with window_left and logits_soft_cap, against
+    the torch backend for the same kind: a prefill step (chunks crossing the
+    window, prompts longer than it) and a decode step, bf16, GQA 4 over 2,
+    head_dim 64; the pages before each window are NaN, so a kernel reading
+    them shows."""
+    pytest.importorskip("flashinfer")
+    device = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, bs, num_blocks = 4, 2, 64, 4, 40
+    fi = make_attention_backend("flashinfer", device)
+    ref_backend = TorchAttentionBackend()
+    for computed, scheduled in [([6, 0, 17], [7, 13, 5]), ([22, 9, 30], [1, 1, 1])]:
+        tables, used = [], 0
+        for c, n in zip(computed, scheduled, strict=True):
+            nb = -(-(c + n) // bs)
+            tables.append(list(range(used, used + nb)))
+            used += nb
+        md, _ = build_attn_metadata(computed, scheduled, tables, bs, device=device)
+        t = sum(scheduled)
+        q = (torch.randn(t, heads, head_dim, generator=gen) * 2).to(device, torch.bfloat16)
+        k = (torch.randn(t, kv_heads, head_dim, generator=gen) * 2).to(device, torch.bfloat16)
+        v = torch.randn(t, kv_heads, head_dim, generator=gen).to(device, torch.bfloat16)
+        cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen) * 2
+        cache = cache.to(device, torch.bfloat16)
+        if kind.sliding_window is not None:
+            for c, table in zip(computed, tables, strict=True):
+                for block in table[: max(c - kind.sliding_window + 1, 0) // bs]:
+                    cache[:, block] = float("nan")
+        ref_cache = cache.clone()
+        scale = head_dim**-0.5
+        out = fi.forward(q, k, v, cache, md, scale, fi.build_plan(md, t, kind))
+        ref = ref_backend.forward(q, k, v, ref_cache, md, scale,
+                                  ref_backend.build_plan(md, t, kind))
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)

@@ -18,11 +18,13 @@ cannot be honoured is refused rather than quietly downgraded: whoever asked
 for flashinfer is measuring it.
 
 Every backend is an AttentionBackend (workerd/layers/attention/interface.py):
-it builds one plan per forward from the step's AttentionMetadata
-(build_plan), every layer runs with it (forward), and what it can do beyond
-that (rotary inside its kernel, CUDA-graph decode) is declared in its
-class's `capabilities`. All three read and write the same KV cache layout,
-model.kv_cache_shape's [2, num_blocks, block_size, num_kv_heads, head_dim].
+it builds plans per forward from the step's AttentionMetadata (build_plan,
+one per AttentionLayerKind the model's layers use), every layer runs with
+its kind's (forward), and what it can do beyond that (rotary inside its
+kernel, CUDA-graph decode, sliding windows, logit soft-caps) is declared in
+its class's `capabilities`. All three read and write the same KV cache
+layout, model.kv_cache_shape's [2, num_blocks, block_size, num_kv_heads,
+head_dim].
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ import logging
 
 import torch
 
-from workerd.layers.attention.interface import AttentionBackend
+from workerd.layers.attention.interface import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayerKind,
+)
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention
 
@@ -44,19 +51,23 @@ _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
 class TorchAttentionBackend(AttentionBackend):
     """The plain-PyTorch paged attention; stateless but for the cache's width.
-    Declares nothing beyond build_plan and forward: q and k arrive rotated,
-    and its plan is built on the host from each step's shapes, which a CUDA
+    Declares sliding windows and logit soft-caps (its plan's masks and its
+    explicit soft-capped path), nothing else: q and k arrive rotated, and
+    its plan is built on the host from each step's shapes, which a CUDA
     graph cannot replay."""
 
     name = "torch"
+    capabilities = AttentionCapabilities(sliding_window=True, logits_soft_cap=True)
 
     def __init__(self, kv_width: int | None = None) -> None:
         # K elements per cached token on this rank (kv heads x head_dim); lets
         # the plan split decodes by what padding costs (torch_sdpa._group_rows).
         self.kv_width = kv_width
 
-    def build_plan(self, md: AttentionMetadata, num_tokens: int):
-        return build_plan(md, num_tokens, self.kv_width)
+    def build_plan(self, md: AttentionMetadata, num_tokens: int,
+                   kind: AttentionLayerKind = FULL_ATTENTION):
+        self._check_kind(kind)
+        return build_plan(md, num_tokens, self.kv_width, kind)
 
     def forward(self, q, k, v, kv_cache, md, scale, plan):
         return paged_attention(q, k, v, kv_cache, md, scale, plan)

@@ -9,7 +9,10 @@ their slots and attends every query straight from the cache blocks, with no
 copy, mask or padding (docs/benchmarks.md, CPU kernels; measured by
 benchmarks/attention_kernels.py). It declares rotary_in_kernel: it rotates q
 and k itself, k on its way into the cache, so a layer runs no separate
-rotary ops.
+rotary ops. It declares sliding_window and logits_soft_cap too: each query's
+walk over its context starts at its window's first key (blocks before it
+are never read, nor their ids checked), and each score is capped before the
+online softmax sees it.
 
 It is plain C built with the machine's own compiler the first time a worker
 needs it (workerd/kernels/loader.py). Without a compiler `auto` keeps the
@@ -31,7 +34,12 @@ from __future__ import annotations
 import torch
 
 from workerd.kernels.loader import load_kernels
-from workerd.layers.attention.interface import AttentionBackend, AttentionCapabilities
+from workerd.layers.attention.interface import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionLayerKind,
+)
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention
 
@@ -43,6 +51,7 @@ _ERRORS = {
     4: "a block id outside the KV cache",
     5: "a slot outside the KV cache",
     6: "out of memory",
+    7: "a sliding window or soft cap the kernel does not take",
 }
 
 
@@ -54,11 +63,12 @@ def _int64_table(t: torch.Tensor) -> torch.Tensor:
 
 class CpuAttentionPlan:
     """One step's metadata as the kernel reads it (int64 arrays on the host,
-    kept alive here), and the torch backend's plan, built only if a call
-    falls back to it."""
+    kept alive here) for the layers of one kind, and the torch backend's
+    plan for that kind, built only if a call falls back to it."""
 
-    def __init__(self, md: AttentionMetadata, num_tokens: int, kv_width: int | None):
-        self.md, self.num_tokens, self._kv_width = md, num_tokens, kv_width
+    def __init__(self, md: AttentionMetadata, num_tokens: int, kv_width: int | None,
+                 kind: AttentionLayerKind = FULL_ATTENTION):
+        self.md, self.num_tokens, self._kv_width, self.kind = md, num_tokens, kv_width, kind
         self._torch_plan = None
         self.slot_mapping = _int64_table(md.slot_mapping)
         self.query_start_loc = _int64_table(md.query_start_loc)
@@ -81,10 +91,13 @@ class CpuAttentionPlan:
                      self.query_start_loc.data_ptr(), self.seq_lens.data_ptr(), reqs,
                      self.block_table.data_ptr(), self.block_table.stride(0),
                      self.block_table.shape[1])
+        # The kernel's 0 means none for both.
+        self.window = kind.sliding_window or 0
+        self.soft_cap = kind.logits_soft_cap or 0.0
 
     def torch_plan(self):
         if self._torch_plan is None:
-            self._torch_plan = build_plan(self.md, self.num_tokens, self._kv_width)
+            self._torch_plan = build_plan(self.md, self.num_tokens, self._kv_width, self.kind)
         return self._torch_plan
 
 
@@ -96,14 +109,17 @@ def _rows(t: torch.Tensor, head_dim: int) -> bool:
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
-    capabilities = AttentionCapabilities(rotary_in_kernel=True)
+    capabilities = AttentionCapabilities(rotary_in_kernel=True, sliding_window=True,
+                                         logits_soft_cap=True)
 
     def __init__(self, kv_width: int | None = None) -> None:
         self._kernel = load_kernels().paged_attention  # KernelUnavailable here, not mid-step
         self.kv_width = kv_width
 
-    def build_plan(self, md: AttentionMetadata, num_tokens: int) -> CpuAttentionPlan:
-        return CpuAttentionPlan(md, num_tokens, self.kv_width)
+    def build_plan(self, md: AttentionMetadata, num_tokens: int,
+                   kind: AttentionLayerKind = FULL_ATTENTION) -> CpuAttentionPlan:
+        self._check_kind(kind)
+        return CpuAttentionPlan(md, num_tokens, self.kv_width, kind)
 
     def forward(self, q, k, v, kv_cache, md, scale, plan: CpuAttentionPlan):
         if not self._takes(q, k, v, kv_cache, md, plan):
@@ -145,7 +161,8 @@ class CpuAttentionBackend(AttentionBackend):
         cos, sin = (None, None) if rope is None else (rope[0].data_ptr(), rope[1].data_ptr())
         rc = self._kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                           v.stride(0), kv_cache.data_ptr(), num_blocks, block_size, *plan.args,
-                          num_heads, num_kv_heads, head_dim, scale, cos, sin, out.data_ptr())
+                          num_heads, num_kv_heads, head_dim, scale, plan.window, plan.soft_cap,
+                          cos, sin, out.data_ptr())
         if rc:
             raise ValueError(f"cpu attention refused the step: {_ERRORS.get(rc, rc)}")
         return out

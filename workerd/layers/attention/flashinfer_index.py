@@ -13,6 +13,13 @@ kvloom's block = FlashInfer's page, so these come straight from the block
 table (the first ceil(seq_len / block_size) entries of each row) and seq_lens
 (which already count this step's tokens: their K/V is written before the
 kernels run).
+
+With a sliding window W a request's pages start at the one holding its
+earliest query's first visible key (position q0 - W + 1): pages wholly
+before it may have been freed and reused, and a kernel handed a page may
+read all of it. FlashInfer aligns queries to the end of the pages it is
+given, so dropping whole leading pages shifts every position alike; the
+causal mask and window_left, both relative, are unchanged.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ class PagedKVIndex:
     paged_kv_indices: torch.Tensor
 
 
-def paged_kv_index(md: AttentionMetadata) -> PagedKVIndex:
+def paged_kv_index(md: AttentionMetadata, window: int | None = None) -> PagedKVIndex:
     """Built from the metadata's Python lists, so no device sync; the block
-    ids are one gather from the device block table."""
+    ids are one gather from the device block table. window: the layers'
+    sliding window (None: the whole context)."""
     n, bs = md.num_reqs, md.block_size
     q_lens, seq_lens = md.query_lens_cpu[:n], md.seq_lens_cpu[:n]
     qo_indptr, kv_indptr, last_page_len = [0], [0], []
@@ -46,12 +54,13 @@ def paged_kv_index(md: AttentionMetadata) -> PagedKVIndex:
             # FlashInfer's causal mask aligns queries to the context's end; a
             # query longer than its context has nothing to align to.
             raise ValueError(f"request {i}: query length {q_len} not in 1..seq_len {seq_len}")
-        pages = -(-seq_len // bs)
+        end = -(-seq_len // bs)
+        first = 0 if window is None else max(seq_len - q_len - window + 1, 0) // bs
         qo_indptr.append(qo_indptr[-1] + q_len)
-        kv_indptr.append(kv_indptr[-1] + pages)
-        last_page_len.append(seq_len - (pages - 1) * bs)
-        rows.extend([i] * pages)
-        cols.extend(range(pages))
+        kv_indptr.append(kv_indptr[-1] + end - first)
+        last_page_len.append(seq_len - (end - 1) * bs)
+        rows.extend([i] * (end - first))
+        cols.extend(range(first, end))
     device = md.block_table.device
     if cols and max(cols) >= md.block_table.shape[1]:
         raise ValueError(

@@ -19,6 +19,15 @@ than one more group would (DECODE_GROUP_SLACK_ELEMENTS). The
 index tensors depend only on the metadata, so the model builds one
 PagedAttentionPlan per forward and every layer reuses it.
 
+A plan is built for one AttentionLayerKind. With a sliding window W each
+row gathers only from the block holding its earliest query's first visible
+key (position q0 - W + 1) onward, and the mask also hides keys at or before
+p - W: blocks wholly before the window may have been freed and reused, so
+they are never read (a masked NaN still poisons SDPA). SDPA cannot soft-cap
+logits, so a kind with a cap runs the explicit path instead (scores, c *
+tanh(s / c), mask, softmax in float32, weighted sum). FULL_ATTENTION keeps
+the paths below unchanged.
+
 Decode is the hot path, so it avoids copies that only cost time there: K and
 V are gathered in one index_select of whole blocks (one contiguous copy per
 block instead of one per token), a group whose queries are a contiguous run
@@ -35,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workerd.layers.attention.interface import FULL_ATTENTION, AttentionLayerKind
 from workerd.layers.attention.metadata import AttentionMetadata
 
 
@@ -50,7 +60,8 @@ class _Group:
     token_index: torch.Tensor | None
     unpad_index: torch.Tensor | None
     # [rows * blocks_per_row] block ids of each row's context, row by row
-    # (rows past their own table repeat its last block; masked anyway).
+    # (rows past their own table repeat its last block; masked anyway). With
+    # a window each row starts at its own first needed block.
     context_blocks: torch.Tensor
     # [rows, 1, max_query_len, blocks_per_row * block_size] True where a query may attend.
     mask: torch.Tensor
@@ -61,6 +72,8 @@ class _Group:
     # token_slice is every token of the step: queries and output are the
     # step's own tensors (decided once per step, not in every layer).
     covers_all_tokens: bool = False
+    # The kind's logit soft-cap: the explicit path instead of SDPA.
+    soft_cap: float | None = None
     _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -89,6 +102,7 @@ class _Group:
 class PagedAttentionPlan:
     groups: list[_Group]
     num_actual_tokens: int
+    kind: AttentionLayerKind = FULL_ATTENTION
 
 
 # A group's padded score matrix may be at most this many times the real one
@@ -149,27 +163,34 @@ def _bounded(order: list[int], q_lens: list[int], seq_lens: list[int], factor: f
     return groups
 
 
-def build_plan(md: AttentionMetadata, num_tokens: int,
-               kv_width: int | None = None) -> PagedAttentionPlan:
-    """Index tensors for one forward. Built from the metadata's Python lists so
-    no device sync is needed; tokens beyond num_actual_tokens (padding) get
-    zero output. kv_width: K elements per cached token on this rank (tighter
-    decode groups, _group_rows); None keeps the general bound only."""
+def build_plan(md: AttentionMetadata, num_tokens: int, kv_width: int | None = None,
+               kind: AttentionLayerKind = FULL_ATTENTION) -> PagedAttentionPlan:
+    """Index tensors for one forward of the layers of `kind`. Built from the
+    metadata's Python lists so no device sync is needed; tokens beyond
+    num_actual_tokens (padding) get zero output. kv_width: K elements per
+    cached token on this rank (tighter decode groups, _group_rows); None
+    keeps the general bound only."""
     q_lens, seq_lens = md.query_lens_cpu, md.seq_lens_cpu
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
+    n, window = md.num_reqs, kind.sliding_window
+    # Rows are grouped by the keys they attend: with a window, at most
+    # query_len + W - 1 of them however long the context.
+    attended = (seq_lens[:n] if window is None else
+                [min(s, q + window - 1) for q, s in zip(q_lens[:n], seq_lens[:n], strict=True)])
     groups = [
         # Which rows share a call is what bounds the padding; their order
         # within it is free, and batch order lets a group be a slice of tokens.
-        _build_group(md, num_tokens, sorted(rows), starts, q_lens, seq_lens)
-        for rows in _group_rows(q_lens[: md.num_reqs], seq_lens[: md.num_reqs], kv_width)
+        _build_group(md, num_tokens, sorted(rows), starts, q_lens, seq_lens, kind)
+        for rows in _group_rows(q_lens[:n], attended, kv_width)
     ]
-    return PagedAttentionPlan(groups=groups, num_actual_tokens=md.num_actual_tokens)
+    return PagedAttentionPlan(groups=groups, num_actual_tokens=md.num_actual_tokens,
+                              kind=kind)
 
 
 def _build_group(md: AttentionMetadata, num_tokens: int, rows, starts, q_lens,
-                 seq_lens) -> _Group:
+                 seq_lens, kind: AttentionLayerKind) -> _Group:
     """rows: sorted. The common groups (a run of consecutive decodes, or of
     equal chunks) are slices of the step's tokens: they need no query or
     unpad indices, and their block-table rows are a slice too. The plan is
@@ -177,7 +198,7 @@ def _build_group(md: AttentionMetadata, num_tokens: int, rows, starts, q_lens,
     device = md.block_table.device
     qs = [q_lens[r] for r in rows]
     ss = [seq_lens[r] for r in rows]
-    max_q, max_s = max(qs), max(ss)
+    max_q = max(qs)
     consecutive = rows[-1] - rows[0] + 1 == len(rows)
     token_slice = query_index = token_index = unpad_index = None
     if consecutive and min(qs) == max_q:
@@ -193,27 +214,13 @@ def _build_group(md: AttentionMetadata, num_tokens: int, rows, starts, q_lens,
         query_index = _to(np.minimum(q_start[:, None] + np.arange(max_q),
                                      max(md.num_actual_tokens - 1, 0)), device)
 
-    # Whole blocks are gathered, so keys run to a block boundary; key j is
-    # visible iff j <= the query's absolute position (never past seq_len).
-    bs = md.block_size
-    num_blocks = -(-max_s // bs)
     table = (md.block_table[rows[0]: rows[-1] + 1] if consecutive
              else md.block_table[torch.tensor(rows, dtype=torch.int64, device=device)])
-    if num_blocks <= table.shape[1]:
-        context_blocks = table[:, :num_blocks].reshape(-1)
-    else:  # rows past their own table repeat its last block; masked anyway
-        cols = torch.arange(num_blocks, device=device).clamp(max=table.shape[1] - 1)
-        context_blocks = table[:, cols].reshape(-1)
-    # The masks are built in numpy (a few host ops instead of torch
-    # dispatches, every step) and handed over without a copy on CPU.
-    kj = np.arange(num_blocks * bs)
-    seq = np.array(ss, dtype=np.int64)
-    if max_q == 1:
-        # Decodes: each row's one query sits at position seq_len - 1.
-        mask = (kj[None, :] < seq[:, None]).reshape(len(rows), 1, 1, -1)
+    if kind.sliding_window is None:
+        context_blocks, mask = _full_context(table, md.block_size, qs, ss, max_q)
     else:
-        q_pos = (seq - np.array(qs, dtype=np.int64))[:, None] + np.arange(max_q)
-        mask = (kj[None, None, :] <= q_pos[:, :, None])[:, None]
+        context_blocks, mask = _window_context(table, md.block_size, qs, ss, max_q,
+                                               kind.sliding_window)
     return _Group(
         query_index=query_index,
         token_index=token_index,
@@ -223,7 +230,57 @@ def _build_group(md: AttentionMetadata, num_tokens: int, rows, starts, q_lens,
         max_query_len=max_q,
         token_slice=token_slice,
         covers_all_tokens=token_slice == slice(0, num_tokens),
+        soft_cap=kind.logits_soft_cap,
     )
+
+
+def _full_context(table: torch.Tensor, bs: int, qs: list[int], ss: list[int],
+                  max_q: int) -> tuple[torch.Tensor, np.ndarray]:
+    """Every row's whole context from its first block: the block ids and the
+    causal mask [rows, 1, max_q, keys]. Whole blocks are gathered, so keys
+    run to a block boundary; key j is visible iff j <= the query's absolute
+    position (never past seq_len)."""
+    num_blocks = -(-max(ss) // bs)
+    if num_blocks <= table.shape[1]:
+        context_blocks = table[:, :num_blocks].reshape(-1)
+    else:  # rows past their own table repeat its last block; masked anyway
+        cols = torch.arange(num_blocks, device=table.device).clamp(max=table.shape[1] - 1)
+        context_blocks = table[:, cols].reshape(-1)
+    # The masks are built in numpy (a few host ops instead of torch
+    # dispatches, every step) and handed over without a copy on CPU.
+    kj = np.arange(num_blocks * bs)
+    seq = np.array(ss, dtype=np.int64)
+    if max_q == 1:
+        # Decodes: each row's one query sits at position seq_len - 1.
+        mask = (kj[None, :] < seq[:, None]).reshape(len(ss), 1, 1, -1)
+    else:
+        q_pos = (seq - np.array(qs, dtype=np.int64))[:, None] + np.arange(max_q)
+        mask = (kj[None, None, :] <= q_pos[:, :, None])[:, None]
+    return context_blocks, mask
+
+
+def _window_context(table: torch.Tensor, bs: int, qs: list[int], ss: list[int], max_q: int,
+                    window: int) -> tuple[torch.Tensor, np.ndarray]:
+    """_full_context under a sliding window: row r's keys start at the block
+    of its earliest query's first visible key, so its column j is position
+    first_block[r] * bs + j, and a key is visible iff p - window < j' <= p.
+    No row reads a block before its own window (the controlplane may have
+    freed it) nor a table entry past its own last block: shorter rows repeat
+    their last block, whose extra keys lie past every query (masked)."""
+    seq, q_len = np.array(ss, dtype=np.int64), np.array(qs, dtype=np.int64)
+    first_pos = seq - q_len  # each row's earliest query
+    first_block = np.maximum(first_pos - window + 1, 0) // bs
+    last_block = np.minimum((seq - 1) // bs, table.shape[1] - 1)
+    num_blocks = max(int((last_block - first_block).max()), 0) + 1
+    cols = np.minimum(first_block[:, None] + np.arange(num_blocks), last_block[:, None])
+    rows = torch.arange(len(ss), device=table.device)[:, None]
+    context_blocks = table[rows, _to(cols, table.device)].reshape(-1)
+    key_pos = first_block[:, None] * bs + np.arange(num_blocks * bs)
+    # A padded query (past its row's query_len) repeats the row's last one,
+    # so no mask row is empty (an all -inf row would be NaN before unpadding).
+    q_pos = first_pos[:, None] + np.minimum(np.arange(max_q), q_len[:, None] - 1)
+    k, p = key_pos[:, None, :], q_pos[:, :, None]
+    return context_blocks, ((k <= p) & (k > p - window))[:, None]
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -328,6 +385,8 @@ def _attend_group(
             keys, values = k[g.query_index], v[g.query_index]
         mask = g.additive_mask(q.dtype)[..., :max_q]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    if g.soft_cap is not None:
+        return _soft_capped(queries, keys, values, g, scale)
     if max_q == 1:
         # Decode: the query heads of one KV head are consecutive (HF's
         # repeat_kv order), so they attend as that head's rows: one
@@ -343,3 +402,26 @@ def _attend_group(
         enable_gqa=num_kv_heads != num_heads,
     )
     return grouped.transpose(1, 2).reshape(rows * max_q, num_heads * head_dim)
+
+
+def _soft_capped(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
+                 scale: float) -> torch.Tensor:
+    """_attend_group's result for a kind with a logit soft-cap, which SDPA
+    cannot apply: queries [rows, max_q, heads, head_dim], keys/values [rows,
+    kv_heads, context, head_dim]. Scores, cap and softmax in float32 (or
+    wider): tanh flattens large scores, so their rounding matters."""
+    rows, max_q, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    # [rows, kv_heads, group, max_q, head_dim]: each KV head's query heads
+    # are consecutive (HF's repeat_kv order), so GQA is a broadcast.
+    q = queries.transpose(1, 2).reshape(rows, num_kv_heads, num_heads // num_kv_heads,
+                                        max_q, head_dim).to(dtype)
+    scores = q @ keys.to(dtype).unsqueeze(2).transpose(-1, -2) * scale
+    cap = g.soft_cap
+    scores = torch.tanh(scores / cap) * cap
+    mask = g.additive_mask(dtype)[..., : keys.shape[2]]  # [rows, 1, max_q, context]
+    probs = torch.softmax(scores + mask.unsqueeze(1), dim=-1)
+    out = probs @ values.to(dtype).unsqueeze(2)
+    out = out.reshape(rows, num_heads, max_q, head_dim).transpose(1, 2)
+    return out.reshape(rows * max_q, num_heads * head_dim).to(queries.dtype)

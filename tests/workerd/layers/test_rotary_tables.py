@@ -10,14 +10,11 @@ import torch
 
 from kvloom.testing.attention import paged_step
 from workerd.distributed.parallel_state import single_process_state
-from workerd.layers.attention.torch_sdpa import paged_attention
 from workerd.layers.rotary import (
     RotaryEmbedding,
     apply_rotary_tables,
-    rope_parameters,
     rotary_tables,
 )
-from workerd.models import llama
 from workerd.models.loader import load_model
 
 
@@ -48,24 +45,15 @@ def test_tables_rotate_fused_qk_view_bitwise_like_hf(dtype):
     assert torch.equal(qkv, before)
 
 
-def _per_layer_rotary_forward(self, hidden_states, rope, kv_cache, md, plan):
-    """The attention forward before the tables: split q/k/v, every layer
-    recomputing cos/sin from the step's positions and rotating q and k apart."""
-    n = hidden_states.shape[0]
-    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.output_sizes, dim=-1)
-    q = q.reshape(n, self.num_heads, self.head_dim)
-    k = k.reshape(n, self.num_kv_heads, self.head_dim)
-    v = v.reshape(n, self.num_kv_heads, self.head_dim)
-    cos, sin = _STEP["rotary"](_STEP["positions"])
-    q, k = _hf_rotary(q, cos, sin), _hf_rotary(k, cos, sin)
-    return self.o_proj(paged_attention(q, k, v, kv_cache, md, self.scale, plan))
-
-
-_STEP: dict = {}
-
-
 @torch.inference_mode()
-def test_shared_tables_give_identical_logits(tiny_model_dir, monkeypatch):
+def test_shared_cached_tables_give_the_logits_of_hfs_tables(tiny_model_dir, monkeypatch):
+    """Through a whole model (prefill then decode, paged positions): the
+    cached tables every layer shares give bitwise the logits of tables built
+    each step from transformers' own LlamaRotaryEmbedding. Patched on the
+    class, so it holds whatever layer layout the model has."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     model = load_model(tiny_model_dir, single_process_state(), torch.float32)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, model.vocab_size, (n,), generator=g).tolist() for n in (9, 4, 6)]
@@ -80,19 +68,23 @@ def test_shared_tables_give_identical_logits(tiny_model_dir, monkeypatch):
         return prefill, paged_step(model, caches, decode_steps, tables, 4)
 
     shared = run()
-    _STEP["rotary"] = RotaryEmbedding(
-        model.head_dim, rope_parameters(model.config), model.config.max_position_embeddings)
-    real_forward = llama.LlamaForCausalLM.forward
+    hf_rot = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tiny_model_dir))
+    calls = []
 
-    def remember_positions(self, input_ids, positions, *args, **kwargs):
-        _STEP["positions"] = positions
-        return real_forward(self, input_ids, positions, *args, **kwargs)
+    def hf_tables(self, positions, max_seq_len, dtype):
+        calls.append(positions.tolist())
+        cos, sin = hf_rot(torch.zeros(1), positions[None])
+        return rotary_tables(cos[0], sin[0], dtype)
 
-    monkeypatch.setattr(llama.LlamaForCausalLM, "forward", remember_positions)
-    monkeypatch.setattr(llama.LlamaAttention, "forward", _per_layer_rotary_forward)
+    monkeypatch.setattr(RotaryEmbedding, "tables", hf_tables)
     reference = run()
+    assert calls[1] == [9, 4, 6]  # the decode step's positions, read through tables()
     for ours, ref in zip(shared, reference, strict=True):
         assert torch.equal(ours, ref)
+    # Control: a table off by one position changes the logits.
+    monkeypatch.setattr(RotaryEmbedding, "tables",
+                        lambda self, p, m, dtype: hf_tables(self, p + 1, m, dtype))
+    assert not torch.equal(run()[0], shared[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

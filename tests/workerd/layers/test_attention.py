@@ -175,8 +175,9 @@ def test_rotary_matches_hf(rope):
 
 
 def test_unknown_rope_type_is_refused():
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
-        compute_inv_freq(16, {"rope_type": "yarn", "rope_theta": 1e4}, 128)
+    # yarn is supported now (workerd/layers/rope_scaling.py); dynamic NTK is not.
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+        compute_inv_freq(16, {"rope_type": "dynamic", "rope_theta": 1e4}, 128)
 
 
 def test_rmsnorm_fused_residual_matches_hf():

@@ -17,7 +17,13 @@ block, so the real rows' results do not depend on them.
 Inputs reach a graph through static buffers: this step's token ids,
 positions and slots are copied in, and the attention backend re-plans the
 graph's page tables (FlashInfer's decode wrapper in CUDA-graph mode keeps
-them in buffers the captured kernels read) before the replay.
+them in buffers the captured kernels read) before the replay. A model whose
+layers attend in several ways (model.attention_kinds: a sliding window, a
+soft cap, or neither; Gemma 2 alternates two) is captured with one graph
+decode plan per kind, handed to its forward as {kind: plan}, and each kind
+has page-table buffers of its own (a window trims each request's pages);
+every kind is re-planned before each replay. The layers' shape comes from
+model.attn_shape (heads, KV heads, head_dim, scale on this rank).
 
 When graphs apply (graphs_unavailable gives the reason when not): a CUDA
 device, an attention backend that declares cuda_graph_decode (FlashInfer;
@@ -38,14 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from workerd.layers.attention.interface import AttentionBackend
+from workerd.layers.attention.interface import AttentionBackend, AttentionLayerKind
 from workerd.layers.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 # vLLM's shape of the list (dense at small batches, where padding costs most
-# relatively), sparser above 32: each size holds a graph and a FlashInfer
-# wrapper with its own 8 MiB integer workspace.
+# relatively), sparser above 32: each size holds a graph and, per attention
+# kind, a FlashInfer wrapper with its own 8 MiB integer workspace.
 _CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
@@ -61,13 +67,18 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 # Device memory the graphs take beyond the profiled forward, per captured
 # size: FlashInfer's CUDA-graph decode wrapper allocates an 8 MiB integer
-# workspace of its own, and the graph pool keeps each size's activations
-# (decode rows only: small next to it). The KV budget leaves this much free.
-GRAPH_BYTES_PER_SIZE = 16 << 20
+# workspace of its own (one wrapper per attention kind), and the graph pool
+# keeps each size's activations (decode rows only: small next to it). The
+# KV budget leaves this much free.
+GRAPH_WRAPPER_BYTES = 8 << 20
+GRAPH_ACTIVATION_BYTES = 8 << 20
+GRAPH_BYTES_PER_SIZE = GRAPH_WRAPPER_BYTES + GRAPH_ACTIVATION_BYTES  # one kind
 
 
-def graphs_memory_bytes(max_num_seqs: int) -> int:
-    return GRAPH_BYTES_PER_SIZE * len(capture_sizes(max_num_seqs))
+def graphs_memory_bytes(max_num_seqs: int, num_kinds: int = 1) -> int:
+    """num_kinds: len(model.attention_kinds), one decode wrapper each per size."""
+    per_size = GRAPH_ACTIVATION_BYTES + GRAPH_WRAPPER_BYTES * num_kinds
+    return per_size * len(capture_sizes(max_num_seqs))
 
 
 def graphs_unavailable(device: torch.device,
@@ -111,7 +122,9 @@ class TorchCudaGraph:
 
 @dataclass
 class GraphBuffers:
-    """Static inputs every captured graph reads (sized for the largest)."""
+    """Static inputs every captured graph reads (sized for the largest), as
+    one attention kind's plans see them: the token inputs are the same
+    tensors for every kind, the page tables its own."""
 
     input_ids: torch.Tensor  # [max_batch] int64
     positions: torch.Tensor  # [max_batch] int64
@@ -126,7 +139,8 @@ class GraphBuffers:
 class _Graph:
     replay: Callable[[], None]
     output: torch.Tensor  # [batch_size, hidden]: the replay writes here
-    plan: object  # the backend's plan the forward was captured with
+    # The backend's plan per attention kind the forward was captured with.
+    plans: dict[AttentionLayerKind, object]
 
 
 class DecodeGraphs:
@@ -148,21 +162,28 @@ class DecodeGraphs:
         if not backend.capabilities.cuda_graph_decode:
             raise ValueError(f"the {backend.name!r} attention backend does not declare "
                              f"cuda_graph_decode; decode steps must run eagerly")
-        attn = model.layers[0].self_attn
+        num_heads, num_kv_heads, head_dim, scale = model.attn_shape
         self._plan_kwargs = dict(
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            scale=attn.scale, dtype=dtype, kv_dtype=kv_caches[0].dtype, page_size=block_size)
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+            dtype=dtype, kv_dtype=kv_caches[0].dtype, page_size=block_size)
+        self.kinds: tuple[AttentionLayerKind, ...] = tuple(model.attention_kinds)
         n = self.max_batch
 
         def i64(fill: int) -> torch.Tensor:
             return torch.full((n,), fill, dtype=torch.int64, device=device)
 
-        self.buffers = GraphBuffers(
-            input_ids=i64(0), positions=i64(0), slot_mapping=i64(self.pad_slot),
-            indptr=torch.zeros(n + 1, dtype=torch.int32, device=device),
-            indices=torch.zeros(self.pad_block + 1 + n, dtype=torch.int32, device=device),
-            last_page_len=torch.zeros(n, dtype=torch.int32, device=device),
-        )
+        tokens = dict(input_ids=i64(0), positions=i64(0), slot_mapping=i64(self.pad_slot))
+        # Page tables per kind: replanning one must not move another's
+        # under its captured kernels.
+        self.kind_buffers = {
+            kind: GraphBuffers(
+                **tokens,
+                indptr=torch.zeros(n + 1, dtype=torch.int32, device=device),
+                indices=torch.zeros(self.pad_block + 1 + n, dtype=torch.int32, device=device),
+                last_page_len=torch.zeros(n, dtype=torch.int32, device=device))
+            for kind in self.kinds
+        }
+        self.buffers = self.kind_buffers[self.kinds[0]]  # the token inputs, shared
         self.backend = backend
         graph = graph or TorchCudaGraph()
         t0 = time.monotonic()
@@ -188,17 +209,18 @@ class DecodeGraphs:
 
     def _capture(self, size: int, graph) -> _Graph:
         md = self._padding_metadata(size)
-        plan = self.backend.graph_decode_plan(md, self.pad_block, self.buffers,
-                                              **self._plan_kwargs)
+        plans = {kind: self.backend.graph_decode_plan(md, self.pad_block, self.kind_buffers[kind],
+                                                      kind=kind, **self._plan_kwargs)
+                 for kind in self.kinds}
         b = self.buffers
         model, caches = self.model, self.kv_caches
 
         def forward() -> torch.Tensor:
             return model.forward(b.input_ids[:size], b.positions[:size], caches, md, None,
-                                 attn_plan=plan)
+                                 attn_plan=plans)
 
         replay, output = graph.capture(forward)
-        return _Graph(replay, output, plan)
+        return _Graph(replay, output, plans)
 
     def can_run(self, md: AttentionMetadata) -> bool:
         """A decode-only step (one query token per request, no padding tokens
@@ -228,6 +250,7 @@ class DecodeGraphs:
             b.input_ids[n:size].zero_()
             b.positions[n:size].zero_()
             b.slot_mapping[n:size].fill_(self.pad_slot)
-        self.backend.replan(g.plan, md)
+        for plan in g.plans.values():
+            self.backend.replan(plan, md)
         g.replay()
         return g.output[:n]

@@ -3,6 +3,7 @@
     python benchmarks/attention_kernels.py [--heads 9 --kv-heads 3 --head-dim 64] \\
         [--decodes 12 --context-range 20,240] [--chunks 60:0,20:100] \\
         [--block-size 16] [--iters 100] [--repeats 3] [--threads 1] \\
+        [--sliding-window 0] [--soft-cap 0] \\
         [--json benchmarks/results/attention_kernels.json]
 
 Builds one step the way a served SmolLM2 step looks (default: 12 decodes at
@@ -16,6 +17,9 @@ repeat interleaved so both see the same machine noise:
                  one C call), plan included.
 
 and checks the two outputs agree. Medians over --repeats of --iters calls.
+--sliding-window W and --soft-cap C (0: none) time a layer of that kind
+(Mistral's window, Gemma 2's cap): both backends plan for it, and the
+query-key pairs count only the keys inside the window.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from kvloom.testing.attention import build_attn_metadata  # noqa: E402
 from workerd.layers.attention.cpu import CpuAttentionBackend  # noqa: E402
+from workerd.layers.attention.interface import AttentionLayerKind  # noqa: E402
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention  # noqa: E402
 
 
@@ -75,23 +80,27 @@ def run(args) -> dict:
     scale = args.head_dim**-0.5
     width = args.kv_heads * args.head_dim
     n = md.num_actual_tokens
+    window = args.sliding_window or None
+    kind = AttentionLayerKind(window, args.soft_cap or None)
     cpu = CpuAttentionBackend(width)
-    torch_plan = build_plan(md, n, width)
+    torch_plan = build_plan(md, n, width, kind)
     ref = paged_attention(q, k, v, cache.clone(), md, scale, torch_plan)
-    out = cpu.forward(q, k, v, cache.clone(), md, scale, cpu.build_plan(md, n))
+    out = cpu.forward(q, k, v, cache.clone(), md, scale, cpu.build_plan(md, n, kind))
     max_diff = (out - ref).abs().max().item()
     samples = {"torch plan": [], "torch": [], "cpu": []}
     for _ in range(args.repeats):
-        samples["torch plan"].append(_timed(lambda: build_plan(md, n, width), args.iters))
+        samples["torch plan"].append(_timed(lambda: build_plan(md, n, width, kind), args.iters))
         samples["torch"].append(_timed(
             lambda: paged_attention(q, k, v, cache, md, scale, torch_plan), args.iters))
         samples["cpu"].append(_timed(
-            lambda: cpu.forward(q, k, v, cache, md, scale, cpu.build_plan(md, n)), args.iters))
+            lambda: cpu.forward(q, k, v, cache, md, scale, cpu.build_plan(md, n, kind)),
+            args.iters))
     ms = {name: statistics.median(vals) for name, vals in samples.items()}
     return {
         "tokens": n, "requests": md.num_reqs,
-        "query_key_pairs": sum(sum(range(s - ql + 1, s + 1)) for ql, s in zip(
-            md.query_lens_cpu, md.seq_lens_cpu, strict=True)),
+        # Keys each query attends: its position + 1, at most the window.
+        "query_key_pairs": sum(min(p, window or p) for ql, s in zip(
+            md.query_lens_cpu, md.seq_lens_cpu, strict=True) for p in range(s - ql + 1, s + 1)),
         "ms": ms, "samples_ms": samples, "max_abs_diff": max_diff,
         "speedup_layer": ms["torch"] / ms["cpu"],
     }
@@ -111,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sliding-window", type=int, default=0, metavar="W",
+                   help="attend within a window of W tokens (0: the whole context)")
+    p.add_argument("--soft-cap", type=float, default=0.0, metavar="C",
+                   help="soft-cap the logits at C (0: none)")
     p.add_argument("--json", type=Path)
     return p
 
@@ -122,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.decodes < 0 or args.decodes + len(args.chunks) == 0:
         raise SystemExit("--decodes and --chunks: at least one request")
+    if args.sliding_window < 0 or not args.soft_cap >= 0:
+        raise SystemExit("--sliding-window and --soft-cap must be >= 0 (0: none)")
     torch.set_num_threads(args.threads)
     result = run(args)
     print(f"{result['requests']} requests, {result['tokens']} tokens, "

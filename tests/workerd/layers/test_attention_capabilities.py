@@ -137,10 +137,11 @@ def _step(seed: int):
 
 
 @pytest.mark.parametrize("backend", list(CLASSES), indirect=True)
+@pytest.mark.parametrize("kind", [FULL_ATTENTION, AttentionLayerKind(3, 1.0)], ids=str)
 @torch.inference_mode()
-def test_rotary_in_kernel_is_what_rotating_first_gives(backend):
+def test_rotary_in_kernel_is_what_rotating_first_gives(backend, kind):
     md, qkv, cache, rope = _step(0)
-    plan = backend.build_plan(md, md.num_actual_tokens)
+    plan = backend.build_plan(md, md.num_actual_tokens, kind)
     if not backend.capabilities.rotary_in_kernel:
         with pytest.raises(NotImplementedError, match=f"the '{backend.name}' attention "
                                                       f"backend does not declare rotary_in_kernel"):
@@ -149,7 +150,7 @@ def test_rotary_in_kernel_is_what_rotating_first_gives(backend):
     ref_cache = cache.clone()
     qk, v = qkv.split([HEADS + KV_HEADS, KV_HEADS], dim=1)
     q, k = apply_rotary_tables(qk, rope).split([HEADS, KV_HEADS], dim=1)
-    ref = backend.forward(q, k, v, ref_cache, md, SCALE, backend.build_plan(md, len(q)))
+    ref = backend.forward(q, k, v, ref_cache, md, SCALE, backend.build_plan(md, len(q), kind))
     out = backend.forward_rotary(qkv, HEADS, rope, cache, md, SCALE, plan)
     assert out is not None  # these tensors are ones its kernel takes
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)

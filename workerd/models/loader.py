@@ -2,8 +2,11 @@
 (config.json + *.safetensors, optionally sharded with
 model.safetensors.index.json).
 
-Each parameter knows which slice of the checkpoint tensor it holds (its
-`shard` attribute); the loader reads exactly that slice from disk with
+The model's hf_weight_map() names, per checkpoint tensor, what it fills: a
+parameter that knows which slice of the tensor it holds (its `shard`
+attribute), or a LoadTarget (workerd/models/weight_targets.py: a view of a
+parameter and its own source slice, for stacked expert weights and fused
+checkpoint tensors). The loader reads exactly those slices from disk with
 safe_open(...).get_slice(...), so a rank never materialises tensors it does
 not own: a TP rank reads 1/tp of each split matrix, a PP stage only its layers.
 """
@@ -22,6 +25,7 @@ from torch import nn
 from kvloom.common.model_config import load_model_config
 from workerd.distributed.parallel_state import ParallelState
 from workerd.models import get_model_class
+from workerd.models.weight_targets import LoadTarget, narrow_index, src_index_key
 
 logger = logging.getLogger(__name__)
 
@@ -40,29 +44,39 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     return files
 
 
-def _read_shard(f, name: str, param: nn.Parameter) -> torch.Tensor:
-    """Read only the slice of checkpoint tensor `name` that `param` holds."""
-    sl = f.get_slice(name)
-    shard = getattr(param, "shard", None)
+# One hf_weight_map() entry: a parameter (with an optional `shard`) or a target.
+WeightMapEntry = nn.Parameter | LoadTarget
+
+
+def _as_target(entry: WeightMapEntry) -> LoadTarget:
+    """A parameter entry as the target it always meant: the slice its `shard`
+    names into the leading end - start rows of the parameter (the rest is
+    vocab padding), or the whole tensor into the whole parameter."""
+    if isinstance(entry, LoadTarget):
+        return entry
+    shard = getattr(entry, "shard", None)  # set by linear.set_shard, absent on norms
     if shard is None:
-        return sl[:]
+        return LoadTarget(entry.data)
     dim, start, end = shard
-    index = tuple([slice(None)] * dim + [slice(start, end)])
-    return sl[index]
+    return LoadTarget(entry.data.narrow(dim, 0, end - start), narrow_index(dim, start, end))
 
 
-def _copy_into(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
-    target = param.data
-    shard = getattr(param, "shard", None)
-    if shard is not None:
-        dim, start, end = shard
-        target = target.narrow(dim, 0, end - start)  # the rest is vocab padding
-    if target.shape != tensor.shape:
-        raise ValueError(
-            f"{name}: checkpoint slice {tuple(tensor.shape)} does not fit "
-            f"parameter slice {tuple(target.shape)}"
-        )
-    target.copy_(tensor)
+def _load_tensor(f, name: str, entries: list[WeightMapEntry]) -> None:
+    """Copy each entry's slice of checkpoint tensor `name` into it; entries
+    that ask for the same slice (a tied embedding and LM head) share one read."""
+    sl = f.get_slice(name)
+    read: dict[tuple, torch.Tensor] = {}
+    for target in map(_as_target, entries):
+        key = src_index_key(target.src_index)
+        if key not in read:
+            read[key] = sl[target.src_index] if target.src_index else sl[:]
+        tensor = read[key]
+        if target.dest.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: checkpoint slice {tuple(tensor.shape)} does not fit "
+                f"parameter slice {tuple(target.dest.shape)}"
+            )
+        target.dest.copy_(tensor)
 
 
 class _LoadProgress:
@@ -87,9 +101,14 @@ class _LoadProgress:
 
 
 def load_weights(model: nn.Module, model_path: str | Path) -> None:
-    """Fill every parameter named by model.hf_weight_map() from the checkpoint;
-    tensors this rank does not own (other stages' layers, rotary buffers) are skipped."""
-    wanted = model.hf_weight_map()
+    """Fill every parameter and LoadTarget named by model.hf_weight_map()."""
+    load_weight_map(model.hf_weight_map(), model_path)
+
+
+def load_weight_map(wanted: dict[str, list[WeightMapEntry]], model_path: str | Path) -> None:
+    """Fill every entry of `wanted` (checkpoint name -> what it fills) from the
+    checkpoint; tensors it does not name (other stages' layers, rotary
+    buffers) are skipped, names the checkpoint lacks are refused together."""
     loaded: set[str] = set()
     files = checkpoint_files(model_path)
     progress = _LoadProgress(len(wanted))
@@ -98,12 +117,10 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                     file.stat().st_size / 2**20)
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                params = wanted.get(name)
-                if not params or name in loaded:
+                entries = wanted.get(name)
+                if not entries or name in loaded:
                     continue
-                tensor = _read_shard(f, name, params[0])
-                for param in params:
-                    _copy_into(param, tensor, name)
+                _load_tensor(f, name, entries)
                 loaded.add(name)
                 progress.update(len(loaded))
     progress.close()

@@ -1,17 +1,20 @@
 """The checkpoint loader: every rank reads only its slice (get_slice, never a
-whole tensor), sharded checkpoints load like single-file ones, and missing
-tensors are reported by name."""
+whole tensor), sharded checkpoints load like single-file ones, missing
+tensors are reported by name, and LoadTargets fill views of parameters from
+their own slices of one checkpoint tensor."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors import safe_open
+from torch import nn
 
 import workerd.models.loader as model_loader
 from kvloom.testing.checkpoints import make_tiny_llama
 from tests.factories import layout_state
-from workerd.models.loader import load_model
+from workerd.models.loader import load_model, load_weight_map
+from workerd.models.weight_targets import LoadTarget, narrow_index
 
 
 def _full(path) -> dict[str, torch.Tensor]:
@@ -162,3 +165,92 @@ def test_fused_projections_are_one_weight_filled_through_their_views(tiny_model_
     names = [n for n, _ in model.named_parameters()]
     assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in names)
     assert sum(t.numel() for t in model.parameters()) == sum(t.numel() for t in full.values())
+
+
+# LoadTarget: one checkpoint tensor -> several views, each with its own slice
+# (Phi-3's fused qkv_proj, MoE experts stacked into one weight).
+
+
+def _spied(monkeypatch) -> list:
+    calls = []
+    real = model_loader.safe_open
+    monkeypatch.setattr(model_loader, "safe_open", lambda *a, **k: _SpyHandle(real(*a, **k), calls))
+    return calls
+
+
+def _save(tmp_path, tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return str(tmp_path)
+
+
+def test_load_targets_read_each_views_own_slice(tmp_path, monkeypatch):
+    """A fused [q; k; v] tensor (6 + 2 + 2 rows) into TP rank 1's fused weight:
+    q rows 3:6, k row 7, v row 9, each read alone, none of the rest."""
+    fused = torch.arange(40.0).view(10, 4)
+    path = _save(tmp_path, {"qkv.weight": fused})
+    calls = _spied(monkeypatch)
+    weight = torch.zeros(5, 4)
+    wanted = {"qkv.weight": [
+        LoadTarget(weight[0:3], narrow_index(0, 3, 6)),
+        LoadTarget(weight[3:4], narrow_index(0, 7, 8)),
+        LoadTarget(weight[4:5], (slice(9, 10),)),
+    ]}
+    load_weight_map(wanted, path)
+    torch.testing.assert_close(weight, fused[[3, 4, 5, 7, 9]])
+    reads = [n for kind, _, n in calls if kind == "read"]
+    assert reads == [12, 4, 4]
+    assert not any(kind == "get_tensor" for kind, _, _ in calls)
+
+
+def test_load_targets_int_index_and_mixed_entries(tmp_path, monkeypatch):
+    """An int picks one expert of a stacked tensor; a parameter entry (old
+    contract, its `shard`) and a target asking the same slice share a read."""
+    stacked = torch.randn(3, 4, 2)
+    table = torch.randn(6, 2)
+    path = _save(tmp_path, {"experts.w": stacked, "table": table})
+    calls = _spied(monkeypatch)
+    expert = torch.zeros(2, 4, 2)
+    head = nn.Parameter(torch.zeros(4, 2), requires_grad=False)
+    head.shard = (0, 2, 5)  # 3 real rows + 1 pad row, as a vocab shard
+    copy = torch.zeros(3, 2)
+    load_weight_map({
+        "experts.w": [LoadTarget(expert[0], (2,)), LoadTarget(expert[1], (0, slice(None)))],
+        "table": [head, LoadTarget(copy, narrow_index(0, 2, 5))],
+    }, path)
+    torch.testing.assert_close(expert, stacked[[2, 0]])
+    torch.testing.assert_close(head[:3], table[2:5])
+    assert head[3].abs().sum() == 0
+    torch.testing.assert_close(copy, table[2:5])
+    assert [name for kind, name, _ in calls if kind == "read"].count("table") == 1
+
+
+@pytest.mark.parametrize("src_index", [narrow_index(0, 0, 3), narrow_index(0, 8, 12)],
+                         ids=["short-view", "slice-past-the-end"])
+def test_load_target_shape_mismatch_names_the_tensor(tmp_path, src_index):
+    path = _save(tmp_path, {"model.layers.0.mlp.experts.1.w1.weight": torch.zeros(10, 4)})
+    dest = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.1\.w1\.weight: "
+                                         r"checkpoint slice \(\d+, 4\) does not fit"):
+        load_weight_map({"model.layers.0.mlp.experts.1.w1.weight": [LoadTarget(dest, src_index)]},
+                        path)
+    assert dest.abs().sum() == 0
+
+
+def test_load_target_missing_tensor_is_named(tmp_path):
+    path = _save(tmp_path, {"a": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"lacks 1 tensors: experts\.0\.w2\.weight"):
+        load_weight_map({"a": [LoadTarget(torch.zeros(2))],
+                         "experts.0.w2.weight": [LoadTarget(torch.zeros(2))]}, path)
+
+
+def test_load_target_refuses_what_get_slice_cannot_read():
+    with pytest.raises(ValueError, match="has a step"):
+        LoadTarget(torch.zeros(2), (slice(0, 4, 2),))
+    with pytest.raises(TypeError, match="slices or ints"):
+        LoadTarget(torch.zeros(2), ("0",))
+    with pytest.raises(TypeError, match="slices or ints"):
+        LoadTarget(torch.zeros(2), (True,))
+    with pytest.raises(ValueError, match="bad slice"):
+        narrow_index(0, 3, 2)

@@ -96,14 +96,13 @@ def build_config(
     args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> tuple[ControlPlaneConfig, ModelInfo]:
     """parser: unused, kept for callers that pass it."""
-    model_path = args.model
-    if not model_path:
-        from kvloom.common.default_model import default_model_dir
+    from kvloom.common.embedded_models import EmbeddedModelError, resolve_model
 
-        model_path = default_model_dir()
-    if not os.path.exists(model_path):
-        fail(f"--model {model_path}: the path does not exist; pass a Hugging Face "
-             f"checkpoint directory (config.json, *.safetensors, tokenizer)")
+    try:
+        # A path, or an embedded model's name (converted here on first use).
+        model_path = resolve_model(args.model)
+    except EmbeddedModelError as exc:
+        fail(str(exc))
     try:
         info = read_model_info(model_path)
     except (OSError, ValueError, KeyError) as exc:
@@ -119,7 +118,8 @@ def build_config(
             served_model_name=args.served_model_name or os.path.basename(model_path.rstrip("/")),
             worker_model_path=args.worker_model_path or model_path,
         ),
-        cache=config_from_args(CacheConfig, args),
+        cache=config_from_args(CacheConfig, args,
+                               sliding_window=info.sliding_window_all_layers),
         scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len),
         parallel=config_from_args(ParallelConfig, args),
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),

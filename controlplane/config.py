@@ -16,7 +16,8 @@ from kvloom.common.config_args import option
 @dataclass(frozen=True)
 class ModelConfig:
     # The three paths/names are resolved by __main__ before the tree is built.
-    model: str = option("", "checkpoint dir; empty = the embedded default model")
+    model: str = option("", "checkpoint dir, or an embedded model's name (smollm2-135m, "
+                            "gemma-3-270m), converted once; empty = smollm2-135m")
     served_model_name: str = option("", "name reported to clients; empty = the checkpoint dir's")
     # Differs from `model` when the workers mount the checkpoint elsewhere.
     worker_model_path: str = option(
@@ -52,6 +53,11 @@ class CacheConfig:
         0, "KV cache bytes per rank; 0 = derived from device memory", ge=0)
     gpu_memory_utilization: float = option(
         0.9, "share of device memory a rank may use (weights, activations, KV)", gt=0, le=1)
+    # vLLM's CacheConfig.sliding_window. Not a flag: __main__ takes it from the
+    # checkpoint (ModelInfo.sliding_window_all_layers), the window when every
+    # layer slides, else None; with it the block pool frees blocks that left
+    # the window (controlplane/core/kv_cache_manager.py).
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)

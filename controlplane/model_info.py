@@ -26,6 +26,10 @@ class ModelInfo:
     # Sampling defaults from generation_config.json (e.g. temperature), applied
     # to knobs a request leaves unset, as vLLM does with the model's config.
     sampling_defaults: tuple[tuple[str, float], ...] = ()
+    # The sliding window when every layer slides (Mistral v0.1, Phi-3-mini-4k),
+    # else None: the block pool frees blocks that left it, which a model with
+    # any full-attention layer cannot (that layer reads every key).
+    sliding_window_all_layers: int | None = None
 
 
 # generation_config.json keys that become defaults of the same-named knobs.

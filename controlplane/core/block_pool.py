@@ -33,6 +33,18 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
 
 
+# Stands in a request's block list for a block freed because no later query of
+# the request can attend to it (every layer slides; see kv_cache_manager), so
+# index j of the list still means tokens j*block_size .. (j+1)*block_size - 1.
+# vLLM reserves pool block 0 for this; here it is outside the pool: never
+# allocated, ref-counted, hashed or counted in the usage, so the pool keeps
+# all its blocks. It is never sent either (workers only receive ids of blocks
+# just allocated), and should a bug send it, its negative id does not fit the
+# wire's uint32 block ids, so the step fails instead of a worker writing into
+# the wrong block.
+NULL_BLOCK = KVCacheBlock(-1)
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks, least recently freed first.
 

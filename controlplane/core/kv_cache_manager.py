@@ -5,11 +5,38 @@ The scheduler asks two questions: "which prompt blocks are already cached?"
 tokens" (allocate_slots, every time it is scheduled). The answer to the second
 is the list of new blocks, whose ids go into the SchedulerOutput diff, or None
 when the pool is out of blocks and the scheduler must preempt.
+
+Sliding window (sliding_window=W, only when every layer slides: a full layer
+reads every key): a query at position p attends to keys p - W < k <= p. A step
+computes queries from the request's num_computed_tokens c on (a decode, or a
+prefill chunk c .. c + n - 1), so its earliest query needs keys from c - W + 1
+and no query of this step or a later one reads keys <= c - W. Block j (tokens
+j*bs .. (j+1)*bs - 1) is dead once (j+1)*bs <= c - W + 1; allocate_slots frees
+dead blocks before it allocates (so they count as free for this very step)
+and leaves NULL_BLOCK at their index, as vLLM's SlidingWindowManager does.
+
+What reaches the workers: only the ids of blocks just allocated (the diff's
+new_block_ids) and, at admission, a request's whole list, which never holds a
+placeholder, because a request is admitted with num_computed_tokens 0 and
+nothing is dead before its first step. Placeholders are therefore never sent
+(NULL_BLOCK has no id a worker could use). A worker keeps the real id it was
+sent for a block freed here, which may meanwhile belong to another request:
+the contract is that a worker's attention never reads (not even to mask) a
+block that is wholly before its earliest query's window, exactly the blocks
+freed here (the backends start each request's table at block
+max(c - W + 1, 0) // bs, workerd/layers/attention/); it never writes there
+either, since it writes only the slots of tokens >= num_computed_tokens.
+
+Prefix hits stay conservative for window models: a hit still needs every block
+from the first one cached (a freed block keeps its hash until it is evicted).
+vLLM's window-aware longest hit would admit a list with placeholders, which
+would then have to go on the wire; hit blocks already dead at admission are
+held for the admission step and freed at the next one.
 """
 
 from __future__ import annotations
 
-from controlplane.core.block_pool import BlockPool, KVCacheBlock
+from controlplane.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 from controlplane.core.kv_cache_utils import update_block_hashes
 from controlplane.core.request import Request
 
@@ -17,15 +44,29 @@ _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # The window every layer slides by; None: some layer (or all) reads
+        # every key, and no block is freed before its request ends.
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        # req_id -> blocks in token order (shared prefix blocks first).
+        # req_id -> blocks in token order (shared prefix blocks first); the
+        # first num_skipped_blocks of them are NULL_BLOCK.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # req_id -> how many leading blocks are already registered in the cache
         # map, so each full block is hashed and registered once.
         self.num_cached_blocks: dict[str, int] = {}
+        # req_id -> how many leading blocks were freed as out of the window.
+        self.num_skipped_blocks: dict[str, int] = {}
         # Cumulative token counts over admissions (new and resumed requests).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -47,6 +88,9 @@ class KVCacheManager:
         return self.req_to_blocks.get(req_id, [])
 
     def get_block_ids(self, req_id: str) -> list[int]:
+        """The request's block ids in token order; a freed out-of-window
+        entry reads NULL_BLOCK's -1 (admission, the one sender of a whole
+        list, never sees one)."""
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
 
     # -- prefix cache ----------------------------------------------------
@@ -92,6 +136,8 @@ class KVCacheManager:
         changed when the pool cannot supply them.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is not None and self.sliding_window is not None:
+            self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         if req_blocks is not None and new_computed_blocks is None:
             # Hot path, taken for nearly every running request every step: a
             # decode inside an already allocated block. Kept to a few lookups
@@ -132,6 +178,7 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_blocks[req_id] = 0
+            self.num_skipped_blocks[req_id] = 0
         if computed:
             pool.touch(computed)
             req_blocks.extend(computed)
@@ -169,6 +216,25 @@ class KVCacheManager:
             cache_full_block(req_blocks[i], hashes[i])
         self.num_cached_blocks[req_id] = num_full
 
+    def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks no query from num_computed_tokens on can attend to
+        (module docstring), newest first into the free queue so that a shared
+        prefix's first blocks are the last evicted."""
+        window = self.sliding_window
+        num_dead = (num_computed_tokens - window + 1) // self.block_size
+        num_done = self.num_skipped_blocks[req_id]
+        if num_dead <= num_done:
+            return
+        blocks = self.req_to_blocks[req_id]
+        dead = blocks[num_done:num_dead]
+        blocks[num_done:num_dead] = [NULL_BLOCK] * len(dead)
+        self.block_pool.free_blocks(reversed(dead))
+        self.num_skipped_blocks[req_id] = num_dead
+        # A block can die before its last token is sampled (a window no wider
+        # than the placeholder tokens in flight); it is never registered then.
+        if self.num_cached_blocks[req_id] < num_dead:
+            self.num_cached_blocks[req_id] = num_dead
+
     def uncache_blocks_after(self, request: Request, num_computed_tokens: int) -> None:
         """Forget hashes registered for blocks whose KV will not be written
         after all (the request was taken back out of the step that filled
@@ -187,12 +253,14 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Return the request's blocks. Tail blocks go to the free queue first
-        so they are evicted before the (more likely shared) prefix blocks."""
+        so they are evicted before the (more likely shared) prefix blocks.
+        The leading placeholders were freed already and are skipped."""
         req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
+        num_skipped = self.num_skipped_blocks.pop(req_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_skipped:]))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -81,8 +81,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+            num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []

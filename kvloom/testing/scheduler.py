@@ -30,14 +30,14 @@ def make_scheduler(
     num_blocks: int = 100,
     block_size: int = 4,
     enable_prefix_caching: bool = True,
+    sliding_window: int | None = None,
     **scheduler_overrides,
 ) -> Scheduler:
     """A real Scheduler over `pool`'s KV blocks (the executor's worker was
-    given them), else over `num_blocks` blocks of `block_size` tokens."""
+    given them), else over `num_blocks` blocks of `block_size` tokens;
+    sliding_window: the window every layer of the model slides by."""
     if pool is not None:
         num_blocks, block_size = pool.num_gpu_blocks, pool.block_size
-    return Scheduler(
-        scheduler_config(**scheduler_overrides),
-        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        num_blocks,
-    )
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                        sliding_window=sliding_window)
+    return Scheduler(scheduler_config(**scheduler_overrides), cache, num_blocks)

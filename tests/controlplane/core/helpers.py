@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
+from controlplane.core.block_pool import NULL_BLOCK
 from controlplane.core.failover import reset_for_recompute
 from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.request import Request, RequestStatus, SamplingParams
@@ -202,6 +203,7 @@ class ProgramRunner:
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
+        check_step_blocks(sched, so)
         out = self.execute(sched, step)
         self.num_steps += 1
         tokens = tokens or [7]
@@ -224,12 +226,55 @@ class ProgramRunner:
         self.on_reset()
 
 
+def sent_block_ids(so: SchedulerOutput) -> list[int]:
+    """Every block id the diff hands the workers."""
+    ids = [b for new in so.scheduled_new_reqs for b in new.block_ids]
+    return ids + [b for blocks in so.scheduled_cached_reqs.new_block_ids for b in blocks]
+
+
+def check_step_blocks(sched: Scheduler, so: SchedulerOutput) -> None:
+    """Workers only ever receive ids of real pool blocks (never NULL_BLOCK),
+    and no block freed as out of the window is one this step's earliest query
+    of its request (at the num_computed_tokens sent) can still attend to."""
+    for block_id in sent_block_ids(so):
+        assert 0 <= block_id < sched.num_gpu_blocks, (so.step_id, block_id)
+    kv = sched.kv_cache_manager
+    window = kv.sliding_window
+    cached = so.scheduled_cached_reqs
+    starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    for req_id, start in starts.items():
+        num_skipped = kv.num_skipped_blocks[req_id]
+        if num_skipped:
+            assert window is not None, req_id
+            assert num_skipped * kv.block_size <= start - window + 1, (so.step_id, req_id)
+
+
+def check_window(sched: Scheduler) -> None:
+    """Freed out-of-window blocks are a leading run of NULL_BLOCKs, never one
+    that a query from num_computed_tokens on could still attend to."""
+    kv = sched.kv_cache_manager
+    window, bs = kv.sliding_window, kv.block_size
+    for req_id, blocks in kv.req_to_blocks.items():
+        num_skipped = kv.num_skipped_blocks[req_id]
+        assert all(b is NULL_BLOCK for b in blocks[:num_skipped]), req_id
+        assert all(b is not NULL_BLOCK for b in blocks[num_skipped:]), req_id
+        if window is None:
+            assert num_skipped == 0
+            continue
+        computed = sched.get_request(req_id).num_computed_tokens
+        # The earliest query still to run is at `computed`: it sees keys
+        # from computed - window + 1 on.
+        assert num_skipped * bs <= max(0, computed - window + 1), req_id
+
+
 def check_pool(sched: Scheduler) -> None:
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     free = [b.block_id for b in pool.free_block_queue]
     assert len(free) == len(set(free)) == pool.get_num_free_blocks()
-    owners = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    owners = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks
+                     if b is not NULL_BLOCK)
     assert not set(free) & set(owners), "a block is both free and owned"
     for block in pool.blocks:
         assert block.ref_cnt == owners.get(block.block_id, 0)
@@ -248,3 +293,4 @@ def check_pool(sched: Scheduler) -> None:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert req.num_computed_tokens == 0
     assert len(sched.running) + len(sched.waiting) == sched.get_num_unfinished_requests()
+    check_window(sched)

@@ -1,9 +1,11 @@
 """What the controlplane needs to know about the served model, read once at start-up.
 
 The controlplane never loads weights: it reads config.json (architecture,
-vocab, context length, EOS ids), generation_config.json (extra EOS ids) and
-the tokenizer, which the API edge uses to tokenize prompts and detokenize
-outputs.
+vocab, context length, EOS ids, the sliding window), generation_config.json
+(extra EOS ids) and the tokenizer, which the API edge uses to tokenize prompts
+and detokenize outputs. The window and the layer types come from the parser
+the workers build their model with (kvloom/common/model_config.py), so both
+daemons agree on which layers slide.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+
+from kvloom.common.model_config import parse_model_config
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,24 @@ def read_model_info(model_path: str) -> ModelInfo:
         num_key_value_heads=int(config.get("num_key_value_heads", heads)),
         num_hidden_layers=int(config.get("num_hidden_layers", 0)),
         sampling_defaults=defaults,
+        sliding_window_all_layers=all_layers_window(config),
     )
+
+
+def all_layers_window(config: dict) -> int | None:
+    """The sliding window of config.json's model if every layer slides, else
+    None; read by the parser the workers build their layers with, so both
+    daemons agree on the window (Qwen2's use_sliding_window gating, Gemma's
+    layer_types) and a hybrid model (any full layer) keeps every block."""
+    try:
+        parsed = parse_model_config(config)
+    except ValueError:
+        # A config the parser refuses is refused by every worker at
+        # load_model, naming the field; the controlplane's own reading above
+        # is more lenient (its tests run on config-only checkpoints), and
+        # freeing nothing is correct for any model.
+        return None
+    return parsed.sliding_window if parsed.every_layer_slides else None
 
 
 # AutoTokenizer imports transformers' config classes, and with them torch and

@@ -83,6 +83,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     # Phi-3's longrope switch length (top level of its config.json).
     original_max_position_embeddings: int | None = None
+    # Old-style Gemma 3 configs: the sliding layers' rope theta (None elsewhere).
+    rope_local_base_freq: float | None = None
     # Global layer index -> whether it rotates q and k (SmolLM3's NoPE layers).
     rope_layers: tuple[bool, ...] = ()
     # Softmax scale: head_dim**-0.5 unless the family sets it (Gemma's
@@ -163,6 +165,8 @@ def parse_model_config(raw: Any) -> ModelConfig:
         partial_rotary_factor=r.partial_rotary_factor(),
         original_max_position_embeddings=r.int("original_max_position_embeddings",
                                                optional=True),
+        rope_local_base_freq=(r.positive_float("rope_local_base_freq", 1e12)
+                              if "rope_local_base_freq" in family.defaults else None),
         rope_layers=r.rope_layers(num_layers),
         attention_scale=r.attention_scale(head_dim),
         attn_logit_softcapping=r.softcap("attn_logit_softcapping"),

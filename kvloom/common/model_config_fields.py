@@ -66,7 +66,8 @@ class Family:
     window_pattern: int = 0
     # o_proj's bias: "same" as q/k/v (attention_bias), or "none".
     o_bias: str = "same"
-    # q/k/v bias: "config" (attention_bias) or "always" (Qwen2, hard-coded).
+    # q/k/v bias: "config" (attention_bias), "always" (Qwen2, hard-coded) or
+    # "none" (Phi-3's fused qkv_proj never has one).
     qkv_bias: str = "config"
     # Softmax scale: "head_dim", "query_pre_attn_scalar" or "attention_multiplier".
     scale: str = "head_dim"
@@ -89,7 +90,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family({**_COMMON, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
                     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": None,
                     "original_max_position_embeddings": 4096, "partial_rotary_factor": 1.0},
-                   "all", o_bias="none"),
+                   "all", qkv_bias="none", o_bias="none"),
     "olmo2": Family({**_COMMON, "vocab_size": 50304, "rms_norm_eps": 1e-5}),
     "granite": Family({**_COMMON, "mlp_bias": False, "embedding_multiplier": 1.0,
                        "residual_multiplier": 1.0, "attention_multiplier": 1.0,
@@ -108,13 +109,15 @@ FAMILIES: dict[str, Family] = {
                        "num_experts_per_tok": 2}, "all", moe="mixtral"),
     "qwen3_moe": Family({**_QWEN, "hidden_size": 2048, "intermediate_size": 6144,
                          "num_hidden_layers": 24, "num_key_value_heads": 4, "head_dim": None,
-                         "sliding_window": None, "num_experts": 128, "num_experts_per_tok": 8,
+                         "sliding_window": None, "num_experts": 128, "num_local_experts": None,
+                         "num_experts_per_tok": 8,
                          "moe_intermediate_size": 768, "norm_topk_prob": False,
                          "decoder_sparse_step": 1, "mlp_only_layers": []},
                         "qwen2", moe="qwen_moe"),
     "qwen2_moe": Family({**_QWEN, "hidden_size": 2048, "intermediate_size": 5632,
                          "num_hidden_layers": 24, "num_attention_heads": 16,
-                         "sliding_window": 0, "num_experts": 60, "num_experts_per_tok": 4,
+                         "sliding_window": 0, "num_experts": 60, "num_local_experts": None,
+                         "num_experts_per_tok": 4,
                          "moe_intermediate_size": 1408, "norm_topk_prob": False,
                          "decoder_sparse_step": 1, "mlp_only_layers": [],
                          "shared_expert_intermediate_size": 5632},
@@ -193,7 +196,9 @@ class ConfigReader:
         return act
 
     def attention_biases(self) -> tuple[bool, bool]:
-        qkv = True if self.family.qkv_bias == "always" else self.bool("attention_bias")
+        qkv = {"always": True, "none": False}.get(self.family.qkv_bias)
+        if qkv is None:
+            qkv = self.bool("attention_bias")
         o = self.bool("attention_bias") if self.family.o_bias == "same" else False
         return qkv, o
 
@@ -282,7 +287,7 @@ class ConfigReader:
             return MoEConfig(experts, self._top_k(experts), self.int("intermediate_size"),
                              True, (True,) * num_layers)
         # Hub Qwen MoE configs say num_experts; transformers 5 maps it to num_local_experts.
-        raw_experts = self.values.get("num_local_experts", self.get("num_experts"))
+        raw_experts = self.get("num_local_experts") or self.get("num_experts")
         experts = self.int("num_experts", value=raw_experts)
         step = self.int("decoder_sparse_step")
         only = self.get("mlp_only_layers")

@@ -1,5 +1,7 @@
-"""SiLU-and-mul, the gated activation between a Llama MLP's two matmuls:
-silu(gate) * up of the fused gate_up projection's [gate | up] halves.
+"""The gated activations between an MLP's two matmuls: act(gate) * up of the
+fused gate_up projection's [gate | up] halves. SiLU for Llama-family
+models; GELU with the tanh approximation for Gemma (its
+gelu_pytorch_tanh), which has no C kernel and runs torch on every rank.
 
 A custom op (workerd/layers/custom_op.py): on a rank that runs kvloom's C
 kernels it is one C pass over the rows (workerd/kernels/ops.py); elsewhere
@@ -24,3 +26,22 @@ class SiluAndMul(CustomOp):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         fused = cpu_ops.silu_and_mul(self.kernels, x)
         return self.forward_native(x) if fused is None else fused
+
+
+class GeluTanhAndMul(CustomOp):
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_native(x)
+
+
+def gated_activation(hidden_act: str) -> CustomOp:
+    """The op for config.json's hidden_act (kvloom/common/model_config.py
+    admits only these two)."""
+    if hidden_act == "silu":
+        return SiluAndMul()
+    if hidden_act == "gelu_pytorch_tanh":
+        return GeluTanhAndMul()
+    raise ValueError(f"unsupported hidden_act {hidden_act!r} (supported: silu, gelu_pytorch_tanh)")

@@ -17,10 +17,24 @@ from workerd.layers.custom_op import CustomOp
 
 
 class RMSNorm(CustomOp):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """weight_offset 1.0 is Gemma's (1 + w) norm: checkpoints store w, the
+    multiply uses 1 + w. It is added to the weight once, after loading
+    (process_weights_after_loading), so each step runs Llama's norm (and its
+    C kernel) unchanged: in float32 x * (1 + w) rounds 1 + w once either
+    way. (bf16 parity with transformers' Gemma would need the float32
+    multiply-then-cast it does; kvloom's Gemma path is float32-exact.)"""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.weight_offset = weight_offset
+        self._offset_applied = False
+
+    def process_weights_after_loading(self) -> None:
+        if self.weight_offset and not self._offset_applied:
+            self.weight.data.add_(self.weight_offset)
+            self._offset_applied = True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:

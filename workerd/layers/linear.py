@@ -19,6 +19,7 @@ from torch import nn
 from workerd.distributed.parallel_state import ParallelState, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.packed_linear import Packable, linear
+from workerd.models.weight_targets import LoadTarget, narrow_index
 
 
 def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
@@ -101,7 +102,12 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
     be. forward returns the concatenated outputs; split them with
     `output_sizes`. The per-projection weights exist only as views into the
     fused one (checkpoint_params), so they are loaded in place and never
-    counted twice."""
+    counted twice.
+
+    fused_name: the checkpoint stores the parts as one tensor of that name
+    (Phi-3's qkv_proj, [q; k; v] rows; gate_up_proj): each part's rows are
+    then read from their own range of it, sharded as the part is, rather
+    than the fused tensor being split by TP rank."""
 
     def __init__(
         self,
@@ -109,8 +115,16 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
         parts: list[tuple[str, int, int | None, int | None]],
         ps: ParallelState,
         bias: bool = False,
+        fused_name: str | None = None,
     ):
         super().__init__()
+        self.fused_name = fused_name
+        # Each part's first row in the fused checkpoint tensor.
+        self._fused_offsets = {}
+        row = 0
+        for name, output_size, _, _ in parts:
+            self._fused_offsets[name] = row
+            row += output_size
         shards = []
         for name, output_size, num_shards, shard_index in parts:
             num_shards = ps.tp_size if num_shards is None else num_shards
@@ -137,6 +151,20 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
     def checkpoint_params(self) -> dict[str, nn.Parameter]:
         """Checkpoint tensor suffix (e.g. "q_proj.weight") -> the view it fills."""
         return dict(self._views)
+
+    def checkpoint_targets(self) -> dict[str, list[nn.Parameter | LoadTarget]]:
+        """Checkpoint tensor suffix -> what it fills: each part's view, or with
+        fused_name every part's LoadTarget under the one fused tensor."""
+        if self.fused_name is None:
+            return {name: [view] for name, view in self._views.items()}
+        fused: dict[str, list[nn.Parameter | LoadTarget]] = {}
+        for name, view in self._views.items():
+            part, kind = name.rsplit(".", 1)
+            dim, start, end = view.shard
+            row = self._fused_offsets[part]
+            fused.setdefault(f"{self.fused_name}.{kind}", []).append(
+                LoadTarget(view.data, narrow_index(dim, row + start, row + end)))
+        return fused
 
     def release_plain_weight(self) -> None:
         super().release_plain_weight()

@@ -1,6 +1,7 @@
-"""Llama-family causal LM (LlamaForCausalLM; Mistral-style configs share it),
-written against workerd's paged KV cache and TP/PP layout rather than
-transformers' forward.
+"""The decoder-only causal LM every family shares (DecoderForCausalLM), and
+Llama itself, written against workerd's paged KV cache and TP/PP layout
+rather than transformers' forward. The layers are workerd/models/decoder.py's;
+the families in workerd/models/ subclass the model and declare what differs.
 
 One instance is one rank's shard: this PP stage's decoder layers
 [start_layer, end_layer), each with this TP rank's heads and MLP columns.
@@ -10,28 +11,30 @@ norm and LM head. Non-last stages return IntermediateTensors for the next stage.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
+from kvloom.common.model_config import SLIDING_ATTENTION
 from workerd.distributed.parallel_state import IntermediateTensors, ParallelState
-from workerd.layers.activation import SiluAndMul
 from workerd.layers.attention.backend import TorchAttentionBackend
 from workerd.layers.attention.interface import (
     AttentionBackend,
     AttentionCapabilities,
+    AttentionLayerKind,
     check_capabilities,
 )
 from workerd.layers.attention.metadata import AttentionMetadata
+from workerd.layers.checkpoint_mapped import CheckpointMapped
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.layernorm import RMSNorm
-from workerd.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from workerd.layers.rotary import (
-    RotaryEmbedding,
-    RotaryTables,
-    apply_rotary_tables,
-    rope_parameters,
-)
+from workerd.layers.linear import MergedColumnParallelLinear
+from workerd.layers.rope_scaling import rope_parameters_by_layer_type
+from workerd.layers.rotary import RotaryEmbedding
 from workerd.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from workerd.models.decoder import Arch, DecoderLayer, DecoderMLP
+from workerd.models.weight_targets import LoadTarget
 
 
 def pp_layer_range(
@@ -75,12 +78,16 @@ def pp_layer_range(
 
 
 def lm_head_layers(config) -> float:
-    """The LM head's parameters in units of one decoder layer's."""
+    """The LM head's parameters in units of one decoder layer's (a mixture of
+    experts' layer counts every expert: a step reads all their weights once
+    enough tokens route to each)."""
     hidden = config.hidden_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    layer = (hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
-             + 3 * hidden * config.intermediate_size)
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, \
+        config.head_dim
+    mlp = 3 * hidden * config.intermediate_size
+    if config.moe is not None:
+        mlp = 3 * hidden * config.moe.moe_intermediate_size * config.moe.num_experts
+    layer = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden + mlp
     return config.vocab_size * hidden / layer
 
 
@@ -105,93 +112,14 @@ def tp_head_layout(
     )
 
 
-class LlamaAttention(DirectCallModule):
-    def __init__(self, config, ps: ParallelState):
-        super().__init__()
-        hidden = config.hidden_size
-        total_heads = config.num_attention_heads
-        total_kv = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
-        self.num_heads, self.num_kv_heads, kv_shard = tp_head_layout(
-            total_heads, total_kv, ps.tp_size, ps.tp_rank
-        )
-        bias = getattr(config, "attention_bias", False)
-        kv_out = total_kv * self.head_dim
-        num_kv_shards = total_kv // self.num_kv_heads
-        # One matmul for q, k and v (checkpoint tensors load into its slices).
-        self.qkv_proj = MergedColumnParallelLinear(hidden, [
-            ("q_proj", total_heads * self.head_dim, None, None),
-            ("k_proj", kv_out, num_kv_shards, kv_shard),
-            ("v_proj", kv_out, num_kv_shards, kv_shard),
-        ], ps, bias)
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, ps, bias)
-        self.scale = self.head_dim**-0.5
-        # Set for every layer at once by LlamaForCausalLM.set_attention_backend,
-        # with the backend's declared rotary_in_kernel.
-        self.attn_backend: AttentionBackend = TorchAttentionBackend()
-        self.rotary_in_kernel = False
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only causal LM whose layers are workerd/models/decoder.py's,
+    with the family's differences declared in `arch` and the per-layer hooks
+    below (which window, which rotary table, which MLP). LlamaForCausalLM is
+    this with Llama's declarations; the other families subclass it."""
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        rope: RotaryTables,
-        kv_cache: torch.Tensor | None,
-        md: AttentionMetadata,
-        plan,  # the backend's, from its build_plan for this forward
-    ) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        num_qk = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(hidden_states).view(n, num_qk + self.num_kv_heads, self.head_dim)
-        if self.rotary_in_kernel:
-            out = self.attn_backend.forward_rotary(qkv, self.num_heads, rope, kv_cache, md,
-                                                   self.scale, plan)
-            if out is not None:  # else tensors its kernel does not take: rotate here
-                return self.o_proj(out)
-        # q and k are adjacent columns of the fused output: rotate both in one
-        # pass over a view, then split the rotated heads (views, no copies;
-        # one split op each rather than two slices).
-        qk, v = qkv.split([num_qk, self.num_kv_heads], dim=1)
-        q, k = apply_rotary_tables(qk, rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn_backend.forward(q, k, v, kv_cache, md, self.scale, plan)
-        return self.o_proj(out)
+    arch: ClassVar[Arch] = Arch()
 
-
-class LlamaMLP(DirectCallModule):
-    def __init__(self, config, ps: ParallelState):
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
-        bias = getattr(config, "mlp_bias", False)
-        h, inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            h, [("gate_proj", inter, None, None), ("up_proj", inter, None, None)], ps, bias)
-        self.down_proj = RowParallelLinear(inter, h, ps, bias)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(DirectCallModule):
-    def __init__(self, config, ps: ParallelState):
-        super().__init__()
-        self.self_attn = LlamaAttention(config, ps)
-        self.mlp = LlamaMLP(config, ps)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden_states, residual, rope, kv_cache, md, plan):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, rope, kv_cache, md, plan)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class LlamaForCausalLM(nn.Module):
     def __init__(self, config, ps: ParallelState, pp_layer_partition: tuple[int, ...] = ()):
         super().__init__()
         self.config = config
@@ -203,41 +131,120 @@ class LlamaForCausalLM(nn.Module):
             lm_head_layers(config),
         )
         self.num_local_layers = self.end_layer - self.start_layer
+        # Per-layer options by the GLOBAL index: a PP stage's layer 0 is the
+        # checkpoint's layer start_layer (model-families.md, §5).
+        global_layers = range(self.start_layer, self.end_layer)
+        self.rotary_embs = nn.ModuleDict(self.rotary_embeddings())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, ps) for _ in range(self.num_local_layers)
+            DecoderLayer(config, ps, self.arch, self.layer_kind(i), self.rope_key(i),
+                         self.make_mlp(i))
+            for i in global_layers
         )
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, rope_parameters(config), config.max_position_embeddings
-        )
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # What a decode CUDA graph plans each kind with (workerd/runner/cuda_graphs.py).
+        self.attn_shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
+        # Distinct kinds in first-use order: one plan each per step.
+        self.attention_kinds = tuple(dict.fromkeys(layer.self_attn.kind
+                                                   for layer in self.layers))
+        # The table the runner checks positions against (every table caches
+        # as many positions).
+        self.rotary_emb = next(iter(self.rotary_embs.values()))
+        self.tie_word_embeddings = bool(config.tie_word_embeddings)
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, self.hidden_size, ps)
             if ps.is_first_pp_rank
             else None
         )
+        self.embed_scale = self._embed_scale()
         self.norm = self.lm_head = None
         if ps.is_last_pp_rank:
-            self.norm = RMSNorm(self.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(self.hidden_size, config.rms_norm_eps,
+                                self.arch.norm_weight_offset)
             self.lm_head = ParallelLMHead(config.vocab_size, self.hidden_size, ps)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
         # What this model's attention needs beyond build_plan and forward:
-        # nothing (Llama attends to the whole context, unscaled logits).
-        self.attention_needs = AttentionCapabilities()
+        # what its layers' windows and caps take.
+        needs = [kind.needs() for kind in self.attention_kinds]
+        self.attention_needs = AttentionCapabilities(
+            sliding_window=any(n.sliding_window for n in needs),
+            logits_soft_cap=any(n.logits_soft_cap for n in needs))
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
+
+    # ---- what a family declares per layer ------------------------------
+
+    def layer_kind(self, layer: int) -> AttentionLayerKind:
+        """How global layer `layer` attends: its window (config.layer_types)
+        and the family's logit cap."""
+        c = self.config
+        window = c.sliding_window if c.layer_types[layer] == SLIDING_ATTENTION else None
+        return AttentionLayerKind(window, c.attn_logit_softcapping)
+
+    def rope_key(self, layer: int) -> str | None:
+        """Which of rotary_embeddings() global layer `layer` rotates with; None:
+        it does not rotate (a NoPE layer, or a layer type without rope)."""
+        if not self.config.rope_layers[layer]:
+            return None
+        return self._rope_keys[self.config.layer_types[layer]]
+
+    def rotary_embeddings(self) -> dict[str, RotaryEmbedding]:
+        """One table per distinct rope dict: Gemma 3's local and global layers
+        rotate with different thetas; every other family shares one table."""
+        c = self.config
+        by_type = rope_parameters_by_layer_type(
+            c.rope_parameters, c.layer_types, rope_scaling=c.rope_scaling,
+            rope_theta=c.rope_theta, rope_local_base_freq=c.rope_local_base_freq,
+            partial_rotary_factor=c.partial_rotary_factor,
+            original_max_position_embeddings=c.original_max_position_embeddings)
+        tables: dict[str, RotaryEmbedding] = {}
+        params_of: dict[str, dict] = {}
+        self._rope_keys: dict[str, str | None] = {}
+        for layer_type, params in by_type.items():
+            if params is None:
+                self._rope_keys[layer_type] = None
+                continue
+            key = next((k for k, p in params_of.items() if p == params), layer_type)
+            if key not in tables:
+                params_of[key] = params
+                tables[key] = RotaryEmbedding(c.head_dim, params, c.max_position_embeddings,
+                                              style=self.arch.rotary_style)
+            self._rope_keys[layer_type] = key
+        return tables
+
+    def make_mlp(self, layer: int) -> DirectCallModule:
+        return DecoderMLP(self.config, self.ps, self.arch)
+
+    def _embed_scale(self) -> torch.Tensor | float | None:
+        if self.arch.embed_scale_sqrt_hidden:
+            # transformers' Gemma: sqrt(hidden) cast to the weight dtype.
+            return torch.tensor(self.hidden_size**0.5, dtype=torch.get_default_dtype())
+        multiplier = self.config.embedding_multiplier
+        return None if multiplier == 1.0 else multiplier
+
+    # ---- the runner's interface ----------------------------------------
+
+    def process_weights_after_loading(self) -> None:
+        """Once, after the loader filled every parameter (Gemma's (1 + w) norms)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.process_weights_after_loading()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Every layer attends through `backend` (workerd/layers/attention/backend.py);
         the weights and the KV cache layout do not depend on it. ValueError
         when the backend does not declare what attention_needs asks for; the
-        layers rotate inside its kernel when it declares rotary_in_kernel."""
+        layers rotate inside its kernel when it declares rotary_in_kernel and
+        their table is one the kernel rotates with (full-width NeoX)."""
         check_capabilities(backend, self.attention_needs, type(self).__name__)
         self.attn_backend = backend
         for layer in self.layers:
-            layer.self_attn.attn_backend = backend
-            layer.self_attn.rotary_in_kernel = backend.capabilities.rotary_in_kernel
+            attn = layer.self_attn
+            attn.attn_backend = backend
+            rope = self.rotary_embs[attn.rope_key] if attn.rope_key is not None else None
+            attn.rotary_in_kernel = (backend.capabilities.rotary_in_kernel
+                                     and attn.qk_norm == "none"
+                                     and rope is not None and rope.full_neox)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -249,55 +256,77 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
-        attn_plan=None,
+        attn_plan: dict[AttentionLayerKind, object] | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """attn_plan: the backend's plan for attn_metadata when the caller
-        built it (a CUDA graph captures the forward with a pre-planned one)."""
+        """attn_plan: the backend's plan per attention kind, when the caller
+        built them (a CUDA graph captures the forward with pre-planned ones)."""
         if self.ps.is_first_pp_rank:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
         else:
             hidden_states = intermediate_tensors.hidden_states
             residual = intermediate_tensors.residual
         # Everything that depends only on the step, not the layer, is built
-        # once here: the attention plan and the rotary tables.
-        plan = attn_plan
-        if plan is None:
-            plan = self.attn_backend.build_plan(attn_metadata, positions.shape[0])
-        rope = self.rotary_emb.tables(positions, attn_metadata.max_seq_len, hidden_states.dtype)
+        # once here: a plan per attention kind and each rotary table.
+        plans = attn_plan
+        if plans is None:
+            n = positions.shape[0]
+            plans = {kind: self.attn_backend.build_plan(attn_metadata, n, kind)
+                     for kind in self.attention_kinds}
+        ropes = {key: emb.tables(positions, attn_metadata.max_seq_len, hidden_states.dtype)
+                 for key, emb in self.rotary_embs.items()}
         for i, layer in enumerate(self.layers):
             kv_cache = kv_caches[i] if kv_caches else None
             hidden_states, residual = layer(
-                hidden_states, residual, rope, kv_cache, attn_metadata, plan
-            )
+                hidden_states, residual, ropes, kv_cache, attn_metadata,
+                plans[layer.self_attn.kind])
         if not self.ps.is_last_pp_rank:
             return IntermediateTensors(hidden_states=hidden_states, residual=residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)
+        """Full-vocab float32 logits, after Granite's scaling and Gemma 2's final cap."""
+        logits = self.lm_head.compute_logits(hidden_states)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
-    def hf_weight_map(self) -> dict[str, list[nn.Parameter]]:
-        """Checkpoint tensor name -> this rank's parameters filled from it (a
-        tied embedding may feed both the embedding and the LM head)."""
-        m: dict[str, list[nn.Parameter]] = {}
+    def hf_weight_map(self) -> dict[str, list[nn.Parameter | LoadTarget]]:
+        """Checkpoint tensor name -> what this rank fills from it (a tied
+        embedding may feed both the embedding and the LM head)."""
+        m: dict[str, list[nn.Parameter | LoadTarget]] = {}
 
-        def add(name: str, param: nn.Parameter) -> None:
-            if all(p is not param for p in m.get(name, [])):
-                m.setdefault(name, []).append(param)
+        def add(name: str, entry) -> None:
+            if all(e is not entry for e in m.get(name, [])):
+                m.setdefault(name, []).append(entry)
 
         if self.embed_tokens is not None:
             add("model.embed_tokens.weight", self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{self.start_layer + i}."
+            skip: list[str] = []  # modules a parent already mapped
             for mod_name, module in layer.named_modules():
-                where = prefix + (mod_name.rsplit(".", 1)[0] + "." if "." in mod_name else "")
-                if isinstance(module, MergedColumnParallelLinear):
-                    # Its checkpoint tensors are siblings: self_attn.q_proj.weight.
-                    for suffix, param in module.checkpoint_params().items():
-                        add(where + suffix, param)
+                if any(mod_name.startswith(s) for s in skip):
                     continue
                 own = prefix + (mod_name + "." if mod_name else "")
+                if isinstance(module, MergedColumnParallelLinear):
+                    # Its checkpoint tensors are siblings: self_attn.q_proj.weight.
+                    where = prefix + (mod_name.rsplit(".", 1)[0] + "." if "." in mod_name else "")
+                    for suffix, entries in module.checkpoint_targets().items():
+                        for entry in entries:
+                            add(where + suffix, entry)
+                    continue
+                if isinstance(module, CheckpointMapped):
+                    for suffix, entries in module.checkpoint_targets().items():
+                        for entry in entries:
+                            add(own + suffix, entry)
+                    skip.append(mod_name + ".")
+                    continue
                 for name, param in module.named_parameters(recurse=False):
                     add(own + name, param)
         if self.norm is not None:
@@ -307,11 +336,11 @@ class LlamaForCausalLM(nn.Module):
         return m
 
 
-class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral's checkpoint layout and math are Llama's; sliding-window attention
-    (absent from Mistral >= v0.2 configs) is not implemented and refused."""
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama 2/3.x, SmolLM2 and Llama-shaped checkpoints: the declarations'
+    defaults."""
 
-    def __init__(self, config, ps: ParallelState, pp_layer_partition: tuple[int, ...] = ()):
-        if getattr(config, "sliding_window", None):
-            raise ValueError("MistralForCausalLM with sliding_window is not supported")
-        super().__init__(config, ps, pp_layer_partition)
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral's checkpoint layout and math are Llama's; v0.1's sliding window
+    (every layer; config.layer_types) is the layers' AttentionLayerKind."""

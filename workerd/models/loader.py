@@ -145,7 +145,7 @@ def load_model(
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise ValueError(f"{model_path}/config.json names no architectures")
-    cls = get_model_class(archs[0])
+    cls = get_model_class(archs[0], config.model_type)
     # Allocate directly on the target device in the target dtype (torch.empty
     # parameters: nothing is initialised only to be overwritten).
     old_dtype = torch.get_default_dtype()
@@ -156,4 +156,5 @@ def load_model(
     finally:
         torch.set_default_dtype(old_dtype)
     load_weights(model, model_path)
+    model.process_weights_after_loading()
     return model.train(False)  # inference mode: no dropout

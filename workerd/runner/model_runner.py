@@ -189,7 +189,8 @@ class ModelRunner:
             )
             if self._graphs_unavailable() is None:
                 # init_kv_cache captures them after the cache is allocated.
-                budget -= graphs_memory_bytes(self.limits.max_num_seqs)
+                budget -= graphs_memory_bytes(self.limits.max_num_seqs,
+                                             len(self.model.attention_kinds))
         else:
             budget = cpu_kv_cache_budget()
         return num_blocks_for_budget(budget, block_bytes), block_bytes

@@ -183,7 +183,7 @@ def test_default_pp_split_balances_the_lm_head():
 
     # SmolLM2-135M: its tied LM head (49,152 x 576) weighs 8 decoder layers.
     smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                              intermediate_size=1536, vocab_size=49152, head_dim=64)
+                              intermediate_size=1536, vocab_size=49152, head_dim=64, moe=None)
     head = lm_head_layers(smollm2)
     assert head == pytest.approx(8.0, abs=0.01)
     # 38 layers' worth over 2 stages: the last takes 11 layers + the head.
@@ -197,8 +197,15 @@ def test_default_pp_split_balances_the_lm_head():
 
 
 def test_unsupported_architecture_is_refused():
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: .*LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
+
+
+def test_an_architecture_with_another_familys_model_type_is_refused():
+    """Qwen3's class built from a config read with Llama's defaults would be
+    a silently different model."""
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM reads model_type qwen3, not 'llama'"):
+        get_model_class("Qwen3ForCausalLM", "llama")
 
 
 def test_metadata_helper_slots():

@@ -73,6 +73,9 @@ class Family:
     scale: str = "head_dim"
     # MoE fields: "" (dense), "mixtral", "qwen_moe".
     moe: str = ""
+    # Phi-3 reads old configs' rope type "su" or "yarn" as longrope
+    # (configuration_phi3.py, "for backward compatibility").
+    legacy_longrope: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -90,7 +93,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family({**_COMMON, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
                     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": None,
                     "original_max_position_embeddings": 4096, "partial_rotary_factor": 1.0},
-                   "all", qkv_bias="none", o_bias="none"),
+                   "all", qkv_bias="none", o_bias="none", legacy_longrope=True),
     "olmo2": Family({**_COMMON, "vocab_size": 50304, "rms_norm_eps": 1e-5}),
     "granite": Family({**_COMMON, "mlp_bias": False, "embedding_multiplier": 1.0,
                        "residual_multiplier": 1.0, "attention_multiplier": 1.0,
@@ -180,6 +183,14 @@ class ConfigReader:
         value = self.get(name)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"config.json: {name} must be an object or null, got {value!r}")
+        return value
+
+    def rope_dict(self, name: str) -> dict | None:
+        """rope_parameters / rope_scaling as the family's transformers code reads it."""
+        value = self.dict_or_none(name)
+        if value and self.family.legacy_longrope \
+                and value.get("rope_type", value.get("type")) in ("su", "yarn"):
+            value = {**value, "rope_type": "longrope"}
         return value
 
     def refuse_unsupported(self) -> None:

@@ -79,6 +79,10 @@ CONFIGS.update({
     "phi3-mini-4k-window": _family("phi3", sliding_window=2047, num_hidden_layers=2),
     "phi4-mini-partial": _family("phi3", rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}),
+    # Phi-3-128k's first configs: rope type "su" (transformers reads longrope).
+    "phi3-legacy-su-rope": _family("phi3", hidden_size=256, num_attention_heads=4,
+                                   rope_scaling={"type": "su", "short_factor": [1.0] * 32,
+                                                 "long_factor": [2.0] * 32}),
     "granite-multipliers": _family("granite", embedding_multiplier=12.0, residual_multiplier=0.22,
                                    attention_multiplier=0.0078125, logits_scaling=8.0),
     "smollm3-nope": _family("smollm3", num_hidden_layers=8, no_rope_layer_interval=4),
@@ -183,8 +187,14 @@ def _assert_reads_like(ours, hf) -> None:
     if not hf.model_type.startswith("gemma3"):  # per-layer-type tables: the model reads them
         hf_rope = rope_parameters(hf)
         assert ours.partial_rotary_factor == hf_rope.pop("partial_rotary_factor", 1.0)
-        assert rope_parameters(ours) | {"partial_rotary_factor": 0} == \
-            hf_rope | {"partial_rotary_factor": 0}
+        # The model passes the top-level switch length itself (rope_scaling.py's
+        # normalize_rope_parameters); HF folds it into the dict.
+        ours_rope = rope_parameters(ours)
+        hf_max = hf_rope.pop("original_max_position_embeddings", None)
+        if hf_max is not None:
+            assert hf_max == (ours.original_max_position_embeddings
+                              or ours_rope.pop("original_max_position_embeddings"))
+        assert ours_rope | {"partial_rotary_factor": 0} == hf_rope | {"partial_rotary_factor": 0}
     moe = ours.moe and (ours.moe.num_experts, ours.moe.num_experts_per_tok,
                         ours.moe.moe_intermediate_size, ours.moe.norm_topk_prob,
                         list(ours.moe.sparse_layers))

@@ -1,0 +1,321 @@
+"""The MoE block against transformers' own: Mixtral, Qwen3-MoE and Qwen2-MoE
+(shared expert) blocks with redrawn weights, saved by save_pretrained (so in
+the hub's per-expert layout, named by transformers, not by us), loaded into
+SparseMoeBlock through its LoadTargets, equal to HF's output at TP=1 for
+every method and at TP=2 after the all-reduce, in real gloo processes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeDecoderLayer,
+    Qwen3MoeSparseMoeBlock,
+)
+
+from kvloom.common.ports import free_port
+from tests.factories import layout_state
+from workerd.distributed.parallel_state import destroy_parallel_state, init_parallel_state
+from workerd.layers.activation import SiluAndMul
+from workerd.layers.moe import (
+    MIXTRAL_EXPERT_NAMES,
+    MOE_METHODS,
+    QWEN_MOE_EXPERT_NAMES,
+    ExpertWeightNames,
+    FusedMoE,
+    SparseMoeBlock,
+    fused_experts,
+    is_moe_layer,
+    select_experts,
+)
+from workerd.models.loader import load_weight_map
+
+HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 32, 4, 2, 16, 24
+ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family's tiny checkpoint and how SparseMoeBlock is built for it."""
+
+    name: str
+    path: str
+    prefix: str
+    names: ExpertWeightNames
+    renormalize: bool
+    shared: int
+
+
+def _tiny_config(family: str, norm_topk_prob: bool):
+    common = dict(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=64, num_experts_per_tok=TOP_K,
+                  experts_implementation="eager")
+    if family == "mixtral":
+        return MixtralForCausalLM, MixtralConfig(
+            **common, intermediate_size=INTER, num_local_experts=EXPERTS)
+    qwen = dict(common, moe_intermediate_size=INTER, intermediate_size=48, num_experts=EXPERTS,
+                norm_topk_prob=norm_topk_prob)
+    if family == "qwen3_moe":
+        return Qwen3MoeForCausalLM, Qwen3MoeConfig(**qwen)
+    return Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        **qwen, shared_expert_intermediate_size=SHARED_INTER)
+
+
+def _redraw(model, seed: int) -> None:
+    """Every tensor from a seeded generator (independent of HF's init); the
+    router's std makes tokens pick different experts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.state_dict().items()):
+            std = 0.3 if name.endswith("mlp.gate.weight") else 0.2
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def _hf_model(family: str, norm_topk_prob: bool, seed: int = 0):
+    cls, cfg = _tiny_config(family, norm_topk_prob)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    _redraw(model, seed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, Case]:
+    """family -> its checkpoint (norm_topk_prob True for the Qwens; the
+    False runs flip HF's router flag on the same weights)."""
+    out = {}
+    for family, prefix, names, shared in [
+        ("mixtral", "model.layers.0.block_sparse_moe.", MIXTRAL_EXPERT_NAMES, 0),
+        ("qwen3_moe", "model.layers.0.mlp.", QWEN_MOE_EXPERT_NAMES, 0),
+        ("qwen2_moe", "model.layers.0.mlp.", QWEN_MOE_EXPERT_NAMES, SHARED_INTER),
+    ]:
+        path = tmp_path_factory.mktemp(family)
+        _hf_model(family, True).save_pretrained(path)
+        out[family] = Case(family, str(path), prefix, names, True, shared)
+    return out
+
+
+def _hf_block(family: str, norm_topk_prob: bool):
+    return _hf_model(family, norm_topk_prob).model.layers[0].mlp
+
+
+def _x(seed: int = 1, tokens: int = 24) -> torch.Tensor:
+    return torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _block(case: Case, ps, renormalize: bool = True, method: str = "auto") -> SparseMoeBlock:
+    return SparseMoeBlock(EXPERTS, TOP_K, HIDDEN, INTER, ps, renormalize,
+                          shared_expert_intermediate_size=case.shared, expert_names=case.names,
+                          method=method)
+
+
+def _ours(case: Case, ps, renormalize: bool, method: str = "auto") -> SparseMoeBlock:
+    """Loaded as a model loads it: the block's targets under its prefix."""
+    block = _block(case, ps, renormalize, method)
+    wanted = {case.prefix + k: t for k, t in block.checkpoint_targets().items()}
+    load_weight_map(wanted, case.path)
+    return block.eval()
+
+
+def _hf_out(family: str, norm_topk_prob: bool, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return _hf_block(family, norm_topk_prob)(x.unsqueeze(0))[0]
+
+
+def test_checkpoint_is_in_the_hub_layout(cases):
+    """save_pretrained wrote one tensor per expert; every name the block
+    asks for exists, and the block asks for all of the layer's MLP tensors."""
+    from safetensors import safe_open
+
+    for case in cases.values():
+        with safe_open(str(Path(case.path) / "model.safetensors"), "pt") as f:
+            on_disk = {k for k in f.keys() if k.startswith(case.prefix)}  # noqa: SIM118
+        targets = _block(case, layout_state()).checkpoint_targets()
+        assert {case.prefix + k for k in targets} == on_disk
+        assert f"{case.prefix}experts.3.{case.names.down}.weight" in on_disk
+
+
+def test_router_spreads_tokens_over_experts():
+    for family in ("mixtral", "qwen3_moe"):
+        hf = _hf_block(family, True)
+        with torch.no_grad():
+            _, _, ids = hf.gate(_x())
+        assert ids.unique().numel() >= 3, family
+
+
+@pytest.mark.parametrize("method", MOE_METHODS)
+@pytest.mark.parametrize("family,norm_topk_prob", [
+    ("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False),
+    ("qwen2_moe", True), ("qwen2_moe", False)])
+def test_tp1_matches_hf_block(cases, family, norm_topk_prob, method):
+    x = _x()
+    block = _ours(cases[family], layout_state(), norm_topk_prob, method)
+    with torch.no_grad():
+        got = block(x)
+    torch.testing.assert_close(got, _hf_out(family, norm_topk_prob, x), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("method", MOE_METHODS)
+def test_tp1_matches_hf_with_c_kernels_bound(cases, method):
+    """As a float32 CPU rank runs it: silu-and-mul in kvloom's C kernel."""
+    from workerd.kernels.loader import load_kernels
+    from workerd.layers.custom_op import use_custom_op_kernels
+
+    x = _x()
+    block = _ours(cases["qwen2_moe"], layout_state(), True, method)
+    assert use_custom_op_kernels(block, load_kernels()) == 2  # routed + shared
+    with torch.no_grad():
+        got = block(x)
+    torch.testing.assert_close(got, _hf_out("qwen2_moe", True, x), atol=ATOL, rtol=0)
+
+
+def test_renormalisation_changes_the_output(cases):
+    """Negative control: norm_topk_prob (and Mixtral's fixed renorm) matter at
+    this router, so the parity runs above can tell the settings apart."""
+    x = _x()
+    for family in ("qwen3_moe", "qwen2_moe"):
+        diff = (_hf_out(family, True, x) - _hf_out(family, False, x)).abs().max()
+        assert diff > 100 * ATOL, family
+    mixtral = _hf_out("mixtral", True, x)
+    with torch.no_grad():
+        unnormalised = _ours(cases["mixtral"], layout_state(), False)(x)
+    assert (unnormalised - mixtral).abs().max() > 100 * ATOL
+
+
+def test_methods_agree_on_uneven_routing():
+    """More experts than tokens pick (some never hit), k=3, odd token counts,
+    no tokens at all: every method equals the reference loop."""
+    g = torch.Generator().manual_seed(7)
+    e, k, h, i = 8, 3, 16, 24
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.3
+    w2 = torch.randn(e, h, i, generator=g) * 0.3
+    router = torch.randn(e, h, generator=g)
+    act = SiluAndMul()
+    for tokens in (0, 1, 2, 37):
+        x = torch.randn(tokens, h, generator=g)
+        logits = x @ router.T
+        logits[:, 5] = -1e4  # no token picks expert 5
+        weights, ids = select_experts(logits, k, renormalize=False)
+        assert not (ids == 5).any()
+        ref = fused_experts(x, w13, w2, weights, ids, act, "reference")
+        assert ref.shape == (tokens, h)
+        for method in MOE_METHODS:
+            got = fused_experts(x, w13, w2, weights, ids, act, method)
+            torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=f"{method} {tokens}")
+
+
+def test_select_experts_float32_softmax_and_renorm():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], dtype=torch.bfloat16)
+    w, ids = select_experts(logits, 2, renormalize=False)
+    assert w.dtype == torch.bfloat16 and ids.tolist() == [[0, 1]]
+    p = torch.softmax(logits.float(), -1)[0, :2]
+    torch.testing.assert_close(w.float()[0], p.to(torch.bfloat16).float())
+    w, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(w.float()[0], (p / p.sum()).to(torch.bfloat16).float())
+
+
+def test_tp_rank_holds_its_slice_and_partials_sum_to_tp1(cases):
+    """Each rank's stacked weights are its rows/columns of every expert's
+    tensors; the ranks' partial outputs (what the all-reduce sums) add up to
+    the TP=1 output, routed and shared alike."""
+    case = cases["qwen2_moe"]
+    x = _x()
+    full = _ours(case, layout_state(), True)
+    with torch.no_grad():
+        want = full(x)
+        partials = []
+        for rank in range(2):
+            block = _ours(case, layout_state(tp_size=2, tp_rank=rank), True)
+            rows = slice(rank * 8, (rank + 1) * 8)
+            torch.testing.assert_close(block.experts.w13_weight[2, :8],
+                                       full.experts.w13_weight[2, :16][rows])
+            torch.testing.assert_close(block.experts.w13_weight[2, 8:],
+                                       full.experts.w13_weight[2, 16:][rows])
+            torch.testing.assert_close(block.experts.w2_weight[2],
+                                       full.experts.w2_weight[2][:, rows])
+            torch.testing.assert_close(block.gate.weight, full.gate.weight)
+            partials.append(block.experts(x, block.gate(x)) + block.shared_expert(x))
+    torch.testing.assert_close(partials[0] + partials[1], want, atol=ATOL, rtol=0)
+    assert (partials[0] - want).abs().max() > 100 * ATOL  # one rank alone is not the answer
+
+
+def _tp_worker(rank, port, cases, out_dir):
+    torch.set_num_threads(1)
+    ps = init_parallel_state(rank, 2, 2, 1, "127.0.0.1", port, 60.0, torch.device("cpu"))
+    try:
+        outs = {}
+        with torch.no_grad():
+            for case in cases:
+                for method in ("sorted", "grouped_mm"):
+                    outs[case.name, method] = _ours(case, ps, case.renormalize, method)(_x())
+        torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy_parallel_state(ps)
+
+
+@pytest.mark.slow
+def test_tp2_after_all_reduce_equals_tp1(cases, tmp_path):
+    cs = list(cases.values())
+    mp.spawn(_tp_worker, args=(free_port(), cs, str(tmp_path)), nprocs=2, join=True)
+    x = _x()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(got) == 2 * len(cs)
+        for case in cs:
+            with torch.no_grad():
+                want = _ours(case, layout_state(), case.renormalize)(x)
+            torch.testing.assert_close(want, _hf_out(case.name, True, x), atol=ATOL, rtol=0)
+            for method in ("sorted", "grouped_mm"):
+                torch.testing.assert_close(got[case.name, method], want, atol=ATOL, rtol=0,
+                                           msg=f"rank {rank} {case.name} {method}")
+
+
+def test_hostile_sizes_are_refused_by_number():
+    tp2 = layout_state(tp_size=2)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=15 .* tensor_parallel_size=2"):
+        FusedMoE(4, 2, 32, 15, tp2, True)
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size=9 .* "
+                                         r"tensor_parallel_size=2"):
+        SparseMoeBlock(4, 2, 32, 16, tp2, True, shared_expert_intermediate_size=9)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be in 1\.\.num_experts=4"):
+        FusedMoE(4, 5, 32, 16, layout_state(), True)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=0"):
+        FusedMoE(4, 0, 32, 16, layout_state(), True)
+    with pytest.raises(ValueError, match=r"num_experts=0"):
+        FusedMoE(0, 1, 32, 16, layout_state(), True)
+    with pytest.raises(ValueError, match=r"hidden_act 'gelu'"):
+        FusedMoE(4, 2, 32, 16, layout_state(), True, hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"unknown MoE method 'fast'"):
+        FusedMoE(4, 2, 32, 16, layout_state(), True, method="fast")
+    # grouped_mm's 16-byte strides: refused at build; "auto" falls back to sorted.
+    with pytest.raises(ValueError, match=r"hidden_size=30 .* intermediate size 16"):
+        FusedMoE(4, 2, 30, 16, layout_state(), True, method="grouped_mm")
+    FusedMoE(4, 2, 30, 16, layout_state(), True, method="auto")
+
+
+def test_is_moe_layer_follows_transformers():
+    """By the global layer index, with mlp_only_layers and decoder_sparse_step."""
+    cfg = Qwen3MoeConfig(hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64, moe_intermediate_size=INTER,
+                         intermediate_size=48, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                         decoder_sparse_step=2, mlp_only_layers=[3])
+    hf = [isinstance(Qwen3MoeDecoderLayer(cfg, i).mlp, Qwen3MoeSparseMoeBlock) for i in range(6)]
+    ours = [is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
+            for i in range(6)]
+    assert ours == hf == [False, True, False, False, False, True]
+    assert not is_moe_layer(1, 0, 1, [])  # no experts: dense
+    with pytest.raises(ValueError, match="decoder_sparse_step=0"):
+        is_moe_layer(1, 4, 0, [])

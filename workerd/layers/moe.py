@@ -1,0 +1,332 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen3-MoE and Qwen2-MoE, experts
+tensor-parallel.
+
+Data flow per layer: the router (`gate`, replicated) scores every token
+against every expert; select_experts keeps each token's top_k; FusedMoE runs
+each chosen expert's gated MLP, down(silu(gate(x)) * up(x)), on the tokens
+that chose it and sums them weighted by the router; Qwen2-MoE adds an
+always-on shared expert scaled by a sigmoid gate. One all-reduce over the TP
+group ends the layer.
+
+TP of experts (not expert parallelism): every rank holds every expert's
+intermediate_size / tp slice, gate/up split by output rows (column parallel),
+down by input columns (row parallel), exactly as a dense MLP is split. Each
+rank's output is a partial sum of the same shape, so routed and shared
+experts add up locally and one all-reduce finishes both. The router is
+replicated, so every rank picks the same experts for a token. Expert
+parallelism (experts split across ranks, tokens all-to-all) is a later
+design (docs/design/model-families.md §3).
+
+Weights are stacked per layer, as vLLM's FusedMoE: w13_weight [E, 2*I_local,
+H] (expert e's gate rows, then its up rows) and w2_weight [E, H, I_local].
+The hub checkpoint has one tensor per expert and projection, so each fills a
+view of the stack through a LoadTarget (workerd/models/weight_targets.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workerd.distributed.parallel_state import ParallelState, tp_all_reduce
+from workerd.layers.activation import SiluAndMul
+from workerd.layers.checkpoint_mapped import CheckpointMapped
+from workerd.layers.direct_call import DirectCallModule
+from workerd.layers.linear import ColumnParallelLinear
+from workerd.models.weight_targets import LoadTarget, narrow_index
+
+
+@dataclass(frozen=True)
+class ExpertWeightNames:
+    """A family's checkpoint names for one expert's projections, under
+    `<prefix>experts.<e>.`: gate (silu'd), up, down."""
+
+    gate: str
+    up: str
+    down: str
+
+
+MIXTRAL_EXPERT_NAMES = ExpertWeightNames(gate="w1", up="w3", down="w2")
+QWEN_MOE_EXPERT_NAMES = ExpertWeightNames(gate="gate_proj", up="up_proj", down="down_proj")
+
+# How fused_experts runs the experts (FusedMoE's `method`):
+#   "sorted":     tokens sorted by expert once; per hit expert one matmul on
+#                 its contiguous rows for gate/up, one silu-and-mul over all
+#                 rows, then one matmul per hit expert for down (loops over at
+#                 most E experts, never over tokens);
+#   "grouped_mm": the same sorted rows through torch's grouped GEMM: two calls
+#                 per layer however many experts are hit;
+#   "auto":       grouped_mm when it applies and the step has on average at
+#                 least one row per expert, sorted otherwise (below that
+#                 grouped_mm's per-group cost, paid for empty groups too,
+#                 loses: benchmarks/moe_layer.py);
+#   "reference":  transformers' loop (per hit expert: a one-hot mask search,
+#                 gather, matmuls, index_add), the parity reference for tests.
+MOE_METHODS = ("auto", "sorted", "grouped_mm", "reference")
+DEFAULT_MOE_METHOD = "auto"
+
+
+def is_moe_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int,
+                 mlp_only_layers: tuple[int, ...] | list[int]) -> bool:
+    """Whether Qwen-MoE's decoder layer `layer_idx` (the GLOBAL index, not a
+    PP stage's local one) has the sparse block, as transformers decides it
+    (Qwen3MoeDecoderLayer); Mixtral's layers are all sparse."""
+    if num_experts <= 0 or layer_idx in mlp_only_layers:
+        return False
+    if decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step={decoder_sparse_step} must be >= 1")
+    return (layer_idx + 1) % decoder_sparse_step == 0
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int64).
+
+    The softmax runs in float32 over all experts, as transformers' routers do
+    (in bf16, near-equal probabilities would round together and top-k could
+    pick a different expert than the reference does). Mixtral always
+    renormalises the kept weights to sum to 1; Qwen-MoE iff norm_topk_prob.
+    The weights are cast back to the activation dtype as Qwen-MoE does
+    (Mixtral multiplies in float32 and casts after: equal in float32, one
+    rounding apart in bf16)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights.to(router_logits.dtype), topk_ids
+
+
+def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                            act_fn: SiluAndMul) -> torch.Tensor:
+    """transformers' expert loop (MixtralExperts.forward), kept as the
+    reference the grouped forms are tested against."""
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x)
+    # [E, k, T]: which (token, slot) pairs chose each expert.
+    expert_mask = F.one_hot(topk_ids, num_classes=num_experts).permute(2, 1, 0)
+    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
+    for e in hit:
+        slot, token = torch.where(expert_mask[e])
+        h = F.linear(act_fn(F.linear(x[token], w13[e])), w2[e])
+        out.index_add_(0, token, h * topk_weights[token, slot, None])
+    return out
+
+
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """The (token, slot) pairs reordered so each expert's are contiguous:
+    (order into the flattened [T*k] pairs, the token of each sorted pair,
+    per-expert counts [E])."""
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // topk_ids.shape[1], counts
+
+
+def grouped_mm_applies(device: torch.device, hidden_size: int, local_intermediate: int) -> bool:
+    """Whether "auto" may use torch's grouped GEMM: on CPU (where it was
+    measured; CUDA's wants bf16 on sm90+ and is unmeasured), with row strides
+    of whole 16 bytes, which it requires (multiples of 8 elements cover bf16
+    and float32)."""
+    return device.type == "cpu" and hidden_size % 8 == 0 and local_intermediate % 8 == 0
+
+
+def _sorted_experts(xs, w13, w2, counts, act_fn):
+    segments, start = [], 0
+    # One host read of the counts; an expert no token chose costs one compare.
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            segments.append((e, start, start + n))
+            start += n
+    h13 = xs.new_empty(xs.shape[0], w13.shape[1])
+    for e, a, b in segments:
+        torch.mm(xs[a:b], w13[e].T, out=h13[a:b])
+    h = act_fn(h13)  # once over all rows: each row is [gate | up]
+    ys = torch.empty_like(xs)
+    for e, a, b in segments:
+        torch.mm(h[a:b], w2[e].T, out=ys[a:b])
+    return ys
+
+
+def _grouped_mm_experts(xs, w13, w2, counts, act_fn):
+    # Rows offs[e-1]:offs[e] multiply expert e's matrix.
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = act_fn(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+    return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_fn: SiluAndMul,
+                  method: str = DEFAULT_MOE_METHOD) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token
+    t: [T, H], this rank's partial sum under TP (the caller all-reduces)."""
+    if method == "reference":
+        return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, act_fn)
+    num_experts = w13.shape[0]
+    if method == "auto":
+        dense = topk_ids.numel() >= num_experts
+        fits = grouped_mm_applies(x.device, w13.shape[2], w2.shape[2])
+        method = "grouped_mm" if dense and fits else "sorted"
+    order, token, counts = _sort_by_expert(topk_ids, num_experts)
+    xs = x[token]  # [T*k, H], grouped by expert
+    if method == "sorted":
+        ys = _sorted_experts(xs, w13, w2, counts, act_fn)
+    elif method == "grouped_mm":
+        ys = _grouped_mm_experts(xs, w13, w2, counts, act_fn)
+    else:
+        raise ValueError(f"unknown MoE method {method!r} (one of {MOE_METHODS})")
+    ys.mul_(topk_weights.flatten()[order].unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    # torch.empty: the checkpoint fills every element.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _tp_slice(what: str, size: int, ps: ParallelState) -> tuple[int, int]:
+    """(start, end) of this rank's rows of an intermediate dim of `size`."""
+    if size % ps.tp_size:
+        raise ValueError(f"{what}={size} is not divisible by tensor_parallel_size={ps.tp_size}")
+    local = size // ps.tp_size
+    return ps.tp_rank * local, (ps.tp_rank + 1) * local
+
+
+def _gated_mlp_targets(w13: torch.Tensor, w2: torch.Tensor, start: int, end: int,
+                       gate: str, up: str, down: str) -> dict[str, list[LoadTarget]]:
+    """One gated MLP's three checkpoint tensors into its stacked views: the
+    gate and up rows start:end into w13's two halves, down's columns
+    start:end into w2."""
+    local = end - start
+    rows = narrow_index(0, start, end)
+    return {
+        gate: [LoadTarget(w13[:local], rows)],
+        up: [LoadTarget(w13[local:], rows)],
+        down: [LoadTarget(w2, narrow_index(1, start, end))],
+    }
+
+
+class FusedMoE(CheckpointMapped, DirectCallModule):
+    """The routed experts of one layer, stacked, this rank's TP slice of each.
+
+    forward(hidden_states [T, H], router_logits [T, E]) -> [T, H]: routing,
+    the experts, and (reduce_results) the TP all-reduce; a caller that adds
+    more partial sums first (the shared expert) passes reduce_results=False
+    and reduces once itself. expert_names: the family's checkpoint names."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 ps: ParallelState, renormalize: bool, reduce_results: bool = True,
+                 expert_names: ExpertWeightNames = QWEN_MOE_EXPERT_NAMES,
+                 hidden_act: str = "silu", method: str = DEFAULT_MOE_METHOD):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts={num_experts} must be >= 1")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported MoE hidden_act {hidden_act!r} (only silu)")
+        if method not in MOE_METHODS:
+            raise ValueError(f"unknown MoE method {method!r} (one of {MOE_METHODS})")
+        self.start, self.end = _tp_slice("moe_intermediate_size", intermediate_size, ps)
+        local = self.end - self.start
+        if method == "grouped_mm" and not grouped_mm_applies(ps.device, hidden_size, local):
+            # Refused at build, not mid-step ("auto" falls back by itself).
+            raise ValueError(f"grouped_mm needs a CPU rank and hidden_size={hidden_size} and "
+                             f"the per-rank intermediate size {local} multiples of 8")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.renormalize, self.reduce_results, self.method = renormalize, reduce_results, method
+        self.expert_names, self.ps = expert_names, ps
+        self.w13_weight = _empty(num_experts, 2 * local, hidden_size)
+        self.w2_weight = _empty(num_experts, hidden_size, local)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
+                            topk_ids, self.act_fn, self.method)
+        return tp_all_reduce(out, self.ps) if self.reduce_results else out
+
+    def checkpoint_targets(self) -> dict[str, list[LoadTarget]]:
+        """`<e>.<gate|up|down>.weight` (under the checkpoint's `experts.`) for
+        every expert e -> its views of the stacks."""
+        n = self.expert_names
+        m: dict[str, list[LoadTarget]] = {}
+        for e in range(self.num_experts):
+            per = _gated_mlp_targets(self.w13_weight.data[e], self.w2_weight.data[e],
+                                     self.start, self.end, n.gate, n.up, n.down)
+            m.update({f"{e}.{name}.weight": t for name, t in per.items()})
+        return m
+
+
+class SharedExpert(DirectCallModule):
+    """Qwen2-MoE's always-on expert, a gated MLP split like the routed ones,
+    scaled per token by sigmoid(shared_expert_gate(x)). The gate is
+    replicated and its scale is per token, so scaling this rank's partial sum
+    scales the reduced one: no collective of its own."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ps: ParallelState):
+        super().__init__()
+        self.start, self.end = _tp_slice("shared_expert_intermediate_size", intermediate_size, ps)
+        local = self.end - self.start
+        self.w13_weight = _empty(2 * local, hidden_size)
+        self.w2_weight = _empty(hidden_size, local)
+        self.gate_weight = _empty(1, hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(self.act_fn(F.linear(x, self.w13_weight)), self.w2_weight)
+        return h.mul_(torch.sigmoid(F.linear(x, self.gate_weight)))
+
+    def block_targets(self) -> dict[str, list[LoadTarget]]:
+        """Under the block's prefix: `shared_expert.{gate,up,down}_proj.weight`
+        and its sibling `shared_expert_gate.weight` (so not CheckpointMapped,
+        whose names live under the module's own prefix)."""
+        per = _gated_mlp_targets(self.w13_weight.data, self.w2_weight.data, self.start,
+                                 self.end, "gate_proj", "up_proj", "down_proj")
+        m = {f"shared_expert.{n}.weight": t for n, t in per.items()}
+        m["shared_expert_gate.weight"] = [LoadTarget(self.gate_weight.data)]
+        return m
+
+
+class SparseMoeBlock(CheckpointMapped, DirectCallModule):
+    """The MLP of a sparse decoder layer: router, routed experts, optional
+    shared expert, one all-reduce. forward(hidden_states [T, H]) -> [T, H],
+    reduced over the TP group.
+
+    renormalize: True for Mixtral, norm_topk_prob for Qwen-MoE.
+    shared_expert_intermediate_size: Qwen2-MoE's (0: no shared expert).
+    expert_names: MIXTRAL_EXPERT_NAMES or QWEN_MOE_EXPERT_NAMES.
+    method: MOE_METHODS ("auto": the measured fastest for the step)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 ps: ParallelState, renormalize: bool, shared_expert_intermediate_size: int = 0,
+                 expert_names: ExpertWeightNames = QWEN_MOE_EXPERT_NAMES,
+                 hidden_act: str = "silu", method: str = DEFAULT_MOE_METHOD):
+        super().__init__()
+        self.ps = ps
+        # Replicated router: one shard that every rank holds.
+        self.gate = ColumnParallelLinear(hidden_size, num_experts, ps, num_shards=1, shard_index=0)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, ps,
+                                renormalize, reduce_results=False, expert_names=expert_names,
+                                hidden_act=hidden_act, method=method)
+        self.shared_expert = (SharedExpert(hidden_size, shared_expert_intermediate_size, ps)
+                              if shared_expert_intermediate_size else None)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden_states, self.gate(hidden_states))
+        if self.shared_expert is not None:
+            out += self.shared_expert(hidden_states)
+        return tp_all_reduce(out, self.ps)
+
+    def checkpoint_targets(self) -> dict[str, list[LoadTarget]]:
+        """Every checkpoint tensor of this block, named under the block's own
+        prefix ("model.layers.<global i>.block_sparse_moe." for Mixtral,
+        "model.layers.<global i>.mlp." for Qwen-MoE) -> its LoadTargets."""
+        m = {"gate.weight": [LoadTarget(self.gate.weight.data)]}
+        m.update({f"experts.{k}": t for k, t in self.experts.checkpoint_targets().items()})
+        if self.shared_expert is not None:
+            m.update(self.shared_expert.block_targets())
+        return m

@@ -62,6 +62,15 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                "partial_rotary_factor": 0.5}),
     "glm4": ("Glm4ForCausalLM", {"model_type": "glm4", "attention_bias": True,
                                  "partial_rotary_factor": 0.5}),
+    "mixtral": ("MixtralForCausalLM", {"model_type": "mixtral", "intermediate_size": 32,
+                                       "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", {
+        "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", {
+        "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+        "norm_topk_prob": False}),
 }
 
 

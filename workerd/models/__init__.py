@@ -25,6 +25,11 @@ _REGISTRY: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "SmolLM3ForCausalLM": ("workerd.models.granite", "SmolLM3ForCausalLM", ("smollm3",)),
     "GlmForCausalLM": ("workerd.models.glm", "GlmForCausalLM", ("glm",)),
     "Glm4ForCausalLM": ("workerd.models.glm", "Glm4ForCausalLM", ("glm4",)),
+    "MixtralForCausalLM": ("workerd.models.moe_models", "MixtralForCausalLM", ("mixtral",)),
+    "Qwen3MoeForCausalLM": ("workerd.models.moe_models", "Qwen3MoeForCausalLM",
+                            ("qwen3_moe",)),
+    "Qwen2MoeForCausalLM": ("workerd.models.moe_models", "Qwen2MoeForCausalLM",
+                            ("qwen2_moe",)),
 }
 
 

@@ -95,6 +95,13 @@ def _rope_everywhere(hf):
         layer.self_attn.use_rope = 1
 
 
+def _uniform_router(hf):
+    for layer in _layers(hf):
+        moe = layer.mlp if hasattr(layer.mlp, "gate") else None
+        if moe is not None:
+            moe.gate.weight.zero_()
+
+
 CONTROLS = {
     ("qwen2", "qkv bias"): _zero_qkv_bias,
     ("qwen3", "per-head q/k norm"): lambda hf: _identity(hf, "attn.q_norm", "attn.k_norm"),
@@ -120,6 +127,8 @@ CONTROLS = {
     ("glm4", "GPT-J rotary pairs"): "neox",
     ("glm4", "post sublayer norms"): lambda hf: _identity(hf, "post_self_attn_layernorm",
                                                           "post_mlp_layernorm"),
+    ("mixtral", "router"): _uniform_router,
+    ("qwen3-moe", "router"): _uniform_router,
 }
 
 _dirs: dict[str, str] = {}

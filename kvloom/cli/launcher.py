@@ -305,7 +305,7 @@ class Cluster:
 
     def check(self) -> None:
         """Resolve the model and the ports and preflight() them; spawns nothing."""
-        self.model = self.spec.model or _default_model()
+        self.model = _resolve_model(self.spec.model)
         self.ports = resolve_ports(self.spec)
         preflight(self.spec, self.model, self.ports)
         self._checked = True
@@ -553,9 +553,16 @@ def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up
     return f"{proc.name} {how} {phase}; its last log lines:\n{shown}"
 
 
-def _default_model() -> str:
-    # Resolved here, once, so the conversion (first run only) happens before any
-    # daemon starts instead of racing the controlplane's start-up timeout.
-    from kvloom.common.default_model import default_model_dir
+def _resolve_model(model: str | None) -> str:
+    # Unset or an embedded model's name: resolved here, once, so a conversion
+    # (first run only) happens before any daemon starts instead of racing the
+    # controlplane's start-up timeout. A path goes on as given: preflight's
+    # `controlplane --check` judges it (and names the models if it is neither).
+    from kvloom.common.embedded_models import EmbeddedModelError, is_model_name, resolve_model
 
-    return default_model_dir()
+    if not is_model_name(model):
+        return model
+    try:
+        return resolve_model(model)
+    except EmbeddedModelError as exc:
+        raise ClusterError(str(exc)) from None

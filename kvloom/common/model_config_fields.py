@@ -304,6 +304,9 @@ class ConfigReader:
         only = self.get("mlp_only_layers")
         if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
             raise ValueError(f"config.json: mlp_only_layers must list layer indices, got {only!r}")
+        # The one rule for which layers are sparse, by GLOBAL index (workerd's MoE
+        # models build by it): Qwen3MoeDecoderLayer's (qwen3_moe modeling L310; the
+        # num_experts > 0 there holds, int() refused 0; step >= 1 likewise).
         sparse = tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers))
         shared = self.int("shared_expert_intermediate_size", optional=True) or 0
         if "shared_expert_intermediate_size" not in self.family.defaults:

@@ -69,18 +69,6 @@ MOE_METHODS = ("auto", "sorted", "grouped_mm", "reference")
 DEFAULT_MOE_METHOD = "auto"
 
 
-def is_moe_layer(layer_idx: int, num_experts: int, decoder_sparse_step: int,
-                 mlp_only_layers: tuple[int, ...] | list[int]) -> bool:
-    """Whether Qwen-MoE's decoder layer `layer_idx` (the GLOBAL index, not a
-    PP stage's local one) has the sparse block, as transformers decides it
-    (Qwen3MoeDecoderLayer); Mixtral's layers are all sparse."""
-    if num_experts <= 0 or layer_idx in mlp_only_layers:
-        return False
-    if decoder_sparse_step < 1:
-        raise ValueError(f"decoder_sparse_step={decoder_sparse_step} must be >= 1")
-    return (layer_idx + 1) % decoder_sparse_step == 0
-
-
 def select_experts(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int64).

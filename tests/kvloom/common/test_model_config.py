@@ -297,3 +297,40 @@ def test_a_field_the_family_does_not_read_changes_nothing():
     assert parse_model_config(_family("qwen2", mlp_bias=True)).mlp_bias is False
     glm = parse_model_config(_family("glm"))
     assert (glm.attention_bias, glm.attention_out_bias) == (True, False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(("step", "only"), [(1, []), (2, [3]), (3, [0, 5]),
+                                             (1, [0, 1, 2, 3, 4, 5])])
+def test_sparse_layers_are_transformers_decoder_layers(family, step, only):
+    """config.moe.sparse_layers is the one rule for which layers get the sparse
+    block (workerd's MoE models build by it): by the global index, as
+    transformers' Qwen*MoeDecoderLayer decides it (mlp_only_layers,
+    decoder_sparse_step), checked against the layers HF builds."""
+    import importlib
+
+    import transformers
+
+    name = {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe"}[family]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    fields = dict(hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=64, moe_intermediate_size=16,
+                  intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                  decoder_sparse_step=step, mlp_only_layers=only)
+    cfg = getattr(transformers, f"{name}Config")(**fields)
+    sparse_block = getattr(modeling, f"{name}SparseMoeBlock")
+    hf = [isinstance(getattr(modeling, f"{name}DecoderLayer")(cfg, i).mlp, sparse_block)
+          for i in range(6)]
+    ours = list(parse_model_config(_family(family, **fields)).moe.sparse_layers)
+    assert ours == hf
+    if (step, only) == (2, [3]):
+        assert ours == [False, True, False, False, False, True]
+
+
+def test_sparse_layer_rule_refuses_what_it_cannot_place():
+    """decoder_sparse_step 0 (a modulo by zero in transformers) and zero
+    experts (an MoE family without experts) are refused by name."""
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=0 is outside"):
+        parse_model_config(_family("qwen3_moe", decoder_sparse_step=0))
+    with pytest.raises(ValueError, match=r"num_experts=0 is outside"):
+        parse_model_config(_family("qwen2_moe", num_experts=0))

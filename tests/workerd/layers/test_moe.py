@@ -21,10 +21,6 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
-from transformers.models.qwen3_moe.modeling_qwen3_moe import (
-    Qwen3MoeDecoderLayer,
-    Qwen3MoeSparseMoeBlock,
-)
 
 from kvloom.common.ports import free_port
 from tests.factories import layout_state
@@ -38,7 +34,6 @@ from workerd.layers.moe import (
     FusedMoE,
     SparseMoeBlock,
     fused_experts,
-    is_moe_layer,
     select_experts,
 )
 from workerd.models.loader import load_weight_map
@@ -304,18 +299,3 @@ def test_hostile_sizes_are_refused_by_number():
     with pytest.raises(ValueError, match=r"hidden_size=30 .* intermediate size 16"):
         FusedMoE(4, 2, 30, 16, layout_state(), True, method="grouped_mm")
     FusedMoE(4, 2, 30, 16, layout_state(), True, method="auto")
-
-
-def test_is_moe_layer_follows_transformers():
-    """By the global layer index, with mlp_only_layers and decoder_sparse_step."""
-    cfg = Qwen3MoeConfig(hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=64, moe_intermediate_size=INTER,
-                         intermediate_size=48, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                         decoder_sparse_step=2, mlp_only_layers=[3])
-    hf = [isinstance(Qwen3MoeDecoderLayer(cfg, i).mlp, Qwen3MoeSparseMoeBlock) for i in range(6)]
-    ours = [is_moe_layer(i, cfg.num_experts, cfg.decoder_sparse_step, cfg.mlp_only_layers)
-            for i in range(6)]
-    assert ours == hf == [False, True, False, False, False, True]
-    assert not is_moe_layer(1, 0, 1, [])  # no experts: dense
-    with pytest.raises(ValueError, match="decoder_sparse_step=0"):
-        is_moe_layer(1, 4, 0, [])

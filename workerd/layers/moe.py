@@ -69,21 +69,24 @@ MOE_METHODS = ("auto", "sorted", "grouped_mm", "reference")
 DEFAULT_MOE_METHOD = "auto"
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] in the logits' dtype, topk_ids [T, k] int64).
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   float32_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [T, k], topk_ids [T, k] int64).
 
     The softmax runs in float32 over all experts, as transformers' routers do
     (in bf16, near-equal probabilities would round together and top-k could
     pick a different expert than the reference does). Mixtral always
     renormalises the kept weights to sum to 1; Qwen-MoE iff norm_topk_prob.
-    The weights are cast back to the activation dtype as Qwen-MoE does
-    (Mixtral multiplies in float32 and casts after: equal in float32, one
-    rounding apart in bf16)."""
+    The weights stay float32 with float32_weights, as Mixtral's router
+    (MixtralTopKRouter) returns them, so each expert's output is multiplied
+    in float32 and rounded once; otherwise they are cast to the logits'
+    dtype, as Qwen-MoE's routers do (in bf16 the two are a rounding apart)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if float32_weights:
+        return topk_weights, topk_ids
     return topk_weights.to(router_logits.dtype), topk_ids
 
 
@@ -91,7 +94,8 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
                             topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                             act_fn: SiluAndMul) -> torch.Tensor:
     """transformers' expert loop (MixtralExperts.forward), kept as the
-    reference the grouped forms are tested against."""
+    reference the grouped forms are tested against. Float32 weights (Mixtral's)
+    promote each expert's output, rounded back once per (token, expert)."""
     num_experts = w13.shape[0]
     out = torch.zeros_like(x)
     # [E, k, T]: which (token, slot) pairs chose each expert.
@@ -100,7 +104,7 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     for e in hit:
         slot, token = torch.where(expert_mask[e])
         h = F.linear(act_fn(F.linear(x[token], w13[e])), w2[e])
-        out.index_add_(0, token, h * topk_weights[token, slot, None])
+        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(out.dtype))
     return out
 
 
@@ -150,7 +154,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_fn: SiluAndMul,
                   method: str = DEFAULT_MOE_METHOD) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token
-    t: [T, H], this rank's partial sum under TP (the caller all-reduces)."""
+    t: [T, H], this rank's partial sum under TP (the caller all-reduces).
+    topk_weights in x's dtype or float32 (each product then computed in
+    float32 and rounded once into x's dtype, as Mixtral's loop does)."""
     if method == "reference":
         return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, act_fn)
     num_experts = w13.shape[0]
@@ -203,12 +209,14 @@ class FusedMoE(CheckpointMapped, DirectCallModule):
     forward(hidden_states [T, H], router_logits [T, E]) -> [T, H]: routing,
     the experts, and (reduce_results) the TP all-reduce; a caller that adds
     more partial sums first (the shared expert) passes reduce_results=False
-    and reduces once itself. expert_names: the family's checkpoint names."""
+    and reduces once itself. expert_names: the family's checkpoint names;
+    float32_weights: select_experts' (True for Mixtral)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  ps: ParallelState, renormalize: bool, reduce_results: bool = True,
                  expert_names: ExpertWeightNames = QWEN_MOE_EXPERT_NAMES,
-                 hidden_act: str = "silu", method: str = DEFAULT_MOE_METHOD):
+                 hidden_act: str = "silu", method: str = DEFAULT_MOE_METHOD,
+                 float32_weights: bool = False):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"num_experts={num_experts} must be >= 1")
@@ -226,13 +234,15 @@ class FusedMoE(CheckpointMapped, DirectCallModule):
                              f"the per-rank intermediate size {local} multiples of 8")
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.reduce_results, self.method = renormalize, reduce_results, method
+        self.float32_weights = float32_weights
         self.expert_names, self.ps = expert_names, ps
         self.w13_weight = _empty(num_experts, 2 * local, hidden_size)
         self.w2_weight = _empty(num_experts, hidden_size, local)
         self.act_fn = SiluAndMul()
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
+                                                self.float32_weights)
         out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
                             topk_ids, self.act_fn, self.method)
         return tp_all_reduce(out, self.ps) if self.reduce_results else out
@@ -287,19 +297,23 @@ class SparseMoeBlock(CheckpointMapped, DirectCallModule):
     renormalize: True for Mixtral, norm_topk_prob for Qwen-MoE.
     shared_expert_intermediate_size: Qwen2-MoE's (0: no shared expert).
     expert_names: MIXTRAL_EXPERT_NAMES or QWEN_MOE_EXPERT_NAMES.
-    method: MOE_METHODS ("auto": the measured fastest for the step)."""
+    method: MOE_METHODS ("auto": the measured fastest for the step).
+    float32_weights: the routing weights kept in float32 (Mixtral's router)
+    rather than cast to the activations' dtype (Qwen-MoE's)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  ps: ParallelState, renormalize: bool, shared_expert_intermediate_size: int = 0,
                  expert_names: ExpertWeightNames = QWEN_MOE_EXPERT_NAMES,
-                 hidden_act: str = "silu", method: str = DEFAULT_MOE_METHOD):
+                 hidden_act: str = "silu", method: str = DEFAULT_MOE_METHOD,
+                 float32_weights: bool = False):
         super().__init__()
         self.ps = ps
         # Replicated router: one shard that every rank holds.
         self.gate = ColumnParallelLinear(hidden_size, num_experts, ps, num_shards=1, shard_index=0)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, ps,
                                 renormalize, reduce_results=False, expert_names=expert_names,
-                                hidden_act=hidden_act, method=method)
+                                hidden_act=hidden_act, method=method,
+                                float32_weights=float32_weights)
         self.shared_expert = (SharedExpert(hidden_size, shared_expert_intermediate_size, ps)
                               if shared_expert_intermediate_size else None)
 

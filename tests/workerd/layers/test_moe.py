@@ -36,6 +36,7 @@ from workerd.layers.moe import (
     fused_experts,
     select_experts,
 )
+from workerd.models import moe_models
 from workerd.models.loader import load_weight_map
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 32, 4, 2, 16, 24
@@ -111,15 +112,17 @@ def _x(seed: int = 1, tokens: int = 24) -> torch.Tensor:
     return torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
 
 
-def _block(case: Case, ps, renormalize: bool = True, method: str = "auto") -> SparseMoeBlock:
+def _block(case: Case, ps, renormalize: bool = True, method: str = "auto",
+           float32_weights: bool = False) -> SparseMoeBlock:
     return SparseMoeBlock(EXPERTS, TOP_K, HIDDEN, INTER, ps, renormalize,
                           shared_expert_intermediate_size=case.shared, expert_names=case.names,
-                          method=method)
+                          method=method, float32_weights=float32_weights)
 
 
-def _ours(case: Case, ps, renormalize: bool, method: str = "auto") -> SparseMoeBlock:
+def _ours(case: Case, ps, renormalize: bool, method: str = "auto",
+          float32_weights: bool = False) -> SparseMoeBlock:
     """Loaded as a model loads it: the block's targets under its prefix."""
-    block = _block(case, ps, renormalize, method)
+    block = _block(case, ps, renormalize, method, float32_weights)
     wanted = {case.prefix + k: t for k, t in block.checkpoint_targets().items()}
     load_weight_map(wanted, case.path)
     return block.eval()
@@ -161,6 +164,43 @@ def test_tp1_matches_hf_block(cases, family, norm_topk_prob, method):
     with torch.no_grad():
         got = block(x)
     torch.testing.assert_close(got, _hf_out(family, norm_topk_prob, x), atol=ATOL, rtol=0)
+
+
+# Each family's model class, which declares how its router rounds.
+MODEL_CLASS = {"mixtral": moe_models.MixtralForCausalLM,
+               "qwen3_moe": moe_models.Qwen3MoeForCausalLM,
+               "qwen2_moe": moe_models.Qwen2MoeForCausalLM}
+
+
+def _bf16_pair(cases, family: str, method: str, float32_weights: bool):
+    """(ours, HF's) block outputs in bf16 on the same bf16 weights and input."""
+    x = _x(tokens=64).to(torch.bfloat16)
+    hf = _hf_block(family, True).to(torch.bfloat16)
+    ours = _ours(cases[family], layout_state(), True, method, float32_weights)
+    with torch.no_grad():
+        return ours.to(torch.bfloat16)(x), hf(x.unsqueeze(0))[0]
+
+
+@pytest.mark.parametrize("method", MOE_METHODS)
+@pytest.mark.parametrize("family", sorted(MODEL_CLASS))
+def test_bf16_matches_hf_block_bit_for_bit(cases, family, method):
+    """In bf16 each family rounds as its transformers code does: Mixtral's
+    router keeps the weights float32 (MixtralTopKRouter), so each expert's
+    output is scaled in float32 and rounded once; Qwen-MoE's casts them to
+    bf16 first. With the flag its model class declares, every method equals
+    HF's block exactly."""
+    got, want = _bf16_pair(cases, family, method, MODEL_CLASS[family].float32_routing_weights)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(MODEL_CLASS))
+def test_bf16_the_other_routing_rounding_differs(cases, family):
+    """Negative control: the other family's rounding is off HF's by whole bf16
+    ulps on many elements, so the exact test above tells the two apart."""
+    got, want = _bf16_pair(cases, family, "reference",
+                           not MODEL_CLASS[family].float32_routing_weights)
+    assert (got != want).sum() > got.numel() // 10
 
 
 @pytest.mark.parametrize("method", MOE_METHODS)
@@ -220,6 +260,9 @@ def test_select_experts_float32_softmax_and_renorm():
     torch.testing.assert_close(w.float()[0], p.to(torch.bfloat16).float())
     w, _ = select_experts(logits, 2, renormalize=True)
     torch.testing.assert_close(w.float()[0], (p / p.sum()).to(torch.bfloat16).float())
+    w, _ = select_experts(logits, 2, renormalize=True, float32_weights=True)  # Mixtral's
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w[0], p / p.sum())
 
 
 def test_tp_rank_holds_its_slice_and_partials_sum_to_tp1(cases):

@@ -78,17 +78,28 @@ def pp_layer_range(
 
 
 def lm_head_layers(config) -> float:
-    """The LM head's parameters in units of one decoder layer's (a mixture of
-    experts' layer counts every expert: a step reads all their weights once
-    enough tokens route to each)."""
+    """The LM head's parameters (vocab x hidden) in units of the AVERAGE
+    decoder layer's: attention plus, per layer, its own MLP. A sparse layer's
+    MLP counts every expert (a step reads all their weights once enough
+    tokens route to each), the router (E x H) and Qwen2-MoE's shared expert
+    with its sigmoid gate (3*H*I_shared + H); Qwen-MoE's dense layers
+    (mlp_only_layers, decoder_sparse_step) count a dense MLP. Norms and
+    biases are left out (vectors beside the layer's matrices)."""
     hidden = config.hidden_size
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, \
         config.head_dim
+    attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     mlp = 3 * hidden * config.intermediate_size
-    if config.moe is not None:
-        mlp = 3 * hidden * config.moe.moe_intermediate_size * config.moe.num_experts
-    layer = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden + mlp
-    return config.vocab_size * hidden / layer
+    moe = config.moe
+    if moe is not None:
+        sparse = 3 * hidden * moe.moe_intermediate_size * moe.num_experts \
+            + moe.num_experts * hidden
+        if moe.shared_expert_intermediate_size:
+            sparse += 3 * hidden * moe.shared_expert_intermediate_size + hidden
+        n_sparse = sum(moe.sparse_layers)
+        n_layers = len(moe.sparse_layers)
+        mlp = (n_sparse * sparse + (n_layers - n_sparse) * mlp) / n_layers
+    return config.vocab_size * hidden / (attention + mlp)
 
 
 def tp_head_layout(

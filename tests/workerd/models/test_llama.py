@@ -211,3 +211,35 @@ def test_an_architecture_with_another_familys_model_type_is_refused():
 def test_metadata_helper_slots():
     md, pos = build_attn_metadata([5], [2], [[3, 8]], 4)
     assert pos.tolist() == [5, 6] and md.slot_mapping.tolist() == [8 * 4 + 1, 8 * 4 + 2]
+
+
+def test_lm_head_layers_counts_the_average_moe_layer():
+    """Qwen3-30B-A3B's shapes with its first 12 layers dense (mlp_only_layers),
+    by hand: the head in units of the AVERAGE layer, whose sparse MLP counts
+    every expert and the router, and whose dense layers count a dense MLP."""
+    from kvloom.common.model_config import parse_model_config
+
+    qwen3_moe = parse_model_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": list(range(12))})
+    attention = 2048 * 128 * (32 + 2 * 4) + 32 * 128 * 2048  # q, k, v; o
+    sparse = 3 * 2048 * 768 * 128 + 128 * 2048  # 128 experts' gate/up/down; the router
+    dense = 3 * 2048 * 6144
+    layer = attention + (36 * sparse + 12 * dense) / 48
+    assert layer == 481_492_992
+    assert lm_head_layers(qwen3_moe) == pytest.approx(151936 * 2048 / layer)  # 0.646
+
+    # Qwen1.5-MoE-A2.7B's shapes: every layer sparse, with the shared expert and its gate.
+    qwen2_moe = parse_model_config({
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
+        "moe_intermediate_size": 1408, "num_experts": 60, "num_experts_per_tok": 4,
+        "shared_expert_intermediate_size": 5632})
+    layer = (2048 * 128 * (16 + 2 * 16) + 16 * 128 * 2048
+             + 3 * 2048 * 1408 * 60 + 60 * 2048 + 3 * 2048 * 5632 + 2048)
+    assert layer == 570_550_272
+    assert lm_head_layers(qwen2_moe) == pytest.approx(151936 * 2048 / layer)  # 0.545

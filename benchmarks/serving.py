@@ -8,7 +8,10 @@ Or launching local clusters one layout (TPxPP) after another and printing one
 combined table:
     python benchmarks/serving.py --launch --layouts 1x1,2x1,1x2 --num-requests 32
 --scheduling async,serial runs every layout twice, with async scheduling (the
-default) and with --no-async-scheduling, side by side.
+default) and with --no-async-scheduling, side by side. Served tokens/s next to
+transformers' generate on an embedded model chosen by name:
+    python benchmarks/serving.py --launch --model gemma-3-270m --worker-threads 2 \\
+        --hf-baseline --json out.json
 
 Prompts are random token ids below the served vocab size (from GetModelInfo),
 seeded, EOS ids excluded, or the lines of --dataset sent as text. Requests
@@ -24,7 +27,8 @@ the wall time), for serial runs the unhidden control overhead per step
 controlplane, all ranks together and this client (on a machine with fewer
 cores than processes a step cannot be shorter than their sum over the cores).
 
---hf-baseline adds transformers' generate on the same requests and its
+--hf-baseline adds transformers' generate on the same requests, with the
+same torch threads (--worker-threads, 1 if unset) and dtype, and its
 static-batch padding (the most continuous batching can gain at an equal cost
 per token row); --rounds N repeats engine and baseline back to back N times
 and reports the median ratio, since one round on a shared box is noise.
@@ -388,10 +392,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 
 def run_launched(args) -> list[dict]:
-    if args.model is None:
-        from kvloom.common.default_model import default_model_dir
-
-        args.model = default_model_dir()
     runs = []
     # This client's own cores, restored after each pinned run (the next
     # layout's plan and the transformers baseline start from all of them).
@@ -467,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, help="write results here")
     launch = parser.add_argument_group("launch local clusters (kvloom.cli.launcher)")
     launch.add_argument("--launch", action="store_true")
-    launch.add_argument("--model", help="checkpoint dir; default: the embedded SmolLM2-135M")
+    launch.add_argument("--model", help="checkpoint dir, or an embedded model's name "
+                        "(smollm2-135m, gemma-3-270m); default: smollm2-135m")
     launch.add_argument("--tp", type=int, default=1)
     launch.add_argument("--pp", type=int, default=1)
     launch.add_argument("--layouts", type=parse_layouts, help="e.g. 1x1,2x1,1x2 (TPxPP)")
@@ -476,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--ready-timeout", type=float, default=600.0)
     launch.add_argument("--logs", action="store_true", help="show the daemons' logs")
     launch.add_argument("--worker-threads", type=int, default=None,
-                        help="torch threads per worker (and for --hf-baseline)")
+                        help="torch threads per worker and for --hf-baseline; unset: a "
+                             "share of the cores, or 1 for both with --hf-baseline")
     launch.add_argument("--pin-cpus", action="store_true",
                         help="each rank computes on a core of its own; the controlplane, the "
                              "ranks' other threads and this client share the rest "
@@ -503,6 +505,16 @@ def main(argv: list[str] | None = None) -> int:
     per_round: list[dict[str, float]] = []
     if args.launch:
         args.layouts = args.layouts or [(args.tp, args.pp)]
+        from kvloom.common.embedded_models import EmbeddedModelError, is_model_name, resolve_model
+
+        try:  # a name is converted once, before any cluster starts
+            args.model = resolve_model(args.model) if is_model_name(args.model) else args.model
+        except EmbeddedModelError as exc:
+            parser.error(str(exc))
+        if args.hf_baseline and args.worker_threads is None:
+            # One count for both sides: unset, a launched rank would take a
+            # share of every core while generate ran on one.
+            args.worker_threads = 1
     try:
         for i in range(args.rounds):
             if args.launch:

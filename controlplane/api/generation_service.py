@@ -40,7 +40,7 @@ from controlplane.api.validation import (
     validate,
 )
 from controlplane.config import ControlPlaneConfig
-from controlplane.core.kv_cache_utils import blocks_needed
+from controlplane.core.kv_cache_utils import blocks_needed, max_step_tokens
 from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import Request, SamplingParams
 from controlplane.engine.core import EngineCore
@@ -164,9 +164,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stats = self.engine.last_stats
         if stats is None or not stats.num_total_blocks:
             return
-        need = blocks_needed(
-            len(v.prompt_token_ids), v.params.max_tokens, self.config.cache.block_size
-        )
+        cache = self.config.cache
+        need = blocks_needed(len(v.prompt_token_ids), v.params.max_tokens, cache.block_size,
+                             cache.sliding_window, max_step_tokens(self.config.scheduler))
         if need > stats.num_total_blocks:
             raise InvalidRequest(
                 f"prompt + sampling.max_tokens need {need} KV blocks but the whole pool has "

@@ -7,7 +7,6 @@ scheduler.py holds the per-step policy only."""
 from __future__ import annotations
 
 from controlplane.core.kv_cache_manager import KVCacheManager
-from controlplane.core.kv_cache_utils import blocks_needed
 from controlplane.core.request import Request, RequestStatus
 from controlplane.core.scheduler import Scheduler
 
@@ -47,14 +46,13 @@ def replace_kv_pool(sched: Scheduler, num_gpu_blocks: int) -> list[Request]:
     if sched.running or old.req_to_blocks:
         raise RuntimeError("replace_kv_pool while requests hold KV blocks")
     new = KVCacheManager(num_gpu_blocks, sched.block_size, old.enable_caching,
-                         old.sliding_window)
+                         old.sliding_window, old.step_tokens)
     # Cumulative counters: metrics take deltas and must not see them restart.
     new.prefix_cache_queries = old.prefix_cache_queries
     new.prefix_cache_hits = old.prefix_cache_hits
     sched.kv_cache_manager, sched.num_gpu_blocks = new, num_gpu_blocks
-    size = sched.block_size
     too_big = [r for r in sched.requests.values()
-               if blocks_needed(r.num_prompt_tokens, r.max_tokens, size) > num_gpu_blocks]
+               if new.blocks_needed(r.num_prompt_tokens, r.max_tokens) > num_gpu_blocks]
     for request in too_big:
         request.status = RequestStatus.FINISHED_ERROR
         del sched.requests[request.request_id]

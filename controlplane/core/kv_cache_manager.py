@@ -31,13 +31,17 @@ Prefix hits stay conservative for window models: a hit still needs every block
 from the first one cached (a freed block keeps its hash until it is evicted).
 vLLM's window-aware longest hit would admit a list with placeholders, which
 would then have to go on the wire; hit blocks already dead at admission are
-held for the admission step and freed at the next one.
+held for the admission step and freed at the next one. Since a window model
+admits contexts longer than the pool (blocks_needed), the hit of such a
+context is capped so that it and the first chunk fit the pool: otherwise a
+request whose cached prefix fills the pool could never be admitted, and would
+block the waiting queue. (A context that fits the pool whole fits with any hit.)
 """
 
 from __future__ import annotations
 
 from controlplane.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
-from controlplane.core.kv_cache_utils import update_block_hashes
+from controlplane.core.kv_cache_utils import blocks_needed, cdiv, update_block_hashes
 from controlplane.core.request import Request
 
 _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
@@ -50,14 +54,21 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
+        step_tokens: int = 0,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if step_tokens < 0:
+            raise ValueError(f"step_tokens must be >= 0, got {step_tokens}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         # The window every layer slides by; None: some layer (or all) reads
         # every key, and no block is freed before its request ends.
         self.sliding_window = sliding_window
+        # Most tokens a request computes in a step (kv_cache_utils.max_step_tokens;
+        # 0: unknown, and then no context longer than the pool is admitted).
+        # Only a window model's admission bound and hit cap use it.
+        self.step_tokens = step_tokens
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # req_id -> blocks in token order (shared prefix blocks first); the
         # first num_skipped_blocks of them are NULL_BLOCK.
@@ -87,6 +98,11 @@ class KVCacheManager:
     def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(req_id, [])
 
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Blocks a request holds at its peak in this pool (its admission rule)."""
+        return blocks_needed(num_prompt_tokens, max_tokens, self.block_size,
+                             self.sliding_window, self.step_tokens)
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block ids in token order; a freed out-of-window
         entry reads NULL_BLOCK's -1 (admission, the one sender of a whole
@@ -109,6 +125,12 @@ class KVCacheManager:
         block_size = self.block_size
         hashes = update_block_hashes(request, block_size)
         max_hit_blocks = (request.num_tokens - 1) // block_size
+        num_blocks = self.block_pool.num_blocks
+        if cdiv(request.num_tokens, block_size) > num_blocks:
+            # A context longer than the pool (a window model's): the hit and
+            # the first chunk must fit it (module docstring).
+            room = num_blocks - cdiv(self.step_tokens, block_size)
+            max_hit_blocks = max(0, min(max_hit_blocks, room))
         lookup = self.block_pool.cached_block_hash_to_block.get
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes[:max_hit_blocks]:

@@ -19,6 +19,7 @@ from array import array
 from collections.abc import Sequence
 from hashlib import sha256
 
+from controlplane.config import SchedulerConfig
 from controlplane.core.request import Request
 
 # The parent "hash" of a request's first block.
@@ -86,7 +87,30 @@ def max_num_computed_tokens(num_prompt_tokens: int, max_tokens: int) -> int:
     return num_prompt_tokens + max_tokens - 1
 
 
-def blocks_needed(num_prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """KV blocks a request holds at its longest. The API edge and the
-    scheduler both admit with this, so the edge never refuses what fits."""
-    return cdiv(max_num_computed_tokens(num_prompt_tokens, max_tokens), block_size)
+def max_step_tokens(config: SchedulerConfig) -> int:
+    """Most tokens one request computes in one step (the scheduler caps each
+    request's chunk at the threshold, then at the step's budget)."""
+    threshold, budget = config.long_prefill_token_threshold, config.max_num_batched_tokens
+    return threshold if 0 < threshold < budget else budget
+
+
+def blocks_needed(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    step_tokens: int = 0,
+) -> int:
+    """KV blocks a request holds at its peak. The API edge and the
+    scheduler both admit with this, so the edge never refuses what fits.
+
+    With a window every layer slides by (KVCacheManager frees what left it),
+    a step starting at c with n <= step_tokens tokens holds only the blocks
+    of tokens c - W + 1 .. c + n - 1: W - 1 + n tokens, which straddle at
+    most (W + n - 3) // block_size + 2 blocks; never more than the whole
+    context's. step_tokens 0 (not known) earns no credit for the window."""
+    whole = cdiv(max_num_computed_tokens(num_prompt_tokens, max_tokens), block_size)
+    if sliding_window is None or step_tokens <= 0:
+        return whole
+    span = sliding_window - 1 + step_tokens
+    return min(whole, (span + block_size - 2) // block_size + 1)

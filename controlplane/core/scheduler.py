@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.expected_reply import expected_reply
 from controlplane.core.kv_cache_manager import KVCacheManager
-from controlplane.core.kv_cache_utils import blocks_needed, max_num_computed_tokens
+from controlplane.core.kv_cache_utils import max_num_computed_tokens, max_step_tokens
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -82,7 +82,7 @@ class Scheduler:
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            cache_config.sliding_window)
+            cache_config.sliding_window, max_step_tokens(scheduler_config))
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -111,7 +111,7 @@ class Scheduler:
                 f"request {req_id!r}: prompt ({num_prompt} tokens) + max_tokens "
                 f"({max_tokens}) exceeds max_model_len ({self.max_model_len})"
             )
-        num_blocks = blocks_needed(num_prompt, max_tokens, self.block_size)
+        num_blocks = self.kv_cache_manager.blocks_needed(num_prompt, max_tokens)
         if num_blocks > self.num_gpu_blocks:
             raise ValueError(
                 f"request {req_id!r} needs {num_blocks} KV blocks but the pool "

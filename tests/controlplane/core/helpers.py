@@ -185,8 +185,10 @@ class ProgramRunner:
             arrival_time=float(self.next_id),
         )
         self.next_id += 1
-        bs = self.sched.block_size
-        fits = -(-(length + max_tokens - 1) // bs) <= self.sched.num_gpu_blocks
+        # The pool's own rule (a window model's requests hold fewer blocks);
+        # drain() then shows that everything it let in can run to the end.
+        fits = self.sched.kv_cache_manager.blocks_needed(length, max_tokens) <= (
+            self.sched.num_gpu_blocks)
         if length + max_tokens > PROGRAM_MAX_MODEL_LEN or not fits:
             try:
                 self.sched.add_request(req)

@@ -73,6 +73,17 @@ def run_held(sched: Scheduler, req_id: str) -> dict[int, list[int | None]]:
     return by_start
 
 
+def drain(sched: Scheduler, max_steps: int) -> None:
+    """Step until every request finished, checking the pool at each step; a
+    request that can never fit its pool makes this fail, not hang."""
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        step(sched)
+        check_pool(sched)
+    raise AssertionError(f"requests unfinished after {max_steps} steps")
+
+
 # -- which blocks, when --------------------------------------------------------
 
 
@@ -290,6 +301,58 @@ def test_a_prefix_hit_needs_every_block_from_the_first_cached():
     assert so.scheduled_new_reqs[0].num_computed_tokens == 4
 
 
+# -- admission: contexts longer than the pool ---------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("block_size", [1, 3, 4])
+@pytest.mark.parametrize("step_tokens", [1, 3, 8])
+def test_a_pool_of_exactly_blocks_needed_runs_a_longer_context(window, block_size, step_tokens):
+    """blocks_needed is what a window model's request holds at its peak: a
+    pool that size runs a 49-token context alone (one block fewer would
+    leave it preempting itself forever), whatever the window's alignment."""
+    limits = dict(block_size=block_size, sliding_window=window, max_model_len=64,
+                  max_num_batched_tokens=step_tokens)
+    need = make_scheduler(**limits).kv_cache_manager.blocks_needed(30, 20)
+    assert need < -(-49 // block_size)  # less than the whole context
+    sched = make_scheduler(num_blocks=need, **limits)
+    sched.add_request(make_request(30, max_tokens=20, req_id="a"))
+    drain(sched, 200)
+    assert sched.num_preemptions == 0
+
+
+def test_a_context_longer_than_the_pool_is_admitted_and_one_too_long_refused():
+    sched = window_scheduler(num_blocks=4, max_num_batched_tokens=4)
+    # Steps of 4 tokens hold tokens c - 4 .. c + 3: at most 3 blocks.
+    assert sched.kv_cache_manager.blocks_needed(200, 50) == 3
+    sched.add_request(make_request(200, max_tokens=50, req_id="a"))  # 63 blocks whole
+    drain(sched, 200)
+    assert sched.kv_cache_manager.get_num_free_blocks() == 4
+    wide = window_scheduler(num_blocks=4, max_num_batched_tokens=16)
+    assert wide.kv_cache_manager.blocks_needed(200, 50) == 6  # steps of 16 tokens
+    with pytest.raises(ValueError, match="KV blocks"):
+        wide.add_request(make_request(200, max_tokens=50))
+
+
+def test_a_cached_prefix_that_fills_the_pool_is_capped_so_the_request_still_runs():
+    """a leaves its 4 prompt blocks cached in a 4-block pool; b extends that
+    prompt past the pool. The whole hit plus b's first chunk would need 5
+    blocks, so b would wait forever (and block the queue); the hit is capped
+    to 3 blocks, which with the first chunk's block fill the pool."""
+    sched = window_scheduler(num_blocks=4, max_num_batched_tokens=4, max_model_len=256)
+    prompt = list(range(500, 516))
+    sched.add_request(make_request(prompt, max_tokens=1, req_id="a"))
+    while sched.has_unfinished_requests():
+        step(sched)
+    sched.add_request(make_request(prompt + list(range(600, 620)), max_tokens=4, req_id="b"))
+    so, _ = step(sched)
+    assert so.scheduled_new_reqs, "b must be admitted"
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 12 and len(new.block_ids) == 4
+    drain(sched, 100)
+    assert sched.kv_cache_manager.get_num_free_blocks() == 4
+
+
 # -- async placeholders, tiny windows -----------------------------------------------
 
 
@@ -364,3 +427,11 @@ def test_long_random_runs_with_a_window_free_preempt_share_and_drain():
         preempted += stats.num_preemptions > 0
         hits += stats.prefix_cache_hits > 0
     assert freed_any >= 10 and preempted >= 6 and hits >= 6
+
+
+def test_without_the_step_size_a_window_earns_no_admission_credit():
+    kv = KVCacheManager(4, BS, sliding_window=W)  # step_tokens unknown
+    assert kv.blocks_needed(200, 50) == 63
+    assert KVCacheManager(4, BS, sliding_window=W, step_tokens=4).blocks_needed(200, 50) == 3
+    with pytest.raises(ValueError, match="step_tokens"):
+        KVCacheManager(4, BS, sliding_window=W, step_tokens=-1)

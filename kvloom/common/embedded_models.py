@@ -181,8 +181,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         },
         chat_template=GEMMA3_CHAT_TEMPLATE,
         chat_marker="<start_of_turn>",
-        # Gemma 3's published generation settings: a turn ends at <end_of_turn>
-        # (106) as well as <eos> (1); the GGUF names only <eos>.
+        # The generation_config.json Google publishes with Gemma 3 (recalled,
+        # not checkable offline): a turn ends at <end_of_turn> (106) as well
+        # as <eos> (1), which is all the GGUF names.
         generation={"eos_token_id": [1, 106], "do_sample": True, "top_k": 64, "top_p": 0.95},
         conversion_version=1,
         first_run_estimate="~1 min",

@@ -1,8 +1,9 @@
 """Families served end to end (controlplane + workers as processes): greedy
 tokens equal transformers' generate on the same tiny checkpoint. The window
-model runs with blocks of 4 and a pool too small for its requests' whole
-contexts, so it generates past its window of 5 while the controlplane frees
-out-of-window blocks and preempts."""
+model runs with blocks of 4 and a pool of 5 (20 tokens), smaller than each
+request's whole context (up to 37 tokens), so it generates past its window
+of 5 only because the controlplane frees out-of-window blocks and reuses
+them; the mixture of experts runs at TP=2."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvloom.v1 import generation_pb2_grpc
 from tests.integration.api_helpers import collect, greedy_request
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy
+from tests.integration.test_recovery import _metric
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +36,20 @@ async def _generate(address: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("family", "tp", "args"), [
-    ("mistral-window", 1, ("--block-size", "4", "--num-gpu-blocks-override", "16",
+    ("mistral-window", 1, ("--block-size", "4", "--num-gpu-blocks-override", "5",
                            "--max-num-batched-tokens", "8")),
     ("gemma2", 1, ("--block-size", "4")),
+    ("qwen3-moe", 2, ()),
     ("phi3", 1, ()),
 ])
 def test_greedy_matches_transformers(family, tp, args, tmp_path):
     model_dir = str(make_tiny_checkpoint(tmp_path, family, seed=7))
     with running_cluster(model_dir, tp=tp, args=args) as cluster:
         got = asyncio.run(_generate(cluster.api_address))
+        preemptions = _metric(cluster, "kvloom_num_preemptions_total")
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         assert tokens == hf_greedy(model_dir, prompt, MAX_TOKENS), family
+    if family == "mistral-window":
+        # 8 blocks of 4 (32 tokens) cannot hold the four requests' windows
+        # at once (contexts up to 37 tokens): they preempt and recompute.
+        assert preemptions >= 1

@@ -137,6 +137,19 @@ def _check(cluster: Cluster, model_dir: str, tokens: list[list[int]], *,
     assert _metric(cluster, "kvloom_requests_recovered_total") >= len(PROMPTS)
 
 
+def test_a_window_model_recovers_with_its_freed_blocks(tmp_path):
+    """Mistral's all-layer window of 5 over blocks of 4: the controlplane has
+    freed the blocks that left the window when the output rank dies; the
+    recomputed streams (which re-prefill whole contexts and free again) still
+    give transformers' tokens, and no block leaks."""
+    from kvloom.testing.families import make_tiny_checkpoint
+
+    model_dir = str(make_tiny_checkpoint(tmp_path, "mistral-window", seed=7))
+    with supervised(model_dir, pp=2, args=("--block-size", "4")) as cluster:
+        tokens = asyncio.run(_generate_through(cluster, [[1]]))
+        _check(cluster, model_dir, tokens, survivors=[0], num_recoveries=1)
+
+
 def test_killing_the_output_rank_of_pp2_then_both_ranks_loses_nothing(tiny_model_dir):
     with supervised(tiny_model_dir, pp=2) as cluster:
         # Rank 1 (the output rank); then rank 1 and, while the group

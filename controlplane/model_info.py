@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from kvloom.common.model_config import parse_model_config
+from kvloom.common.model_config import ModelConfig, parse_model_config
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,26 @@ def read_model_info(model_path: str) -> ModelInfo:
             (k, float(generation[k])) for k in SAMPLING_DEFAULT_KEYS
             if isinstance(generation.get(k), int | float)
         )
+    if "model_type" in config:
+        # A real checkpoint: read by the parser the workers build their
+        # layers with, so what they would refuse (an architecture, a rope
+        # type, a field out of range) is refused here, at start-up, naming
+        # the field; and both daemons agree on heads, layers and the window.
+        parsed = parse_model_config(config)
+        return ModelInfo(
+            model_path=os.path.abspath(model_path),
+            architecture=parsed.architectures[0] if parsed.architectures else "unknown",
+            vocab_size=parsed.vocab_size,
+            max_position_embeddings=parsed.max_position_embeddings,
+            eos_token_ids=frozenset(eos),
+            num_attention_heads=parsed.num_attention_heads,
+            num_key_value_heads=parsed.num_key_value_heads,
+            num_hidden_layers=parsed.num_hidden_layers,
+            sampling_defaults=defaults,
+            sliding_window_all_layers=all_layers_window(parsed),
+        )
+    # Config-only directories without a model_type (the controlplane's own
+    # tests): the fields it needs, read leniently; no window.
     architectures = config.get("architectures") or ["unknown"]
     heads = int(config.get("num_attention_heads", 0))
     return ModelInfo(
@@ -79,23 +99,13 @@ def read_model_info(model_path: str) -> ModelInfo:
         num_key_value_heads=int(config.get("num_key_value_heads", heads)),
         num_hidden_layers=int(config.get("num_hidden_layers", 0)),
         sampling_defaults=defaults,
-        sliding_window_all_layers=all_layers_window(config),
     )
 
 
-def all_layers_window(config: dict) -> int | None:
-    """The sliding window of config.json's model if every layer slides, else
-    None; read by the parser the workers build their layers with, so both
-    daemons agree on the window (Qwen2's use_sliding_window gating, Gemma's
-    layer_types) and a hybrid model (any full layer) keeps every block."""
-    try:
-        parsed = parse_model_config(config)
-    except ValueError:
-        # A config the parser refuses is refused by every worker at
-        # load_model, naming the field; the controlplane's own reading above
-        # is more lenient (its tests run on config-only checkpoints), and
-        # freeing nothing is correct for any model.
-        return None
+def all_layers_window(parsed: ModelConfig) -> int | None:
+    """The window when every layer slides, else None: a hybrid model (any
+    full layer) keeps every block (Qwen2's use_sliding_window gating and
+    Gemma's layer_types are the parser's)."""
     return parsed.sliding_window if parsed.every_layer_slides else None
 
 

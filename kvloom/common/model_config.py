@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloom.common.model_config_fields import (
+    ARCHITECTURES,
     FAMILIES,
     MAX_CONFIG_BYTES,
     ConfigReader,
@@ -117,6 +118,12 @@ def parse_model_config(raw: Any) -> ModelConfig:
     if family is None:
         raise ValueError(f"config.json: model_type {model_type!r} is not one kvloom reads "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
+    if archs and archs[0] not in ARCHITECTURES:
+        raise ValueError(f"config.json: architecture {archs[0]!r} is not one kvloom serves "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    if archs and model_type not in ARCHITECTURES[archs[0]]:
+        raise ValueError(f"config.json: architecture {archs[0]} reads model_type "
+                         f"{' or '.join(ARCHITECTURES[archs[0]])}, not {model_type!r}")
     r = ConfigReader(raw, family)
     r.refuse_unsupported()
     heads = r.int("num_attention_heads")

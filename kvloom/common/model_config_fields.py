@@ -31,6 +31,21 @@ _INT_BOUNDS = {
     "no_rope_layer_interval": 1 << 10,
 }
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# What workerd/layers/rope_scaling.py computes tables for (it imports this).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# architectures[0] -> the model_type(s) whose config that class reads
+# (workerd/models/__init__.py maps each to its class). Here, torch-free, so
+# the controlplane refuses an unsupported checkpoint at start-up too.
+ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "LlamaForCausalLM": ("llama",), "MistralForCausalLM": ("mistral",),
+    "Qwen2ForCausalLM": ("qwen2",), "Qwen3ForCausalLM": ("qwen3",),
+    "Gemma2ForCausalLM": ("gemma2",), "Gemma3ForCausalLM": ("gemma3_text",),
+    "Phi3ForCausalLM": ("phi3",), "Olmo2ForCausalLM": ("olmo2",),
+    "GraniteForCausalLM": ("granite",), "SmolLM3ForCausalLM": ("smollm3",),
+    "GlmForCausalLM": ("glm",), "Glm4ForCausalLM": ("glm4",),
+    "MixtralForCausalLM": ("mixtral",), "Qwen3MoeForCausalLM": ("qwen3_moe",),
+    "Qwen2MoeForCausalLM": ("qwen2_moe",),
+}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _COMMON = {
@@ -186,11 +201,20 @@ class ConfigReader:
         return value
 
     def rope_dict(self, name: str) -> dict | None:
-        """rope_parameters / rope_scaling as the family's transformers code reads it."""
+        """rope_parameters / rope_scaling as the family's transformers code
+        reads it; a rope type kvloom has no tables for is refused here, at
+        start-up (nested per layer type for Gemma 3)."""
         value = self.dict_or_none(name)
         if value and self.family.legacy_longrope \
                 and value.get("rope_type", value.get("type")) in ("su", "yarn"):
             value = {**value, "rope_type": "longrope"}
+        nested = value and all(k in _LAYER_TYPES for k in value)
+        for entry in (value.values() if nested else [value]):
+            if isinstance(entry, dict):
+                rope_type = entry.get("rope_type", entry.get("type", "default"))
+                if rope_type not in SUPPORTED_ROPE_TYPES:
+                    raise ValueError(f"config.json: {name} rope_type {rope_type!r} is not "
+                                     f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         return value
 
     def refuse_unsupported(self) -> None:

@@ -10,9 +10,12 @@ import pytest
 
 from controlplane.__main__ import build_config, build_parser
 from controlplane.model_info import all_layers_window, read_model_info
+from kvloom.common.model_config import parse_model_config
+from kvloom.common.model_config_fields import ARCHITECTURES
 
+ARCH_OF = {types[0]: arch for arch, types in ARCHITECTURES.items()}
 BASE = {
-    "architectures": ["X"], "vocab_size": 100, "max_position_embeddings": 128,
+    "vocab_size": 100, "max_position_embeddings": 128,
     "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
     "hidden_size": 16,
 }
@@ -32,14 +35,22 @@ SLIDING, FULL = "sliding_attention", "full_attention"
     ({"model_type": "llama"}, None),
 ])
 def test_the_window_is_set_only_when_every_layer_slides(fields, window):
-    assert all_layers_window({**BASE, **fields}) == window
+    config = {**BASE, "architectures": [ARCH_OF[fields["model_type"]]], **fields}
+    assert all_layers_window(parse_model_config(config)) == window
 
 
 @pytest.mark.parametrize("hostile", [-2, "5", 2**40, [5], 1.5])
-def test_a_window_the_workers_refuse_frees_nothing(hostile):
-    """The workers' parser refuses it at load_model, naming the field; the
-    controlplane frees nothing, which is correct for any model."""
-    assert all_layers_window({**BASE, "model_type": "mistral", "sliding_window": hostile}) is None
+def test_a_window_the_workers_would_refuse_is_refused_at_start_up(hostile, tmp_path):
+    """The same parser as the workers': the controlplane names the field
+    before any worker starts."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+         "sliding_window": hostile}))
+    with pytest.raises(ValueError, match="sliding_window"):
+        read_model_info(str(tmp_path))
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        build_config(parser.parse_args(["--model", str(tmp_path)]), parser)
 
 
 def test_the_window_reaches_the_cache_config(tmp_path):
@@ -53,7 +64,23 @@ def test_the_window_reaches_the_cache_config(tmp_path):
 
 
 def test_a_model_without_a_window_leaves_the_cache_config_unset(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "llama"}))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     parser = build_parser()
     config, _ = build_config(parser.parse_args(["--model", str(tmp_path)]), parser)
     assert config.cache.sliding_window is None
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"},
+     "model_type 'gpt_oss' is not one kvloom reads"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "llama"},
+     "'DeepseekV3ForCausalLM' is not one kvloom serves"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_type 'dynamic' is not supported"),
+])
+def test_what_the_workers_cannot_build_is_refused_before_they_start(fields, message, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **fields}))
+    with pytest.raises(ValueError, match=message):
+        read_model_info(str(tmp_path))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+from kvloom.common.model_config_fields import SUPPORTED_ROPE_TYPES
+
 # transformers' RotaryEmbeddingConfigMixin.default_theta.
 DEFAULT_ROPE_THETA = 10000.0
 # Rope types whose tables depend on the pre-training context length; HF

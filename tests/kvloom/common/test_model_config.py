@@ -282,14 +282,33 @@ def test_hostile_family_fields_are_named(config, message):
 
 
 def test_a_wrapper_reads_its_text_config():
-    """Gemma 3 4B+ checkpoints nest the language model's fields."""
-    nested = parse_model_config({"architectures": ["Gemma3ForConditionalGeneration"],
-                                 "model_type": "gemma3", "text_config": {
-                                     "model_type": "gemma3_text", "num_hidden_layers": 6,
-                                     "hidden_size": 64}})
+    """Gemma 3 4B+ checkpoints nest the language model's fields; their
+    multimodal architecture itself is refused by name (its weights live under
+    language_model.*, which no model class maps yet)."""
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 6, "hidden_size": 64}
+    nested = parse_model_config({"model_type": "gemma3", "text_config": text})
     assert (nested.model_type, nested.num_hidden_layers, nested.hidden_size) == \
         ("gemma3_text", 6, 64)
     assert nested.layer_types[-1] == "full_attention" and nested.every_layer_slides is False
+    with pytest.raises(ValueError, match="'Gemma3ForConditionalGeneration' is not one kvloom"):
+        parse_model_config({"architectures": ["Gemma3ForConditionalGeneration"],
+                            "model_type": "gemma3", "text_config": text})
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({**LLAMA, "architectures": ["GPT2LMHeadModel"]}, r"'GPT2LMHeadModel' is not one kvloom"),
+    ({**LLAMA, "architectures": ["Qwen3ForCausalLM"]},
+     r"Qwen3ForCausalLM reads model_type qwen3, not 'llama'"),
+    ({**LLAMA, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     r"rope_parameters rope_type 'dynamic' is not supported"),
+    ({**LLAMA, "rope_scaling": {"type": "ntk"}}, r"rope_scaling rope_type 'ntk'"),
+    (_family("gemma3_text", rope_parameters={
+        "sliding_attention": {"rope_type": "default"},
+        "full_attention": {"rope_type": "proportional"}}), r"rope_type 'proportional'"),
+])
+def test_what_kvloom_cannot_serve_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        parse_model_config(config)
 
 
 def test_a_field_the_family_does_not_read_changes_nothing():

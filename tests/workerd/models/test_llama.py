@@ -201,6 +201,15 @@ def test_unsupported_architecture_is_refused():
         get_model_class("GPT2LMHeadModel")
 
 
+def test_the_registry_and_the_config_reader_list_the_same_architectures():
+    """The controlplane refuses at start-up what the workers could not build."""
+    from kvloom.common.model_config_fields import ARCHITECTURES, FAMILIES
+    from workerd.models import supported_architectures
+
+    assert supported_architectures() == sorted(ARCHITECTURES)
+    assert {t for types in ARCHITECTURES.values() for t in types} == set(FAMILIES)
+
+
 def test_an_architecture_with_another_familys_model_type_is_refused():
     """Qwen3's class built from a config read with Llama's defaults would be
     a silently different model."""

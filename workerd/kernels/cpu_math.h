@@ -27,6 +27,16 @@ static inline float exp_clamped(float x) {
     return p * scale.f;
 }
 
+/* tanh(y) = sign(y) (1 - e) / (1 + e) with e = e^(-2|y|) <= 1, over
+ * exp_clamped: branch-free, so the soft-cap loop vectorizes where libm's
+ * tanhf is a call per score (Gemma 2's cap doubled a prefill layer's cost,
+ * docs/benchmarks.md, "Model families"). Absolute error ~1e-7: the cap
+ * multiplies it by c, far below the 1e-4 the parity tests hold. */
+static inline float tanh_fast(float y) {
+    float e = exp_clamped(-2.0f * fabsf(y));
+    return copysignf((1.0f - e) / (1.0f + e), y);
+}
+
 /* Eight floats; loads and stores through it may be unaligned (the cache's
  * rows are 4-byte aligned only). GCC lowers it to AVX (or SSE, NEON) itself. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));

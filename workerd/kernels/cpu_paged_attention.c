@@ -130,9 +130,12 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                         a0[g] += ((const v8 *)(q + g * head_dim))[c] * k0[c];               \
                 for (int g = 0; g < G; g++) s[g][j] = hsum(a0[g]);                          \
             }                                                                               \
-            if (cap > 0.0f)                                                                 \
+            if (cap > 0.0f) {                                                               \
+                const float inv_cap = 1.0f / cap;                                           \
                 for (int g = 0; g < G; g++)                                                 \
-                    for (int64_t i = 0; i < n; i++) s[g][i] = cap * tanhf(s[g][i] / cap);   \
+                    for (int64_t i = 0; i < n; i++)                                         \
+                        s[g][i] = cap * tanh_fast(s[g][i] * inv_cap);                       \
+            }                                                                               \
             for (int g = 0; g < G; g++) {                                                   \
                 float cm = s[g][0];                                                         \
                 for (int64_t i = 1; i < n; i++) cm = s[g][i] > cm ? s[g][i] : cm;           \

@@ -6,7 +6,8 @@
  * residual add before it, a visible share of a small model's step
  * (docs/benchmarks.md, CPU kernels). Here one pass per
  * row adds the residual, sums the squares and a second writes the scaled
- * product. SiLU-and-mul likewise replaces a chunk, a silu and a mul.
+ * product. SiLU-and-mul likewise replaces a chunk, a silu and a mul, and
+ * GELU(tanh)-and-mul (Gemma's gelu_pytorch_tanh) a chunk, a gelu and a mul.
  *
  * The arithmetic is HF's (mean of squares in float32, x * rsqrt(mean + eps),
  * then the weight; x / (1 + e^-x)); only the order of the squares' summation
@@ -63,6 +64,23 @@ void kvloom_silu_and_mul_f32(const float *x, int64_t x_stride, int64_t rows, int
              * the clamped exp would leave g / 1.7e38 instead. */
             silu = g < -88.0f ? -0.0f : silu;
             o[i] = silu * up[i];
+        }
+    }
+}
+
+/* As kvloom_silu_and_mul_f32 with GELU's tanh form,
+ * 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), torch's
+ * gelu(approximate="tanh"); tanh_fast is within ~1e-7 of tanhf. */
+void kvloom_gelu_tanh_and_mul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
+                                  float *out) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * x_stride, *up = gate + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float g = gate[i];
+            float inner = k0 * (g + k1 * g * g * g);
+            o[i] = 0.5f * g * (1.0f + tanh_fast(inner)) * up[i];
         }
     }
 }

@@ -51,6 +51,7 @@ _SIGNATURES = {
         _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR]),
     "kvloom_rms_norm_f32": (None, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
     "kvloom_silu_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "kvloom_gelu_tanh_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
 }
 
 
@@ -65,6 +66,7 @@ class CpuKernels:
     paged_attention: ctypes._CFuncPtr
     rms_norm: ctypes._CFuncPtr
     silu_and_mul: ctypes._CFuncPtr
+    gelu_tanh_and_mul: ctypes._CFuncPtr
 
 
 def _cpu_flags() -> str:

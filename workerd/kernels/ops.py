@@ -1,5 +1,6 @@
 """The fused elementwise kernels (workerd/kernels/cpu_elementwise.c) as the
-model's layers call them: residual-add + RMSNorm, and SiLU-and-mul, the
+model's layers call them: residual-add + RMSNorm, SiLU-and-mul and
+GELU(tanh)-and-mul, the
 forward_cpu of the custom ops in workerd/layers/layernorm.py and
 activation.py (bound at load on the ranks workerd/layers/custom_op.py picks).
 
@@ -48,11 +49,21 @@ def rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: fl
 def silu_and_mul(kernels: CpuKernels, x: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of x = [gate | up] per row; None when the kernel does
     not take x."""
+    return _gated(kernels.silu_and_mul, x)
+
+
+def gelu_tanh_and_mul(kernels: CpuKernels, x: torch.Tensor) -> torch.Tensor | None:
+    """gelu(gate, approximate="tanh") * up of x = [gate | up] per row; None
+    when the kernel does not take x."""
+    return _gated(kernels.gelu_tanh_and_mul, x)
+
+
+def _gated(kernel, x: torch.Tensor) -> torch.Tensor | None:
     if x.dim() != 2 or x.shape[1] % 2:
         return None
     inter = x.shape[1] // 2
     if not _rows(x, 2 * inter):
         return None
     out = torch.empty(x.shape[0], inter)
-    kernels.silu_and_mul(x.data_ptr(), x.stride(0), x.shape[0], inter, out.data_ptr())
+    kernel(x.data_ptr(), x.stride(0), x.shape[0], inter, out.data_ptr())
     return out

@@ -1,7 +1,7 @@
 """The gated activations between an MLP's two matmuls: act(gate) * up of the
 fused gate_up projection's [gate | up] halves. SiLU for Llama-family
 models; GELU with the tanh approximation for Gemma (its
-gelu_pytorch_tanh), which has no C kernel and runs torch on every rank.
+gelu_pytorch_tanh).
 
 A custom op (workerd/layers/custom_op.py): on a rank that runs kvloom's C
 kernels it is one C pass over the rows (workerd/kernels/ops.py); elsewhere
@@ -34,7 +34,8 @@ class GeluTanhAndMul(CustomOp):
         return F.gelu(gate, approximate="tanh").mul_(up)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_native(x)
+        fused = cpu_ops.gelu_tanh_and_mul(self.kernels, x)
+        return self.forward_native(x) if fused is None else fused
 
 
 def gated_activation(hidden_act: str) -> CustomOp:

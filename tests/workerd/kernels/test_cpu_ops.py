@@ -72,6 +72,29 @@ def test_silu_and_mul_at_extremes(kernels):
     torch.testing.assert_close(got[0], ref, rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("inter", [1, 8, 13, 1536])
+def test_gelu_tanh_and_mul_matches_torch(kernels, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(9, 2 * inter, generator=g) * 4
+    x0 = x.clone()
+    gate, up = x.chunk(2, dim=-1)
+    got = cpu_ops.gelu_tanh_and_mul(kernels, x)
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh") * up, rtol=2e-6, atol=2e-6)
+    # Not the exact GELU (erf), which differs by more than the tolerance.
+    assert not torch.allclose(got, F.gelu(gate) * up, rtol=2e-6, atol=2e-6)
+    assert torch.equal(x, x0)
+
+
+def test_gelu_tanh_and_mul_at_extremes(kernels):
+    gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5.0, -5.0, 20.0, -20.0, 100.0, -100.0,
+                         1e4, -1e4, 1e12, -1e12, 1.0, -1.0])
+    x = torch.cat([gate, torch.full_like(gate, 0.5)]).unsqueeze(0)
+    got = cpu_ops.gelu_tanh_and_mul(kernels, x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[0], F.gelu(gate, approximate="tanh") * 0.5,
+                               rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["bfloat16", "three_dims", "feature_stride", "width",
                                   "residual_rows", "weight_dtype"])
 def test_tensors_the_kernels_do_not_take_get_none(kernels, case):
@@ -91,5 +114,6 @@ def test_tensors_the_kernels_do_not_take_get_none(kernels, case):
     assert cpu_ops.rms_norm(kernels, x, weight, 1e-6, residual) is None
     if case in ("bfloat16", "three_dims", "feature_stride"):
         assert cpu_ops.silu_and_mul(kernels, x) is None
+        assert cpu_ops.gelu_tanh_and_mul(kernels, x) is None
     assert cpu_ops.silu_and_mul(kernels, torch.randn(4, 7)) is None  # odd: no gate/up split
 

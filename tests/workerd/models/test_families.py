@@ -12,6 +12,7 @@ import torch
 from kvloom.testing.attention import paged_step
 from kvloom.testing.families import TINY_FAMILIES, make_tiny_checkpoint
 from workerd.distributed.parallel_state import single_process_state
+from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels
 from workerd.models.loader import load_model
 
 ATOL = 1e-4
@@ -79,6 +80,9 @@ def test_logits_match_transformers(family_dir, backend):
     family, model_dir = family_dir
     model = load_model(model_dir, single_process_state(), torch.float32)
     model.set_attention_backend(make_attention_backend(backend, torch.device("cpu")))
+    # As a worker binds them (workerd/layers/custom_op.py): the cpu backend's
+    # ranks also run the C norms and gated activations.
+    use_custom_op_kernels(model, rank_kernels(torch.device("cpu"), torch.float32, backend))
     hf = hf_model(model_dir)
     steps, prompts = schedule(model.vocab_size)
     ref = {id(p): hf_logits(hf, p) for p in prompts}

@@ -18,23 +18,39 @@ from workerd.layers.custom_op import CustomOp
 
 class RMSNorm(CustomOp):
     """weight_offset 1.0 is Gemma's (1 + w) norm: checkpoints store w, the
-    multiply uses 1 + w. It is added to the weight once, after loading
-    (process_weights_after_loading), so each step runs Llama's norm (and its
-    C kernel) unchanged: in float32 x * (1 + w) rounds 1 + w once either
-    way. (bf16 parity with transformers' Gemma would need the float32
-    multiply-then-cast it does; kvloom's Gemma path is float32-exact.)"""
+    multiply uses 1 + w, added once after loading
+    (process_weights_after_loading) so each float32 step runs Llama's norm
+    (and its C kernel) unchanged: x * (1 + w) rounds 1 + w once either way.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0):
+    cast_after_weight is where the rounding to a 16-bit dtype falls: Llama
+    rounds the normalised x, then multiplies by the weight in that dtype;
+    Gemma and OLMo 2 multiply in float32 by the float32 weight (Gemma's
+    1.0 + w.float()) and round once. Both are bitwise transformers' in
+    bf16/fp16 (tests/workerd/layers/test_layers_rmsnorm.py); in float32 they
+    are the same."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0,
+                 cast_after_weight: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
         self.weight_offset = weight_offset
+        self.cast_after_weight = cast_after_weight
         self._offset_applied = False
+        # The float32 weight (offset included) a cast_after_weight norm
+        # multiplies by in 16-bit dtypes; derived at load, not a checkpoint tensor.
+        self._weight_f32: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        if self.weight_offset and not self._offset_applied:
+        if self._offset_applied:
+            return
+        self._offset_applied = True
+        if self.cast_after_weight and self.weight.dtype != torch.float32:
+            # 1.0 + w.float() in float32, as transformers' Gemma: the 16-bit
+            # weight keeps w (the C kernel never runs on 16-bit ranks).
+            self._weight_f32 = self.weight.float() + self.weight_offset
+        elif self.weight_offset:
             self.weight.data.add_(self.weight_offset)
-            self._offset_applied = True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -50,6 +66,8 @@ class RMSNorm(CustomOp):
         # rounding as HF's multiply-then-cast) instead of cast by a second copy.
         xf = x if x.dtype == torch.float32 else x.float()
         scale = xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        if self._weight_f32 is not None:
+            return (xf * scale).mul_(self._weight_f32).to(x.dtype)
         out = torch.empty_like(x)
         torch.mul(xf, scale, out=out)
         return out.mul_(self.weight) if self.weight.dtype == x.dtype else self.weight * out

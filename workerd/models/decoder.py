@@ -57,6 +57,9 @@ class Arch:
     qk_norm: str = "none"
     # Gemma's (1 + w) RMSNorm: the offset added to every norm weight at load.
     norm_weight_offset: float = 0.0
+    # Gemma's and OLMo 2's norms multiply by the weight in float32 and round
+    # once (workerd/layers/layernorm.py); Llama's round first.
+    norm_cast_after_weight: bool = False
     # Gemma scales embeddings by sqrt(hidden), cast to the weight dtype.
     embed_scale_sqrt_hidden: bool = False
     # Checkpoints with fused tensors (Phi-3): the fused names, or None.
@@ -94,15 +97,16 @@ class DecoderAttention(DirectCallModule):
         self.kind = kind
         self.rope_key = rope_key
         self.qk_norm = arch.qk_norm
-        eps, offset = config.rms_norm_eps, arch.norm_weight_offset
+        eps, offset, late = config.rms_norm_eps, arch.norm_weight_offset, \
+            arch.norm_cast_after_weight
         if arch.qk_norm == "per_head":
-            self.q_norm = RMSNorm(self.head_dim, eps, offset)
-            self.k_norm = RMSNorm(self.head_dim, eps, offset)
+            self.q_norm = RMSNorm(self.head_dim, eps, offset, late)
+            self.k_norm = RMSNorm(self.head_dim, eps, offset, late)
         elif arch.qk_norm == "all_heads":
             # This rank's heads' slice of weights over all heads; the mean of
             # squares is reduced across the TP group (all_heads_rms_norm).
-            self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps, offset)
-            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps, offset)
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, eps, offset, late)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, eps, offset, late)
             q_view, k_view = (self.qkv_proj.checkpoint_params()[f"{p}_proj.weight"]
                               for p in "qk")
             self.q_norm.weight.shard = q_view.shard
@@ -161,7 +165,8 @@ def all_heads_rms_norm(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm
     outs = []
     for x, norm, mean in ((q, q_norm, means[:, 0]), (k, k_norm, means[:, 1])):
         normed = x.float() * torch.rsqrt(mean + norm.eps).unsqueeze(-1)
-        outs.append(norm.weight * normed.to(x.dtype))
+        # OLMo 2's order: the weight multiplies in float32, one rounding after.
+        outs.append((norm.weight.float() * normed).to(x.dtype))
     return outs[0], outs[1]
 
 
@@ -191,7 +196,8 @@ class DecoderLayer(DirectCallModule):
         self.add_module(arch.mlp_name, mlp)
         self._mlp_name = arch.mlp_name
         self.residual_multiplier = config.residual_multiplier
-        eps, offset = config.rms_norm_eps, arch.norm_weight_offset
+        eps, offset, late = config.rms_norm_eps, arch.norm_weight_offset, \
+            arch.norm_cast_after_weight
         self.norm_names = arch.norms
         # Registered under their checkpoint names, so the weight map finds them.
         self._norms: dict[str, RMSNorm | None] = {}
@@ -200,7 +206,7 @@ class DecoderLayer(DirectCallModule):
                            ("pre_mlp", names.pre_mlp), ("post_mlp", names.post_mlp)):
             norm = None
             if name is not None:
-                norm = RMSNorm(config.hidden_size, eps, offset)
+                norm = RMSNorm(config.hidden_size, eps, offset, late)
                 self.add_module(name, norm)
             self._norms[role] = norm
 

@@ -22,9 +22,10 @@ _SANDWICH = LayerNorms(input="input_layernorm", post_attention="post_attention_l
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
-    arch = Arch(norms=_SANDWICH, norm_weight_offset=1.0, embed_scale_sqrt_hidden=True)
+    arch = Arch(norms=_SANDWICH, norm_weight_offset=1.0, norm_cast_after_weight=True,
+                embed_scale_sqrt_hidden=True)
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
-    arch = Arch(norms=_SANDWICH, norm_weight_offset=1.0, embed_scale_sqrt_hidden=True,
-                qk_norm="per_head")
+    arch = Arch(norms=_SANDWICH, norm_weight_offset=1.0, norm_cast_after_weight=True,
+                embed_scale_sqrt_hidden=True, qk_norm="per_head")

@@ -171,7 +171,7 @@ class DecoderForCausalLM(nn.Module):
         self.norm = self.lm_head = None
         if ps.is_last_pp_rank:
             self.norm = RMSNorm(self.hidden_size, config.rms_norm_eps,
-                                self.arch.norm_weight_offset)
+                                self.arch.norm_weight_offset, self.arch.norm_cast_after_weight)
             self.lm_head = ParallelLMHead(config.vocab_size, self.hidden_size, ps)
             if self.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight

@@ -12,4 +12,4 @@ from workerd.models.llama import DecoderForCausalLM
 class Olmo2ForCausalLM(DecoderForCausalLM):
     arch = Arch(norms=LayerNorms(input=None, post_attention="post_attention_layernorm",
                                  pre_mlp=None, post_mlp="post_feedforward_layernorm"),
-                qk_norm="all_heads")
+                qk_norm="all_heads", norm_cast_after_weight=True)

@@ -56,3 +56,39 @@ def test_float32_fast_path_is_bitwise_hf_across_shapes(hidden, rows):
     x = torch.randn(rows, hidden, generator=g) * torch.rand(rows, 1, generator=g) * 10
     with torch.inference_mode():
         assert torch.equal(ours(x), hf(x))
+
+
+def _loaded(norm: RMSNorm, weight: torch.Tensor, dtype: torch.dtype) -> RMSNorm:
+    """norm holding `weight` in `dtype`, as load_model leaves it."""
+    norm = norm.to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    norm.process_weights_after_loading()
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("family", ["gemma3", "olmo2"])
+def test_norms_that_round_after_the_weight_are_bitwise_hf(family, dtype):
+    """Gemma's (1 + w) and OLMo 2's norms multiply in float32 and round once;
+    in 16-bit dtypes that is a different number from Llama's order, and
+    transformers' on the same weights."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    hidden = 64
+    w = torch.randn(hidden, generator=g) * 0.5
+    offset = 1.0 if family == "gemma3" else 0.0
+    hf = (Gemma3RMSNorm(hidden, eps=1e-6) if family == "gemma3"
+          else Olmo2RMSNorm(hidden, eps=1e-6)).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    ours = _loaded(RMSNorm(hidden, 1e-6, offset, cast_after_weight=True), w, dtype)
+    x = (torch.randn(40, hidden, generator=g) * 3).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(ours(x), hf(x))
+        if dtype != torch.float32:
+            # Negative control: Llama's order (round, then multiply) differs.
+            llama_order = _loaded(RMSNorm(hidden, 1e-6, offset), w, dtype)
+            assert not torch.equal(llama_order(x), hf(x))

@@ -28,7 +28,10 @@ _MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_atte
 
 # family name -> (architecture, config fields beyond _BASE).
 TINY_FAMILIES: dict[str, tuple[str, dict]] = {
-    "qwen2": ("Qwen2ForCausalLM", {"model_type": "qwen2"}),
+    # Qwen2.5's long-context recipe: yarn (frequencies and cos/sin scaling).
+    "qwen2": ("Qwen2ForCausalLM", {"model_type": "qwen2", "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64}}),
     "qwen3": ("Qwen3ForCausalLM", {"model_type": "qwen3"}),
     "mistral-window": ("MistralForCausalLM", {"model_type": "mistral",
                                               "sliding_window": _WINDOW}),

@@ -67,6 +67,15 @@ def _plain_rope(factor: float):
     return apply
 
 
+def _plain_qwen2_rope(hf):
+    """Qwen2's yarn replaced by default rope at the same theta."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    config = type(hf.config).from_dict(hf.config.to_dict())
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    hf.model.rotary_emb = Qwen2RotaryEmbedding(config)
+
+
 def _neox_pairs(monkeypatch):
     """GLM's GPT-J pairs rotated as NeoX halves instead."""
     def neox_rotate_half(x):
@@ -104,6 +113,7 @@ def _uniform_router(hf):
 
 CONTROLS = {
     ("qwen2", "qkv bias"): _zero_qkv_bias,
+    ("qwen2", "yarn"): _plain_qwen2_rope,
     ("qwen3", "per-head q/k norm"): lambda hf: _identity(hf, "attn.q_norm", "attn.k_norm"),
     ("mistral-window", "sliding window"): _no_window,
     ("gemma2", "alternating windows"): _no_window,

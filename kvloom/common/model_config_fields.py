@@ -40,6 +40,8 @@ ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "LlamaForCausalLM": ("llama",), "MistralForCausalLM": ("mistral",),
     "Qwen2ForCausalLM": ("qwen2",), "Qwen3ForCausalLM": ("qwen3",),
     "Gemma2ForCausalLM": ("gemma2",), "Gemma3ForCausalLM": ("gemma3_text",),
+    # Text-only: config.json's text_config (model_type gemma3_text) is read.
+    "Gemma3ForConditionalGeneration": ("gemma3_text",),
     "Phi3ForCausalLM": ("phi3",), "Olmo2ForCausalLM": ("olmo2",),
     "GraniteForCausalLM": ("granite",), "SmolLM3ForCausalLM": ("smollm3",),
     "GlmForCausalLM": ("glm",), "Glm4ForCausalLM": ("glm4",),
@@ -154,7 +156,9 @@ def text_config(raw: dict) -> dict:
         if not isinstance(nested, dict):
             raise ValueError(f"config.json: model_type {raw['model_type']!r} needs a "
                              f"text_config object")
-        return nested
+        # The wrapper ties (or not) its own LM head to the text embedding.
+        tie = {k: raw[k] for k in ("tie_word_embeddings",) if k in raw}
+        return {**nested, **tie}
     return raw
 
 

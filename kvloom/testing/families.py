@@ -47,6 +47,15 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
         "query_pre_attn_scalar": 16, "tie_word_embeddings": True}),
+    # Gemma 3 4B+'s layout: the text model under language_model, a (tiny)
+    # vision tower beside it that kvloom never reads.
+    "gemma3-multimodal": ("Gemma3ForConditionalGeneration", {
+        "model_type": "gemma3", "mm_tokens_per_image": 4,
+        "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        "text_config": {"sliding_window": _WINDOW, "query_pre_attn_scalar": 16,
+                        "layer_types": ["sliding_attention", "full_attention",
+                                        "sliding_attention", "sliding_attention"]}}),
     "phi3": ("Phi3ForCausalLM", {
         "model_type": "phi3",
         "original_max_position_embeddings": 64,
@@ -107,8 +116,13 @@ def make_tiny_checkpoint(path, family: str, *, seed: int = 0, **overrides) -> Pa
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = _save_tokenizer(path)
-    cfg_fields = {**_BASE, **fields, **overrides, "vocab_size": vocab,
-                  "architectures": [arch]}
+    if "text_config" in fields:  # a multimodal wrapper: the text fields nest
+        text = {**_BASE, **fields["text_config"], **overrides, "vocab_size": vocab,
+                "bos_token_id": 0, "eos_token_id": 1}
+        cfg_fields = {**fields, "text_config": text, "architectures": [arch]}
+    else:
+        cfg_fields = {**_BASE, **fields, **overrides, "vocab_size": vocab,
+                      "architectures": [arch]}
     model_type = cfg_fields.pop("model_type")
     # The tokenizer's <s> and </s>.
     config = transformers.AutoConfig.for_model(model_type, bos_token_id=0, eos_token_id=1,

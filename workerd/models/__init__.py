@@ -21,6 +21,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("workerd.models.qwen", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("workerd.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("workerd.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("workerd.models.gemma",
+                                       "Gemma3ForConditionalGeneration"),
     "Phi3ForCausalLM": ("workerd.models.phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("workerd.models.olmo2", "Olmo2ForCausalLM"),
     "GraniteForCausalLM": ("workerd.models.granite", "GraniteForCausalLM"),

@@ -8,6 +8,11 @@ final logits; Gemma 3 instead normalises each q and k head, and its local
 and global layers rotate with different thetas (two rotary tables,
 DecoderForCausalLM.rotary_embeddings).
 
+Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (a SigLIP vision
+tower beside the language model): kvloom serves its text path, the same
+model read from language_model.* (config.json's text_config); images are
+not supported.
+
 The norm names follow transformers' Gemma: post_attention_layernorm is on
 the attention output, pre_feedforward_layernorm the pre-MLP one."""
 
@@ -29,3 +34,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 class Gemma3ForCausalLM(DecoderForCausalLM):
     arch = Arch(norms=_SANDWICH, norm_weight_offset=1.0, norm_cast_after_weight=True,
                 embed_scale_sqrt_hidden=True, qk_norm="per_head")
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    checkpoint_prefix = "language_model."

@@ -130,6 +130,10 @@ class DecoderForCausalLM(nn.Module):
     this with Llama's declarations; the other families subclass it."""
 
     arch: ClassVar[Arch] = Arch()
+    # Where the language model's tensors sit in the checkpoint: a multimodal
+    # wrapper served text-only keeps them under its language_model (its
+    # vision tower's tensors are never read).
+    checkpoint_prefix: ClassVar[str] = ""
 
     def __init__(self, config, ps: ParallelState, pp_layer_partition: tuple[int, ...] = ()):
         super().__init__()
@@ -313,6 +317,7 @@ class DecoderForCausalLM(nn.Module):
         m: dict[str, list[nn.Parameter | LoadTarget]] = {}
 
         def add(name: str, entry) -> None:
+            name = self.checkpoint_prefix + name
             if all(e is not entry for e in m.get(name, [])):
                 m.setdefault(name, []).append(entry)
 

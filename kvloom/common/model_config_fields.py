@@ -43,6 +43,7 @@ ARCHITECTURES: dict[str, tuple[str, ...]] = {
     # Text-only: config.json's text_config (model_type gemma3_text) is read.
     "Gemma3ForConditionalGeneration": ("gemma3_text",),
     "Phi3ForCausalLM": ("phi3",), "Olmo2ForCausalLM": ("olmo2",),
+    "Olmo3ForCausalLM": ("olmo3",), "MinistralForCausalLM": ("ministral",),
     "GraniteForCausalLM": ("granite",), "SmolLM3ForCausalLM": ("smollm3",),
     "GlmForCausalLM": ("glm",), "Glm4ForCausalLM": ("glm4",),
     "MixtralForCausalLM": ("mixtral",), "Qwen3MoeForCausalLM": ("qwen3_moe",),
@@ -75,6 +76,7 @@ _GLM = {**_COMMON, "vocab_size": 151552, "intermediate_size": 13696, "num_hidden
 class Family:
     defaults: dict[str, Any]
     # Which layers slide: "all" (every layer when sliding_window is set),
+    # "given_or_all" (layer_types if given, else "all"),
     # "qwen2" (use_sliding_window, layers >= max_window_layers), "pattern"
     # (every layer but each pattern-th; Gemma), "smollm3" (use_sliding_window
     # on NoPE layers), "none" (no window is read).
@@ -112,6 +114,15 @@ FAMILIES: dict[str, Family] = {
                     "original_max_position_embeddings": 4096, "partial_rotary_factor": 1.0},
                    "all", qkv_bias="none", o_bias="none", legacy_longrope=True),
     "olmo2": Family({**_COMMON, "vocab_size": 50304, "rms_norm_eps": 1e-5}),
+    # OLMo 2 with three sliding layers in four ((i+1) % 4, configuration_olmo3.py).
+    "olmo3": Family({**_COMMON, "vocab_size": 50304, "rms_norm_eps": 1e-5,
+                     "rope_theta": 500000.0, "sliding_window": 4096, "layer_types": None},
+                    "pattern", 4),
+    # Ministral 8B: Mistral whose layer_types may alternate windows.
+    "ministral": Family({**_COMMON, "intermediate_size": 14336,
+                         "max_position_embeddings": 131072, "num_key_value_heads": 8,
+                         "sliding_window": 4096, "layer_types": None},
+                        "given_or_all", qkv_bias="none", o_bias="none"),
     "granite": Family({**_COMMON, "mlp_bias": False, "embedding_multiplier": 1.0,
                        "residual_multiplier": 1.0, "attention_multiplier": 1.0,
                        "logits_scaling": 1.0}, scale="attention_multiplier"),
@@ -263,7 +274,7 @@ class ConfigReader:
             return tuple(given)
         rule = self.family.window_rule
         slides: list[bool]
-        if rule == "all":
+        if rule in ("all", "given_or_all"):
             slides = [window is not None] * num_layers
         elif rule == "qwen2":
             start = self.int("max_window_layers", optional=True) or 0

@@ -64,6 +64,10 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                             "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
                             "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}}),
     "olmo2": ("Olmo2ForCausalLM", {"model_type": "olmo2", "num_key_value_heads": 1}),
+    # Four layers: its default pattern slides the first three.
+    "olmo3": ("Olmo3ForCausalLM", {"model_type": "olmo3", "sliding_window": _WINDOW}),
+    "ministral": ("MinistralForCausalLM", {"model_type": "ministral", "sliding_window": _WINDOW,
+                                           "layer_types": _MIXED}),
     "granite": ("GraniteForCausalLM", {
         "model_type": "granite", "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
         "attention_multiplier": 0.3, "logits_scaling": 4.0}),

@@ -25,6 +25,8 @@ _REGISTRY: dict[str, tuple[str, str]] = {
                                        "Gemma3ForConditionalGeneration"),
     "Phi3ForCausalLM": ("workerd.models.phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("workerd.models.olmo2", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("workerd.models.olmo2", "Olmo3ForCausalLM"),
+    "MinistralForCausalLM": ("workerd.models.llama", "MinistralForCausalLM"),
     "GraniteForCausalLM": ("workerd.models.granite", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ("workerd.models.granite", "SmolLM3ForCausalLM"),
     "GlmForCausalLM": ("workerd.models.glm", "GlmForCausalLM"),

@@ -360,3 +360,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral's checkpoint layout and math are Llama's; v0.1's sliding window
     (every layer; config.layer_types) is the layers' AttentionLayerKind."""
+
+
+class MinistralForCausalLM(LlamaForCausalLM):
+    """Ministral 8B: Mistral's layers, its windows by config.layer_types."""

@@ -17,6 +17,7 @@ from kvloom.common.model_config import (
 )
 from kvloom.common.model_config_fields import FAMILIES, MAX_CONFIG_BYTES
 from tests.imports import modules_imported
+from workerd.layers.rope_scaling import rope_parameters_by_layer_type
 from workerd.layers.rotary import rope_parameters
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
@@ -47,7 +48,8 @@ CONFIGS = {
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-        "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+        "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM",
+        "ministral": "MinistralForCausalLM",
         "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
         "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -184,7 +186,14 @@ def _assert_reads_like(ours, hf) -> None:
     for f, read in DERIVED.items():
         assert _ours(ours, f) == read(hf), f
     assert list(ours.architectures) == hf.architectures
-    if not hf.model_type.startswith("gemma3"):  # per-layer-type tables: the model reads them
+    if any(t in hf.rope_parameters for t in ("sliding_attention", "full_attention")):
+        # A table per layer type (Gemma 3, OLMo 3): each as the model builds it.
+        ours_by_type = rope_parameters_by_layer_type(
+            ours.rope_parameters, ours.layer_types, rope_scaling=ours.rope_scaling,
+            rope_theta=ours.rope_theta, rope_local_base_freq=ours.rope_local_base_freq)
+        for layer_type, params in ours_by_type.items():
+            assert params == hf.rope_parameters[layer_type], layer_type
+    else:
         hf_rope = rope_parameters(hf)
         assert ours.partial_rotary_factor == hf_rope.pop("partial_rotary_factor", 1.0)
         # The model passes the top-level switch length itself (rope_scaling.py's

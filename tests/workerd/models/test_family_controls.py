@@ -131,6 +131,8 @@ CONTROLS = {
     ("olmo2", "all-heads q/k norm"): lambda hf: _identity(hf, "attn.q_norm", "attn.k_norm"),
     ("olmo2", "post norms"): lambda hf: _identity(hf, "post_attention_layernorm",
                                                    "post_feedforward_layernorm"),
+    ("olmo3", "3:1 windows"): _no_window,
+    ("ministral", "alternating windows"): _no_window,
     ("granite", "multipliers"): _no_multipliers,
     ("smollm3", "NoPE layers"): _rope_everywhere,
     ("glm", "GPT-J rotary pairs"): "neox",

@@ -21,6 +21,9 @@ Weights are stacked per layer, as vLLM's FusedMoE: w13_weight [E, 2*I_local,
 H] (expert e's gate rows, then its up rows) and w2_weight [E, H, I_local].
 The hub checkpoint has one tensor per expert and projection, so each fills a
 view of the stack through a LoadTarget (workerd/models/weight_targets.py).
+On a CPU float32 rank pack_linear_weights may then pack each expert's slice
+for oneDNN (FusedMoE is PackableExperts; workerd/layers/packed_linear.py),
+freeing the stacks; the packed layer runs "sorted" on the packed slices.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from workerd.layers.activation import SiluAndMul
 from workerd.layers.checkpoint_mapped import CheckpointMapped
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.linear import ColumnParallelLinear
+from workerd.layers.packed_linear import PackableExperts, linear
 from workerd.models.weight_targets import LoadTarget, narrow_index
 
 
@@ -56,16 +60,24 @@ QWEN_MOE_EXPERT_NAMES = ExpertWeightNames(gate="gate_proj", up="up_proj", down="
 #   "sorted":     tokens sorted by expert once; per hit expert one matmul on
 #                 its contiguous rows for gate/up, one silu-and-mul over all
 #                 rows, then one matmul per hit expert for down (loops over at
-#                 most E experts, never over tokens);
+#                 most E experts, never over tokens); with packed experts
+#                 (pack_linear_weights) each matmul is a oneDNN call on the
+#                 expert's packed slice;
 #   "grouped_mm": the same sorted rows through torch's grouped GEMM: two calls
 #                 per layer however many experts are hit;
-#   "auto":       grouped_mm when it applies and the step has on average at
-#                 least one row per expert, sorted otherwise (below that
-#                 grouped_mm's per-group cost, paid for empty groups too,
-#                 loses: benchmarks/moe_layer.py);
+#   "auto":       packed experts: sorted, the one method that reads them (the
+#                 plain stacks are freed; packing applies where it measured
+#                 faster than both unpacked methods: MIN_PACKED_EXPERT_ROWS).
+#                 Unpacked: grouped_mm when it applies and the step has on
+#                 average at least one row per expert, sorted otherwise
+#                 (below that grouped_mm's per-group cost, paid for empty
+#                 groups too, loses: benchmarks/moe_layer.py);
 #   "reference":  transformers' loop (per hit expert: a one-hot mask search,
 #                 gather, matmuls, index_add), the parity reference for tests.
 MOE_METHODS = ("auto", "sorted", "grouped_mm", "reference")
+# The methods that can run packed experts; a layer built with another keeps
+# its plain stacks.
+PACKED_MOE_METHODS = ("auto", "sorted")
 DEFAULT_MOE_METHOD = "auto"
 
 
@@ -126,21 +138,29 @@ def grouped_mm_applies(device: torch.device, hidden_size: int, local_intermediat
     return device.type == "cpu" and hidden_size % 8 == 0 and local_intermediate % 8 == 0
 
 
-def _sorted_experts(xs, w13, w2, counts, act_fn):
+def _per_expert(rows, stack, packed, segments):
+    """rows[a:b] times expert e's weight (transposed) for each segment
+    (e, a, b): the plain stack's slice, or its packed copy when packed."""
+    if packed is None:
+        out = rows.new_empty(rows.shape[0], stack.shape[1])
+        for e, a, b in segments:
+            torch.mm(rows[a:b], stack[e].T, out=out[a:b])
+        return out
+    if not segments:
+        return rows.new_empty(0, packed[0].shape[0])
+    # oneDNN's linear has no out=: one cat instead of a copy per expert.
+    return torch.cat([linear(rows[a:b], stack, None, packed[e]) for e, a, b in segments])
+
+
+def _sorted_experts(xs, w13, w2, counts, act_fn, packed13=None, packed2=None):
     segments, start = [], 0
     # One host read of the counts; an expert no token chose costs one compare.
     for e, n in enumerate(counts.tolist()):
         if n:
             segments.append((e, start, start + n))
             start += n
-    h13 = xs.new_empty(xs.shape[0], w13.shape[1])
-    for e, a, b in segments:
-        torch.mm(xs[a:b], w13[e].T, out=h13[a:b])
-    h = act_fn(h13)  # once over all rows: each row is [gate | up]
-    ys = torch.empty_like(xs)
-    for e, a, b in segments:
-        torch.mm(h[a:b], w2[e].T, out=ys[a:b])
-    return ys
+    h = act_fn(_per_expert(xs, w13, packed13, segments))  # once over all rows: [gate | up]
+    return _per_expert(h, w2, packed2, segments)
 
 
 def _grouped_mm_experts(xs, w13, w2, counts, act_fn):
@@ -152,22 +172,30 @@ def _grouped_mm_experts(xs, w13, w2, counts, act_fn):
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_fn: SiluAndMul,
-                  method: str = DEFAULT_MOE_METHOD) -> torch.Tensor:
+                  method: str = DEFAULT_MOE_METHOD,
+                  packed13: list[torch.Tensor] | None = None,
+                  packed2: list[torch.Tensor] | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token
     t: [T, H], this rank's partial sum under TP (the caller all-reduces).
     topk_weights in x's dtype or float32 (each product then computed in
-    float32 and rounded once into x's dtype, as Mixtral's loop does)."""
+    float32 and rounded once into x's dtype, as Mixtral's loop does).
+    packed13 / packed2: expert e's w13 / w2 slice packed for oneDNN at e
+    (pack_stack), read in place of that stack; only PACKED_MOE_METHODS
+    run them."""
+    packed = packed13 is not None or packed2 is not None
+    if packed and method not in PACKED_MOE_METHODS:
+        raise ValueError(f"MoE method {method!r} reads the plain stacks, not packed experts")
     if method == "reference":
         return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, act_fn)
-    num_experts = w13.shape[0]
+    num_experts = len(w13) if packed13 is None else len(packed13)
     if method == "auto":
         dense = topk_ids.numel() >= num_experts
-        fits = grouped_mm_applies(x.device, w13.shape[2], w2.shape[2])
+        fits = not packed and grouped_mm_applies(x.device, w13.shape[2], w2.shape[2])
         method = "grouped_mm" if dense and fits else "sorted"
     order, token, counts = _sort_by_expert(topk_ids, num_experts)
     xs = x[token]  # [T*k, H], grouped by expert
     if method == "sorted":
-        ys = _sorted_experts(xs, w13, w2, counts, act_fn)
+        ys = _sorted_experts(xs, w13, w2, counts, act_fn, packed13, packed2)
     elif method == "grouped_mm":
         ys = _grouped_mm_experts(xs, w13, w2, counts, act_fn)
     else:
@@ -203,14 +231,15 @@ def _gated_mlp_targets(w13: torch.Tensor, w2: torch.Tensor, start: int, end: int
     }
 
 
-class FusedMoE(CheckpointMapped, DirectCallModule):
+class FusedMoE(CheckpointMapped, PackableExperts, DirectCallModule):
     """The routed experts of one layer, stacked, this rank's TP slice of each.
 
     forward(hidden_states [T, H], router_logits [T, E]) -> [T, H]: routing,
     the experts, and (reduce_results) the TP all-reduce; a caller that adds
     more partial sums first (the shared expert) passes reduce_results=False
     and reduces once itself. expert_names: the family's checkpoint names;
-    float32_weights: select_experts' (True for Mixtral)."""
+    float32_weights: select_experts' (True for Mixtral). pack_linear_weights
+    may replace each stack by its experts' packed slices (PackableExperts)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  ps: ParallelState, renormalize: bool, reduce_results: bool = True,
@@ -239,13 +268,42 @@ class FusedMoE(CheckpointMapped, DirectCallModule):
         self.w13_weight = _empty(num_experts, 2 * local, hidden_size)
         self.w2_weight = _empty(num_experts, hidden_size, local)
         self.act_fn = SiluAndMul()
+        # Expert e's packed w13 / w2 slice at e, once packed (the stack freed).
+        self.packed_w13: list[torch.Tensor] | None = None
+        self.packed_w2: list[torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
                                                 self.float32_weights)
         out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights,
-                            topk_ids, self.act_fn, self.method)
+                            topk_ids, self.act_fn, self.method, self.packed_w13, self.packed_w2)
         return tp_all_reduce(out, self.ps) if self.reduce_results else out
+
+    def plain_stacks(self) -> dict[str, torch.Tensor]:
+        if self.method not in PACKED_MOE_METHODS:
+            return {}
+        stacks = {"w13_weight": self.w13_weight, "w2_weight": self.w2_weight}
+        packed = {"w13_weight": self.packed_w13, "w2_weight": self.packed_w2}
+        return {name: w for name, w in stacks.items() if packed[name] is None}
+
+    def rows_per_expert(self, batch_rows: int) -> float:
+        return batch_rows * self.top_k / self.num_experts
+
+    def use_packed(self, name: str, packed: list[torch.Tensor]) -> None:
+        if len(packed) != self.num_experts:
+            raise ValueError(f"{len(packed)} packed experts for {self.num_experts}")
+        if name == "w13_weight":
+            stack, self.packed_w13 = self.w13_weight, packed
+        elif name == "w2_weight":
+            stack, self.packed_w2 = self.w2_weight, packed
+        else:
+            raise KeyError(f"FusedMoE has no stack {name!r}")
+        # The checkpoint views of checkpoint_targets() are made on demand, so
+        # this drops the layer's last reference to the stack.
+        setattr(self, name, nn.Parameter(stack.new_empty(0), requires_grad=False))
+
+    def packed_weights(self) -> list[torch.Tensor]:
+        return [*(self.packed_w13 or ()), *(self.packed_w2 or ())]
 
     def checkpoint_targets(self) -> dict[str, list[LoadTarget]]:
         """`<e>.<gate|up|down>.weight` (under the checkpoint's `experts.`) for
@@ -259,11 +317,12 @@ class FusedMoE(CheckpointMapped, DirectCallModule):
         return m
 
 
-class SharedExpert(DirectCallModule):
+class SharedExpert(PackableExperts, DirectCallModule):
     """Qwen2-MoE's always-on expert, a gated MLP split like the routed ones,
     scaled per token by sigmoid(shared_expert_gate(x)). The gate is
     replicated and its scale is per token, so scaling this rank's partial sum
-    scales the reduced one: no collective of its own."""
+    scales the reduced one: no collective of its own. For packing it is a
+    stack of one expert that every token multiplies (the gate stays plain)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, ps: ParallelState):
         super().__init__()
@@ -273,10 +332,34 @@ class SharedExpert(DirectCallModule):
         self.w2_weight = _empty(hidden_size, local)
         self.gate_weight = _empty(1, hidden_size)
         self.act_fn = SiluAndMul()
+        self.packed_w13: torch.Tensor | None = None
+        self.packed_w2: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(self.act_fn(F.linear(x, self.w13_weight)), self.w2_weight)
+        h = self.act_fn(linear(x, self.w13_weight, None, self.packed_w13))
+        h = linear(h, self.w2_weight, None, self.packed_w2)
         return h.mul_(torch.sigmoid(F.linear(x, self.gate_weight)))
+
+    def plain_stacks(self) -> dict[str, torch.Tensor]:
+        stacks = {"w13_weight": (self.w13_weight, self.packed_w13),
+                  "w2_weight": (self.w2_weight, self.packed_w2)}
+        return {name: w.unsqueeze(0) for name, (w, packed) in stacks.items() if packed is None}
+
+    def rows_per_expert(self, batch_rows: int) -> float:
+        return float(batch_rows)
+
+    def use_packed(self, name: str, packed: list[torch.Tensor]) -> None:
+        (one,) = packed
+        if name == "w13_weight":
+            weight, self.packed_w13 = self.w13_weight, one
+        elif name == "w2_weight":
+            weight, self.packed_w2 = self.w2_weight, one
+        else:
+            raise KeyError(f"SharedExpert has no stack {name!r}")
+        setattr(self, name, nn.Parameter(weight.new_empty(0), requires_grad=False))
+
+    def packed_weights(self) -> list[torch.Tensor]:
+        return [p for p in (self.packed_w13, self.packed_w2) if p is not None]
 
     def block_targets(self) -> dict[str, list[LoadTarget]]:
         """Under the block's prefix: `shared_expert.{gate,up,down}_proj.weight`

@@ -16,9 +16,16 @@ F.linear. Packing replaces the layer's weight (the plain copy is freed, so a
 rank holds its weights once), except where a weight is shared: a tied LM
 head packs a second copy and the embedding keeps the plain one. A packed model cannot be loaded
 into again; workers load once, then pack.
+
+A mixture of experts (workerd/layers/moe.py) stacks its experts' weights
+[E, out, in]; it declares them through PackableExperts, and each expert's
+slice is packed as its own oneDNN weight under the same size floor, when
+the batch routes enough rows to each expert (MIN_PACKED_EXPERT_ROWS).
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +44,12 @@ MIN_BATCH_HINT = 16
 # least this many elements (1 MiB in float32) are packed; the tiny test
 # model keeps F.linear everywhere.
 MIN_PACKED_ELEMENTS = 1 << 18
+# An expert multiplies its weight by only the rows routed to it. With 1 to 3
+# rows a oneDNN call lost to aten's mm by 12-28 %, from 4 to 6 on it won, by
+# up to 1.7x at 8 (benchmarks/moe_layer.py; docs/benchmarks.md, Model
+# families). So a layer's experts are packed only when a step of the batch
+# hint's rows routes at least this many to each expert on average.
+MIN_PACKED_EXPERT_ROWS = 4
 
 
 class Packable:
@@ -50,6 +63,31 @@ class Packable:
         """Once packed: free the plain weight (forward reads only the packed
         one). A layer holding other references into its storage drops them too."""
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+
+class PackableExperts(ABC):
+    """Mixin of the layers holding per-expert linear weights stacked [E, out,
+    in] (FusedMoE). pack_linear_weights packs each expert's slice of a stack
+    as one oneDNN weight and hands the list to use_packed, which frees the
+    plain stack; until then the layer runs its plain stacks."""
+
+    @abstractmethod
+    def plain_stacks(self) -> dict[str, torch.Tensor]:
+        """Name -> stack [E, out, in] not packed yet that packing may replace
+        ({} when the layer's method reads the plain stacks)."""
+
+    @abstractmethod
+    def rows_per_expert(self, batch_rows: int) -> float:
+        """The rows one expert multiplies on average in a step of batch_rows tokens."""
+
+    @abstractmethod
+    def use_packed(self, name: str, packed: list[torch.Tensor]) -> None:
+        """Run stack `name` through `packed` (expert e's slice at e) and free
+        the plain stack."""
+
+    @abstractmethod
+    def packed_weights(self) -> list[torch.Tensor]:
+        """Every packed expert weight this layer holds."""
 
 
 def packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -81,16 +119,46 @@ def _shared_params(model: nn.Module) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int,
-                        min_elements: int | None = None) -> int:
+def pack_stack(stack: torch.Tensor, batch_hint: int) -> list[torch.Tensor]:
+    """Each expert's slice of a stack [E, out, in], packed as one oneDNN weight."""
+    hint = max(MIN_BATCH_HINT, batch_hint)
+    return [_REORDER(stack[e].detach(), hint) for e in range(stack.shape[0])]
+
+
+def _pack_experts(module: PackableExperts, batch_hint: int, floor: int, rows: int) -> int:
+    if module.rows_per_expert(batch_hint) < rows:
+        return 0
+    count, stacks = 0, module.plain_stacks()
+    while stacks:
+        # Popped, so no reference is left to a stack once it is packed: packed
+        # and plain coexist for one stack at a time, as a dense layer's
+        # weight and its packed copy do while it is packed.
+        name, stack = stacks.popitem()
+        per_expert = stack[0].numel() if stack.shape[0] else 0
+        if per_expert < floor or per_expert == 0:
+            continue
+        module.use_packed(name, pack_stack(stack, batch_hint))
+        count += stack.shape[0]
+    return count
+
+
+def pack_linear_weights(model: nn.Module, batch_hint: int, min_elements: int | None = None,
+                        min_expert_rows: float | None = None) -> int:
     """Pack the weight of every Packable module (the linear layers and the LM
-    head) with at least min_elements elements
-    (default MIN_PACKED_ELEMENTS); returns how many it packed."""
+    head) with at least min_elements elements (default MIN_PACKED_ELEMENTS),
+    and each expert's slice of a PackableExperts stack past the same floor
+    when batch_hint rows route at least min_expert_rows to each expert
+    (default MIN_PACKED_EXPERT_ROWS); returns how many weights it packed
+    (an expert's slice counts one)."""
     shared = _shared_params(model)
     hint = max(MIN_BATCH_HINT, batch_hint)
     floor = MIN_PACKED_ELEMENTS if min_elements is None else min_elements
+    rows = MIN_PACKED_EXPERT_ROWS if min_expert_rows is None else min_expert_rows
     count = 0
     for module in model.modules():
+        if isinstance(module, PackableExperts):
+            count += _pack_experts(module, batch_hint, floor, rows)
+            continue
         if not isinstance(module, Packable) or module.packed_weight is not None:
             continue
         weight = module.weight
@@ -105,5 +173,10 @@ def pack_linear_weights(model: nn.Module, batch_hint: int,
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes the packed weights take (the plain parameters are counted apart)."""
-    return sum(m.packed_weight.numel() * m.packed_weight.element_size()
-               for m in model.modules() if isinstance(m, Packable) and m.packed_weight is not None)
+    packed = []
+    for m in model.modules():
+        if isinstance(m, PackableExperts):
+            packed += m.packed_weights()
+        elif isinstance(m, Packable) and m.packed_weight is not None:
+            packed.append(m.packed_weight)
+    return sum(p.numel() * p.element_size() for p in packed)

@@ -2,11 +2,13 @@
 (shared expert) blocks with redrawn weights, saved by save_pretrained (so in
 the hub's per-expert layout, named by transformers, not by us), loaded into
 SparseMoeBlock through its LoadTargets, equal to HF's output at TP=1 for
-every method and at TP=2 after the all-reduce, in real gloo processes."""
+every method and at TP=2 after the all-reduce, in real gloo processes; with
+each expert's slices packed for oneDNN, equal to the unpacked block."""
 
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from workerd.layers.activation import SiluAndMul
 from workerd.layers.moe import (
     MIXTRAL_EXPERT_NAMES,
     MOE_METHODS,
+    PACKED_MOE_METHODS,
     QWEN_MOE_EXPERT_NAMES,
     ExpertWeightNames,
     FusedMoE,
@@ -36,11 +39,14 @@ from workerd.layers.moe import (
     fused_experts,
     select_experts,
 )
+from workerd.layers.packed_linear import pack_linear_weights, pack_stack, packing_unavailable
 from workerd.models import moe_models
 from workerd.models.loader import load_weight_map
 
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED_INTER = 32, 4, 2, 16, 24
 ATOL = 1e-5
+CAN_PACK = packing_unavailable(torch.device("cpu"), torch.float32) is None
+needs_packing = pytest.mark.skipif(not CAN_PACK, reason="this torch build has no oneDNN linear ops")
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,16 @@ def test_tp_rank_holds_its_slice_and_partials_sum_to_tp1(cases):
     assert (partials[0] - want).abs().max() > 100 * ATOL  # one rank alone is not the answer
 
 
+def _pack(block, batch_hint: int = 16, min_elements: int = 0) -> int:
+    # Tiny weights: no size floor; 16 rows route 8 to each of 4 experts.
+    return pack_linear_weights(block, batch_hint, min_elements=min_elements)
+
+
+def _all_packed(case: Case) -> int:
+    """Every expert's two slices, the router, and a shared expert's two."""
+    return 2 * EXPERTS + 1 + (2 if case.shared else 0)
+
+
 def _tp_worker(rank, port, cases, out_dir):
     torch.set_num_threads(1)
     ps = init_parallel_state(rank, 2, 2, 1, "127.0.0.1", port, 60.0, torch.device("cpu"))
@@ -299,6 +315,10 @@ def _tp_worker(rank, port, cases, out_dir):
             for case in cases:
                 for method in ("sorted", "grouped_mm"):
                     outs[case.name, method] = _ours(case, ps, case.renormalize, method)(_x())
+                if CAN_PACK:  # as a CPU float32 rank runs it: experts packed
+                    block = _ours(case, ps, case.renormalize)
+                    assert _pack(block) == _all_packed(case)
+                    outs[case.name, "packed"] = block(_x())
         torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_parallel_state(ps)
@@ -309,14 +329,15 @@ def test_tp2_after_all_reduce_equals_tp1(cases, tmp_path):
     cs = list(cases.values())
     mp.spawn(_tp_worker, args=(free_port(), cs, str(tmp_path)), nprocs=2, join=True)
     x = _x()
+    methods = ("sorted", "grouped_mm", "packed") if CAN_PACK else ("sorted", "grouped_mm")
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert len(got) == 2 * len(cs)
+        assert len(got) == len(methods) * len(cs)
         for case in cs:
             with torch.no_grad():
                 want = _ours(case, layout_state(), case.renormalize)(x)
             torch.testing.assert_close(want, _hf_out(case.name, True, x), atol=ATOL, rtol=0)
-            for method in ("sorted", "grouped_mm"):
+            for method in methods:
                 torch.testing.assert_close(got[case.name, method], want, atol=ATOL, rtol=0,
                                            msg=f"rank {rank} {case.name} {method}")
 
@@ -342,3 +363,82 @@ def test_hostile_sizes_are_refused_by_number():
     with pytest.raises(ValueError, match=r"hidden_size=30 .* intermediate size 16"):
         FusedMoE(4, 2, 30, 16, layout_state(), True, method="grouped_mm")
     FusedMoE(4, 2, 30, 16, layout_state(), True, method="auto")
+
+
+@needs_packing
+@pytest.mark.parametrize("method", PACKED_MOE_METHODS)
+@pytest.mark.parametrize("family", sorted(MODEL_CLASS))
+def test_packed_experts_equal_unpacked(cases, family, method):
+    """Each expert's w13 and w2 slice packed for oneDNN, the stacks freed
+    (Qwen2-MoE's shared expert packed too): the block computes what it
+    computed unpacked (and HF's), for no tokens, one, and tokens spread over
+    every expert."""
+    block = _ours(cases[family], layout_state(), True, method)
+    xs = [_x(tokens=n) for n in (0, 1, 24)]
+    with torch.no_grad():
+        want = [block(x) for x in xs]
+        stack = weakref.ref(block.experts.w13_weight)
+        assert _pack(block) == _all_packed(cases[family])
+        assert stack() is None  # the plain stack is gone, not kept beside the packed one
+        experts = block.experts
+        assert experts.w13_weight.numel() == experts.w2_weight.numel() == 0
+        assert len(experts.packed_w13) == len(experts.packed_w2) == EXPERTS
+        if block.shared_expert is not None:
+            assert block.shared_expert.w13_weight.numel() == 0
+            assert block.shared_expert.packed_w2 is not None
+        for x, w in zip(xs, want, strict=True):
+            got = block(x)
+            assert got.shape == w.shape
+            torch.testing.assert_close(got, w, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, _hf_out(family, True, xs[-1]), atol=ATOL, rtol=0)
+
+
+@needs_packing
+@pytest.mark.parametrize("stack", ["packed_w13", "packed_w2"])
+def test_packed_experts_in_the_wrong_order_differ(cases, stack):
+    """Negative control: the packed list indexed by expert id, so two experts
+    swapped in it (the weights themselves intact) change the output."""
+    block = _ours(cases["qwen3_moe"], layout_state(), True, "sorted")
+    x = _x()
+    with torch.no_grad():
+        want = block(x)
+        _pack(block)
+        torch.testing.assert_close(block(x), want, atol=ATOL, rtol=0)
+        packed = getattr(block.experts, stack)
+        packed[0], packed[2] = packed[2], packed[0]
+        assert (block(x) - want).abs().max() > 100 * ATOL
+
+
+@needs_packing
+def test_packing_applies_by_size_and_by_rows_per_expert(cases):
+    """The dense layers' size floor per expert slice (w13's is 2 * 16 * 32 =
+    1024 elements, w2's 512: a floor between packs w13 alone), and a batch
+    hint that routes at least 4 rows to each expert (hint * top_k / E)."""
+    case = cases["mixtral"]
+    x = _x()
+    want = _hf_out("mixtral", True, x)
+    for hint, floor, packed13, packed2 in [(16, 1024, True, False), (16, 1025, False, False),
+                                           (8, 0, True, True), (7, 0, False, False)]:
+        block = _ours(case, layout_state(), True)
+        n = _pack(block, hint, floor)
+        experts = block.experts
+        assert (experts.packed_w13 is not None, experts.packed_w2 is not None) == (
+            packed13, packed2), (hint, floor)
+        assert experts.w13_weight.numel() == (0 if packed13 else EXPERTS * 2 * INTER * HIDDEN)
+        assert n == EXPERTS * (packed13 + packed2) + (floor <= EXPERTS * HIDDEN)
+        with torch.no_grad():
+            torch.testing.assert_close(block(x), want, atol=ATOL, rtol=0)
+        assert _pack(block, hint, floor) == 0  # packing twice is a no-op
+
+
+@needs_packing
+@pytest.mark.parametrize("method", ["grouped_mm", "reference"])
+def test_methods_reading_the_plain_stacks_keep_them(cases, method):
+    block = _ours(cases["mixtral"], layout_state(), True, method)
+    assert _pack(block) == 1  # the router only
+    assert block.experts.packed_w13 is None and block.experts.w13_weight.numel() > 0
+    w13, w2 = block.experts.w13_weight, block.experts.w2_weight
+    packed = pack_stack(w13, 16)
+    with pytest.raises(ValueError, match=f"MoE method '{method}' reads the plain stacks"):
+        fused_experts(_x(), w13, w2, *select_experts(torch.randn(24, EXPERTS), TOP_K, True),
+                      SiluAndMul(), method, packed13=packed)

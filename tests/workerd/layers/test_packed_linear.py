@@ -2,7 +2,8 @@
 packed once into oneDNN's layout. The packed layers must compute what F.linear
 computes on the plain weights (every layer kind, bias, odd row counts, strided
 inputs), hold each weight once (a tied LM head excepted), and the packed
-runner must still generate transformers' greedy tokens."""
+runner must still generate transformers' greedy tokens, a mixture of experts'
+too (its experts' slices packed one by one: workerd/layers/moe.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom.testing.families import make_tiny_checkpoint
 from kvloom.testing.inprocess import runner_limits
 from tests.integration.reference import hf_greedy
 from workerd.distributed.parallel_state import single_process_state
@@ -23,7 +25,9 @@ from workerd.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from workerd.layers.moe import FusedMoE, SharedExpert
 from workerd.layers.packed_linear import (
+    MIN_PACKED_EXPERT_ROWS,
     pack_linear_weights,
     packed_bytes,
     packing_unavailable,
@@ -188,3 +192,26 @@ def test_a_packed_runner_generates_transformers_greedy_tokens(tiny_model_dir,
     runner = _runner(tiny_model_dir, pack=True)
     assert packed_bytes(runner.model) > 0
     assert _greedy(runner, prompt, 24) == hf_greedy(tiny_model_dir, prompt, 24)
+
+
+@needs_packing
+@pytest.mark.parametrize("family,num_moe", [("mixtral", 4), ("qwen2-moe", 8), ("qwen3-moe", 3)])
+def test_a_packed_moe_runner_holds_each_weight_once_and_generates_greedy_tokens(
+        family, num_moe, tmp_path, pack_tiny_weights):
+    """4 layers: Qwen2-MoE's each with a shared expert beside the routed
+    ones, Qwen3-MoE's layer 1 a dense MLP."""
+    model_dir = str(make_tiny_checkpoint(tmp_path, family, seed=3))
+    runner = _runner(model_dir, pack=True)
+    # runner_limits' 16 sequences route 8 rows to each of 4 experts (top 2).
+    assert runner.limits.max_num_seqs * 2 / 4 >= MIN_PACKED_EXPERT_ROWS
+    moe = [m for m in runner.model.modules() if isinstance(m, (FusedMoE, SharedExpert))]
+    assert len(moe) == num_moe
+    for m in moe:
+        assert m.w13_weight.numel() == m.w2_weight.numel() == 0
+        assert m.packed_w13 is not None and m.packed_w2 is not None
+    sizes = _checkpoint_bytes(model_dir)
+    assert runner.weights_bytes() == sum(sizes.values())
+    experts = sum(v for k, v in sizes.items() if ".experts." in k or "shared_expert." in k)
+    assert packed_bytes(runner.model) > experts
+    prompt = list(range(3, 40, 3))
+    assert _greedy(runner, prompt, 16) == hf_greedy(model_dir, prompt, 16)

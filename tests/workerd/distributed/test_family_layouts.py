@@ -2,7 +2,9 @@
 against its own single process over tests/workerd/models/test_families.py's
 schedule, which that file checks against transformers. PP=2 splits 1 + 3
 layers, so a stage's local layer index differs from the global one that
-picks its window, rotary table and MLP kind."""
+picks its window, rotary table and MLP kind. The ranks pack their shards'
+weights for oneDNN as CPU float32 workers do (the mixtures of experts' expert
+slices too), against the unpacked single process."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from workerd.distributed.parallel_state import (
     send_intermediate,
     single_process_state,
 )
+from workerd.layers.moe import FusedMoE
+from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
 from workerd.models.loader import load_model
 
 PARTITION = (1, 3)
@@ -55,6 +59,11 @@ def _worker(rank, world_size, tp, pp, port, model_dir, out_dir):
                              torch.device("cpu"))
     try:
         model = load_model(model_dir, ps, torch.float32, PARTITION if pp > 1 else ())
+        if packing_unavailable(torch.device(ps.device), torch.float32) is None:
+            # Tiny weights: no size floor; 16 rows route 8 to each of 4 experts.
+            assert pack_linear_weights(model, 16, min_elements=0) > 0
+            assert all(m.packed_w13 is not None and m.packed_w2 is not None
+                       for m in model.modules() if isinstance(m, FusedMoE))
         outputs = _run(model, ps)
         if ps.is_last_pp_rank:
             torch.save(outputs, os.path.join(out_dir, f"logits_tp{ps.tp_rank}.pt"))

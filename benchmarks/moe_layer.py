@@ -15,12 +15,19 @@ each repeat so they see the same machine noise:
                 its contiguous rows (gate/up), one silu-and-mul, then one
                 matmul per hit expert (down);
   * grouped_mm: the sorted rows through torch's grouped GEMM, two calls;
-  * auto:       the default: grouped_mm at >= 1 row per expert, else sorted.
+  * auto:       the default on plain stacks: grouped_mm at >= 1 row per
+                expert, else sorted;
+  * packed:     sorted on each expert's slices packed for oneDNN
+                (pack_stack, batch hint = the tokens), what "auto" runs once
+                a CPU float32 rank has packed the layer (float32 only).
 
 It checks every method's output against the reference, and reports each
 method's median ms and the reference's time divided by it (above 1: faster
-than the loop), side by side. The activation runs torch's code (the C
-silu-and-mul kernel is not bound), the same for all three.
+than the loop), side by side, then rows/expert (tokens * k / E) and whether
+pack_linear_weights' rule packs the layer at a batch hint of that many
+tokens ("w13+w2", "w13" or "-": the size floor per expert slice and
+MIN_PACKED_EXPERT_ROWS). The activation runs torch's code (the C
+silu-and-mul kernel is not bound), the same for all.
 """
 
 from __future__ import annotations
@@ -38,8 +45,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from workerd.layers.activation import SiluAndMul  # noqa: E402
 from workerd.layers.moe import DEFAULT_MOE_METHOD, fused_experts, select_experts  # noqa: E402
+from workerd.layers.packed_linear import (  # noqa: E402
+    MIN_PACKED_ELEMENTS,
+    MIN_PACKED_EXPERT_ROWS,
+    pack_stack,
+    packing_unavailable,
+)
 
-METHODS = ("reference", "sorted", "grouped_mm", "auto")
+METHODS = ("reference", "sorted", "grouped_mm", "auto", "packed")
 
 
 def _ints(text: str) -> list[int]:
@@ -61,6 +74,15 @@ def _timed(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def packs(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> str:
+    """Which stacks pack_linear_weights packs at a batch hint of `tokens`."""
+    if tokens * top_k / experts < MIN_PACKED_EXPERT_ROWS:
+        return "-"
+    stacks = [name for name, n in (("w13", 2 * inter * hidden), ("w2", hidden * inter))
+              if n >= MIN_PACKED_ELEMENTS]
+    return "+".join(stacks) or "-"
+
+
 def run_case(tokens: int, experts: int, top_k: int, args) -> dict:
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(args.seed)
@@ -71,23 +93,29 @@ def run_case(tokens: int, experts: int, top_k: int, args) -> dict:
     w2 = (torch.randn(experts, h, inter, generator=g) * inter**-0.5).to(dtype)
     weights, ids = select_experts(x @ router.T, top_k, renormalize=True)
     act = SiluAndMul()
+    methods = METHODS if packing_unavailable(x.device, dtype) is None else METHODS[:-1]
+    if "packed" in methods:
+        p13, p2 = pack_stack(w13, tokens), pack_stack(w2, tokens)
 
     def call(method):
+        if method == "packed":
+            return lambda: fused_experts(x, w13, w2, weights, ids, act, "sorted", p13, p2)
         return lambda: fused_experts(x, w13, w2, weights, ids, act, method)
 
     with torch.inference_mode():
         ref = call("reference")()
-        diffs = {m: (call(m)() - ref).abs().max().item() for m in METHODS}
-        samples = {m: [] for m in METHODS}
+        diffs = {m: (call(m)() - ref).abs().max().item() for m in methods}
+        samples = {m: [] for m in methods}
         for _ in range(args.repeats):
-            for m in METHODS:
+            for m in methods:
                 samples[m].append(_timed(call(m), args.iters))
     ms = {m: statistics.median(v) for m, v in samples.items()}
     return {
         "tokens": tokens, "experts": experts, "top_k": top_k,
-        "experts_hit": int(ids.unique().numel()),
+        "experts_hit": int(ids.unique().numel()), "rows_per_expert": tokens * top_k / experts,
+        "packs": packs(tokens, experts, top_k, h, inter),
         "ms": ms, "samples_ms": samples, "max_abs_diff": diffs,
-        "speedup_vs_reference": {m: ms["reference"] / ms[m] for m in METHODS},
+        "speedup_vs_reference": {m: ms["reference"] / ms[m] for m in methods},
     }
 
 
@@ -120,14 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hidden {args.hidden}, intermediate {args.intermediate}, {args.dtype}, "
           f"{args.threads} thread(s); ms = median of {args.repeats} x {args.iters} calls; "
           f"x = reference ms / method ms; default method: {DEFAULT_MOE_METHOD}")
-    fast = METHODS[1:]
-    head = "".join(f"{m + ' ms':>15}" for m in METHODS) + "".join(f"{m + ' x':>14}" for m in fast)
-    print(f"{'E:k':>6} {'tokens':>6} {'hit':>4}{head} {'max|diff|':>10}")
+    methods = list(cases[0]["ms"])
+    fast = methods[1:]
+    head = "".join(f"{m + ' ms':>15}" for m in methods) + "".join(f"{m + ' x':>14}" for m in fast)
+    print(f"{'E:k':>6} {'tokens':>6} {'hit':>4}{head} {'max|diff|':>10} {'rows/e':>7} "
+          f"{'packs':>7}")
     for c in cases:
-        cols = "".join(f"{c['ms'][m]:>15.3f}" for m in METHODS)
+        cols = "".join(f"{c['ms'][m]:>15.3f}" for m in methods)
         cols += "".join(f"{c['speedup_vs_reference'][m]:>14.2f}" for m in fast)
         print(f"{c['experts']:>3}:{c['top_k']:<2} {c['tokens']:>6} {c['experts_hit']:>4}{cols} "
-              f"{max(c['max_abs_diff'].values()):>10.1e}")
+              f"{max(c['max_abs_diff'].values()):>10.1e} {c['rows_per_expert']:>7.2f} "
+              f"{c['packs']:>7}")
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         machine = {"torch": torch.__version__, "processor": platform.processor(),

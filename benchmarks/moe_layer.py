@@ -17,17 +17,18 @@ each repeat so they see the same machine noise:
   * grouped_mm: the sorted rows through torch's grouped GEMM, two calls;
   * auto:       the default on plain stacks: grouped_mm at >= 1 row per
                 expert, else sorted;
-  * packed:     sorted on each expert's slices packed for oneDNN
-                (pack_stack, batch hint = the tokens), what "auto" runs once
-                a CPU float32 rank has packed the layer (float32 only).
+  * packed:     sorted on every expert's w13 and w2 slices packed for oneDNN
+                (pack_stack, batch hint = the tokens), what "auto" runs on a
+                layer packed whole (float32 only);
+  * rank:       what a CPU float32 rank runs when it packs at a batch hint
+                of the tokens: the stacks pack_linear_weights' rule packs
+                (expert_floor) packed, the others plain, by "auto".
 
 It checks every method's output against the reference, and reports each
 method's median ms and the reference's time divided by it (above 1: faster
-than the loop), side by side, then rows/expert (tokens * k / E) and whether
-pack_linear_weights' rule packs the layer at a batch hint of that many
-tokens ("w13+w2", "w13" or "-": the size floor per expert slice and
-MIN_PACKED_EXPERT_ROWS). The activation runs torch's code (the C
-silu-and-mul kernel is not bound), the same for all.
+than the loop), side by side, then rows/expert (tokens * k / E) and which
+stacks the rule packs ("w13+w2", "w13", "w2" or "-"). The activation runs
+torch's code (the C silu-and-mul kernel is not bound), the same for all.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ from workerd.layers.activation import SiluAndMul  # noqa: E402
 from workerd.layers.moe import DEFAULT_MOE_METHOD, fused_experts, select_experts  # noqa: E402
 from workerd.layers.packed_linear import (  # noqa: E402
     MIN_PACKED_ELEMENTS,
-    MIN_PACKED_EXPERT_ROWS,
+    expert_floor,
     pack_stack,
     packing_unavailable,
 )
 
-METHODS = ("reference", "sorted", "grouped_mm", "auto", "packed")
+METHODS = ("reference", "sorted", "grouped_mm", "auto", "packed", "rank")
 
 
 def _ints(text: str) -> list[int]:
@@ -74,13 +75,13 @@ def _timed(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
-def packs(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> str:
-    """Which stacks pack_linear_weights packs at a batch hint of `tokens`."""
-    if tokens * top_k / experts < MIN_PACKED_EXPERT_ROWS:
-        return "-"
-    stacks = [name for name, n in (("w13", 2 * inter * hidden), ("w2", hidden * inter))
-              if n >= MIN_PACKED_ELEMENTS]
-    return "+".join(stacks) or "-"
+def packs(tokens: int, experts: int, top_k: int, hidden: int, inter: int) -> list[str]:
+    """The stacks pack_linear_weights packs at a batch hint of `tokens`."""
+    floor = expert_floor(MIN_PACKED_ELEMENTS, tokens * top_k / experts)
+    if floor is None:
+        return []
+    return [name for name, n in (("w13", 2 * inter * hidden), ("w2", hidden * inter))
+            if n >= floor]
 
 
 def run_case(tokens: int, experts: int, top_k: int, args) -> dict:
@@ -93,13 +94,17 @@ def run_case(tokens: int, experts: int, top_k: int, args) -> dict:
     w2 = (torch.randn(experts, h, inter, generator=g) * inter**-0.5).to(dtype)
     weights, ids = select_experts(x @ router.T, top_k, renormalize=True)
     act = SiluAndMul()
-    methods = METHODS if packing_unavailable(x.device, dtype) is None else METHODS[:-1]
+    methods = METHODS if packing_unavailable(x.device, dtype) is None else METHODS[:-2]
+    rule = packs(tokens, experts, top_k, h, inter)
     if "packed" in methods:
         p13, p2 = pack_stack(w13, tokens), pack_stack(w2, tokens)
+        r13, r2 = (p13 if "w13" in rule else None), (p2 if "w2" in rule else None)
 
     def call(method):
         if method == "packed":
             return lambda: fused_experts(x, w13, w2, weights, ids, act, "sorted", p13, p2)
+        if method == "rank":
+            return lambda: fused_experts(x, w13, w2, weights, ids, act, "auto", r13, r2)
         return lambda: fused_experts(x, w13, w2, weights, ids, act, method)
 
     with torch.inference_mode():
@@ -113,7 +118,7 @@ def run_case(tokens: int, experts: int, top_k: int, args) -> dict:
     return {
         "tokens": tokens, "experts": experts, "top_k": top_k,
         "experts_hit": int(ids.unique().numel()), "rows_per_expert": tokens * top_k / experts,
-        "packs": packs(tokens, experts, top_k, h, inter),
+        "packs": "+".join(rule) or "-",
         "ms": ms, "samples_ms": samples, "max_abs_diff": diffs,
         "speedup_vs_reference": {m: ms["reference"] / ms[m] for m in methods},
     }

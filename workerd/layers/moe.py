@@ -67,7 +67,7 @@ QWEN_MOE_EXPERT_NAMES = ExpertWeightNames(gate="gate_proj", up="up_proj", down="
 #                 per layer however many experts are hit;
 #   "auto":       packed experts: sorted, the one method that reads them (the
 #                 plain stacks are freed; packing applies where it measured
-#                 faster than both unpacked methods: MIN_PACKED_EXPERT_ROWS).
+#                 faster than both unpacked methods: expert_floor).
 #                 Unpacked: grouped_mm when it applies and the step has on
 #                 average at least one row per expert, sorted otherwise
 #                 (below that grouped_mm's per-group cost, paid for empty

@@ -19,8 +19,8 @@ into again; workers load once, then pack.
 
 A mixture of experts (workerd/layers/moe.py) stacks its experts' weights
 [E, out, in]; it declares them through PackableExperts, and each expert's
-slice is packed as its own oneDNN weight under the same size floor, when
-the batch routes enough rows to each expert (MIN_PACKED_EXPERT_ROWS).
+slice is packed as its own oneDNN weight under the same size floor, raised
+when the batch routes few rows to each expert (expert_floor).
 """
 
 from __future__ import annotations
@@ -44,12 +44,17 @@ MIN_BATCH_HINT = 16
 # least this many elements (1 MiB in float32) are packed; the tiny test
 # model keeps F.linear everywhere.
 MIN_PACKED_ELEMENTS = 1 << 18
-# An expert multiplies its weight by only the rows routed to it. With 1 to 3
-# rows a oneDNN call lost to aten's mm by 12-28 %, from 4 to 6 on it won, by
-# up to 1.7x at 8 (benchmarks/moe_layer.py; docs/benchmarks.md, Model
-# families). So a layer's experts are packed only when a step of the batch
-# hint's rows routes at least this many to each expert on average.
+# An expert multiplies its weight by only the rows routed to it, and the
+# fewer the rows, the bigger a weight must be for oneDNN to beat aten's mm.
+# One MoE layer (benchmarks/moe_layer.py; docs/benchmarks.md, Model
+# families), packed time / unpacked: at 1 to 3 rows per expert 1.12-1.28
+# for every slice size tried (0.26M-3.1M elements); at 4 rows 0.77-0.98 for
+# slices of 3 floors (786k) and more, 1.18 for 2 floors; 2 floors 1.00 at 6
+# rows, 1.5 floors 0.98 at 8, one floor 0.94 at 12. So experts are not packed
+# below MIN_PACKED_EXPERT_ROWS rows per expert, and below EXPERT_FLOOR_ROWS
+# the floor rises to floor * EXPERT_FLOOR_ROWS / rows (expert_floor).
 MIN_PACKED_EXPERT_ROWS = 4
+EXPERT_FLOOR_ROWS = 12
 
 
 class Packable:
@@ -125,8 +130,17 @@ def pack_stack(stack: torch.Tensor, batch_hint: int) -> list[torch.Tensor]:
     return [_REORDER(stack[e].detach(), hint) for e in range(stack.shape[0])]
 
 
-def _pack_experts(module: PackableExperts, batch_hint: int, floor: int, rows: int) -> int:
-    if module.rows_per_expert(batch_hint) < rows:
+def expert_floor(floor: float, rows_per_expert: float) -> float | None:
+    """The fewest elements an expert's slice needs to be packed when each
+    expert multiplies rows_per_expert rows a step; None: none is packed."""
+    if rows_per_expert < MIN_PACKED_EXPERT_ROWS:
+        return None
+    return floor * max(1.0, EXPERT_FLOOR_ROWS / rows_per_expert)
+
+
+def _pack_experts(module: PackableExperts, batch_hint: int, dense_floor: int) -> int:
+    floor = expert_floor(dense_floor, module.rows_per_expert(batch_hint))
+    if floor is None:
         return 0
     count, stacks = 0, module.plain_stacks()
     while stacks:
@@ -142,22 +156,20 @@ def _pack_experts(module: PackableExperts, batch_hint: int, floor: int, rows: in
     return count
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int, min_elements: int | None = None,
-                        min_expert_rows: float | None = None) -> int:
+def pack_linear_weights(model: nn.Module, batch_hint: int,
+                        min_elements: int | None = None) -> int:
     """Pack the weight of every Packable module (the linear layers and the LM
     head) with at least min_elements elements (default MIN_PACKED_ELEMENTS),
-    and each expert's slice of a PackableExperts stack past the same floor
-    when batch_hint rows route at least min_expert_rows to each expert
-    (default MIN_PACKED_EXPERT_ROWS); returns how many weights it packed
-    (an expert's slice counts one)."""
+    and each expert's slice of a PackableExperts stack past expert_floor of
+    that floor at the rows batch_hint routes to each expert; returns how
+    many weights it packed (an expert's slice counts one)."""
     shared = _shared_params(model)
     hint = max(MIN_BATCH_HINT, batch_hint)
     floor = MIN_PACKED_ELEMENTS if min_elements is None else min_elements
-    rows = MIN_PACKED_EXPERT_ROWS if min_expert_rows is None else min_expert_rows
     count = 0
     for module in model.modules():
         if isinstance(module, PackableExperts):
-            count += _pack_experts(module, batch_hint, floor, rows)
+            count += _pack_experts(module, batch_hint, floor)
             continue
         if not isinstance(module, Packable) or module.packed_weight is not None:
             continue

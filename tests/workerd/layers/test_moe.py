@@ -411,14 +411,19 @@ def test_packed_experts_in_the_wrong_order_differ(cases, stack):
 
 @needs_packing
 def test_packing_applies_by_size_and_by_rows_per_expert(cases):
-    """The dense layers' size floor per expert slice (w13's is 2 * 16 * 32 =
-    1024 elements, w2's 512: a floor between packs w13 alone), and a batch
-    hint that routes at least 4 rows to each expert (hint * top_k / E)."""
+    """An expert slice is packed past the dense size floor raised by
+    EXPERT_FLOOR_ROWS / rows per expert (hint * top_k / E) below 12 rows, and
+    none under 4 rows. Mixtral's w13 slice is 2 * 16 * 32 = 1024 elements,
+    its w2 512, its router 128."""
     case = cases["mixtral"]
     x = _x()
     want = _hf_out("mixtral", True, x)
-    for hint, floor, packed13, packed2 in [(16, 1024, True, False), (16, 1025, False, False),
-                                           (8, 0, True, True), (7, 0, False, False)]:
+    for hint, floor, packed13, packed2 in [
+            (16, 600, True, False),  # 8 rows: floor 900
+            (16, 700, False, False),  # floor 1050: w13 would pass a dense floor of 700
+            (24, 1024, True, False),  # 12 rows: the floor itself
+            (48, 512, True, True),  # 24 rows
+            (8, 0, True, True), (7, 0, False, False)]:  # 4 rows, 3.5
         block = _ours(case, layout_state(), True)
         n = _pack(block, hint, floor)
         experts = block.experts

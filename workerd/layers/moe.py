@@ -211,6 +211,11 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _freed(weight: nn.Parameter) -> nn.Parameter:
+    """The empty parameter left in place of a weight once packed."""
+    return nn.Parameter(weight.new_empty(0), requires_grad=False)
+
+
 def _tp_slice(what: str, size: int, ps: ParallelState) -> tuple[int, int]:
     """(start, end) of this rank's rows of an intermediate dim of `size`."""
     if size % ps.tp_size:
@@ -294,15 +299,14 @@ class FusedMoE(CheckpointMapped, PackableExperts, DirectCallModule):
     def use_packed(self, name: str, packed: list[torch.Tensor]) -> None:
         if len(packed) != self.num_experts:
             raise ValueError(f"{len(packed)} packed experts for {self.num_experts}")
-        if name == "w13_weight":
-            stack, self.packed_w13 = self.w13_weight, packed
-        elif name == "w2_weight":
-            stack, self.packed_w2 = self.w2_weight, packed
-        else:
-            raise KeyError(f"FusedMoE has no stack {name!r}")
         # The checkpoint views of checkpoint_targets() are made on demand, so
         # this drops the layer's last reference to the stack.
-        setattr(self, name, nn.Parameter(stack.new_empty(0), requires_grad=False))
+        if name == "w13_weight":
+            self.packed_w13, self.w13_weight = packed, _freed(self.w13_weight)
+        elif name == "w2_weight":
+            self.packed_w2, self.w2_weight = packed, _freed(self.w2_weight)
+        else:
+            raise KeyError(f"FusedMoE has no stack {name!r}")
 
     def packed_weights(self) -> list[torch.Tensor]:
         return [*(self.packed_w13 or ()), *(self.packed_w2 or ())]
@@ -353,12 +357,11 @@ class SharedExpert(PackableExperts, DirectCallModule):
     def use_packed(self, name: str, packed: list[torch.Tensor]) -> None:
         (one,) = packed
         if name == "w13_weight":
-            weight, self.packed_w13 = self.w13_weight, one
+            self.packed_w13, self.w13_weight = one, _freed(self.w13_weight)
         elif name == "w2_weight":
-            weight, self.packed_w2 = self.w2_weight, one
+            self.packed_w2, self.w2_weight = one, _freed(self.w2_weight)
         else:
             raise KeyError(f"SharedExpert has no stack {name!r}")
-        setattr(self, name, nn.Parameter(weight.new_empty(0), requires_grad=False))
 
     def packed_weights(self) -> list[torch.Tensor]:
         return [p for p in (self.packed_w13, self.packed_w2) if p is not None]

@@ -68,8 +68,9 @@ norm, gate_up, SiLU-and-mul, down):
              qwen2-moe adds its shared expert and its sigmoid gate. Two
              decode costs beyond that: a batch of 16 hits every one of 4
              experts, so a step reads all the experts' weights (total, not
-             active, parameters), and expert weights are not packed for
-             oneDNN (the dense layers' are), so MKL repacks them every call.
+             active, parameters); expert slices are packed for oneDNN
+             only where enough rows reach each expert (packed_linear.py's
+             expert_floor), so small batches run them unpacked.
 """
 
 from __future__ import annotations

@@ -21,11 +21,16 @@ import socket
 
 logger = logging.getLogger(__name__)
 
-_ESTABLISHED = "01"  # /proc/net/tcp state
+# /proc/net/tcp states of a socket a blocked collective may be waiting on:
+# ESTABLISHED; SYN_SENT (a pair still connecting, to a peer that died before
+# accepting); CLOSE_WAIT (the peer closed, this side has not: a collective on
+# it need not notice). Listening sockets are left alone.
+_SHUT_STATES = ("01", "02", "08")
 
 
 def _tcp_table() -> dict[str, tuple[int, int]]:
-    """inode -> (local port, remote port) of this process's ESTABLISHED TCP sockets."""
+    """inode -> (local port, remote port) of this process's connected (or
+    connecting) TCP sockets."""
     table: dict[str, tuple[int, int]] = {}
     for name in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
@@ -35,7 +40,7 @@ def _tcp_table() -> dict[str, tuple[int, int]]:
             continue
         for row in rows:
             fields = row.split()
-            if len(fields) > 9 and fields[3] == _ESTABLISHED:
+            if len(fields) > 9 and fields[3] in _SHUT_STATES:
                 local, remote = fields[1], fields[2]
                 table[fields[9]] = (int(local.rsplit(":", 1)[1], 16),
                                     int(remote.rsplit(":", 1)[1], 16))
@@ -43,8 +48,8 @@ def _tcp_table() -> dict[str, tuple[int, int]]:
 
 
 def abort_collectives(*, keep_remote_ports: set[int], keep_local_ports: set[int]) -> int:
-    """Shut down every established TCP socket of this process except the
-    kept ones; the number shut down. Linux only (elsewhere: 0, and the
+    """Shut down every connected or connecting TCP socket of this process
+    except the kept ones; the number shut down. Linux only (elsewhere: 0, and the
     controlplane lets a stuck rank go after its Reset timeout)."""
     _abort_nccl()
     table = _tcp_table()

@@ -69,3 +69,24 @@ def paged_step(
     input_ids = torch.tensor(ids, dtype=torch.int64)
     out = model(input_ids, positions, kv_caches, md, intermediate_tensors)
     return out if return_hidden else model.compute_logits(out)
+
+
+def pipeline_step(model, ps, kv_caches: list[torch.Tensor],
+                  steps: list[tuple[list[int], int, int]], block_tables: list[list[int]],
+                  block_size: int) -> torch.Tensor | None:
+    """paged_step on one rank of a PP group: a later stage first receives the
+    previous stage's hidden states, a stage before the last sends its own on;
+    the last returns the full-vocab logits (every TP rank of it), the others None."""
+    from workerd.distributed.parallel_state import recv_intermediate, send_intermediate
+
+    inter = None
+    if not ps.is_first_pp_rank:
+        num_tokens = sum(n for _, _, n in steps)
+        inter = recv_intermediate(num_tokens, model.hidden_size, torch.float32, ps)
+    with torch.inference_mode():
+        out = paged_step(model, kv_caches, steps, block_tables, block_size, inter,
+                         return_hidden=True)
+        if ps.is_last_pp_rank:
+            return model.compute_logits(out)
+        send_intermediate(out, ps)
+    return None

@@ -16,6 +16,7 @@ import torch
 
 from kvloom.common import default_model as dm
 from kvloom.common import gguf_convert
+from tests.kvloom.common.gguf_names import hf_name
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -146,13 +147,7 @@ _GGUF_TO_HF = {
 
 
 def _hf_name(gguf_name: str) -> str:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    blk, layer, part, suffix = gguf_name.split(".")
-    assert blk == "blk" and suffix == "weight", gguf_name
-    return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.weight"
+    return hf_name(gguf_name, _GGUF_TO_HF)
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvloom.common import embedded_models as em
+from tests.kvloom.common.gguf_names import hf_name
 
 pytestmark = pytest.mark.slow
 
@@ -109,13 +110,7 @@ _GGUF_TO_HF = {
 
 
 def _hf_name(gguf_name: str) -> str:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    blk, layer, part, suffix = gguf_name.split(".")
-    assert blk == "blk" and suffix == "weight", gguf_name
-    return f"model.layers.{layer}.{_GGUF_TO_HF[part]}.weight"
+    return hf_name(gguf_name, _GGUF_TO_HF)
 
 
 def test_every_tensor_equals_the_dequantized_gguf_tensor(converted, tmp_path):

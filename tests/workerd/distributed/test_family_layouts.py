@@ -15,15 +15,13 @@ import torch
 import torch.multiprocessing as mp
 
 from kvloom.common.ports import free_port
-from kvloom.testing.attention import paged_step
+from kvloom.testing.attention import pipeline_step
 from kvloom.testing.families import TINY_FAMILIES, make_tiny_checkpoint
 from tests.workerd.models.test_families import BLOCK_SIZE, NUM_BLOCKS, TABLES, schedule
 from workerd.distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,
     init_parallel_state,
-    recv_intermediate,
-    send_intermediate,
     single_process_state,
 )
 from workerd.layers.moe import FusedMoE
@@ -37,20 +35,10 @@ def _run(model, ps: ParallelState) -> list[torch.Tensor]:
     steps, prompts = schedule(model.vocab_size)
     table_of = {id(p): TABLES[i] for i, p in enumerate(prompts)}
     caches = [torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)) for _ in model.layers]
-    outputs = []
-    for step in steps:
-        tables = [table_of[id(tokens)] for tokens, _, _ in step]
-        num_tokens = sum(n for _, _, n in step)
-        inter = None
-        if not ps.is_first_pp_rank:
-            inter = recv_intermediate(num_tokens, model.hidden_size, torch.float32, ps)
-        with torch.inference_mode():
-            out = paged_step(model, caches, step, tables, BLOCK_SIZE, inter, return_hidden=True)
-            if ps.is_last_pp_rank:
-                outputs.append(model.compute_logits(out))
-            else:
-                send_intermediate(out, ps)
-    return outputs
+    outputs = [pipeline_step(model, ps, caches, step,
+                             [table_of[id(tokens)] for tokens, _, _ in step], BLOCK_SIZE)
+               for step in steps]
+    return outputs if ps.is_last_pp_rank else []
 
 
 def _worker(rank, world_size, tp, pp, port, model_dir, out_dir):

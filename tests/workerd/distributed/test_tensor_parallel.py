@@ -11,14 +11,12 @@ import torch
 import torch.multiprocessing as mp
 
 from kvloom.common.ports import free_port
-from kvloom.testing.attention import paged_step
+from kvloom.testing.attention import pipeline_step
 from kvloom.testing.checkpoints import make_tiny_llama
 from workerd.distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,
     init_parallel_state,
-    recv_intermediate,
-    send_intermediate,
     single_process_state,
 )
 from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
@@ -36,21 +34,9 @@ def _run_schedule(model, ps: ParallelState) -> list[torch.Tensor]:
     b = torch.randint(2, model.vocab_size, (10,), generator=g).tolist()
     schedule = [[(a, 0, 6), (b, 0, 9)], [(a, 6, 7), (b, 9, 1)], [(a, 13, 1)]]
     caches = [torch.zeros(model.kv_cache_shape(10, BLOCK_SIZE)) for _ in model.layers]
-    outputs = []
-    for step in schedule:
-        num_tokens = sum(n for _, _, n in step)
-        inter = None
-        if not ps.is_first_pp_rank:
-            inter = recv_intermediate(num_tokens, model.hidden_size, torch.float32, ps)
-        with torch.inference_mode():
-            out = paged_step(
-                model, caches, step, TABLES[: len(step)], BLOCK_SIZE, inter, return_hidden=True
-            )
-            if ps.is_last_pp_rank:
-                outputs.append(model.compute_logits(out))
-            else:
-                send_intermediate(out, ps)
-    return outputs
+    outputs = [pipeline_step(model, ps, caches, step, TABLES[: len(step)], BLOCK_SIZE)
+               for step in schedule]
+    return outputs if ps.is_last_pp_rank else []
 
 
 def _worker(rank, world_size, tp, pp, port, model_dir, out_dir):

@@ -16,7 +16,7 @@ import torch
 
 from kvloom.common import default_model as dm
 from kvloom.common import gguf_convert
-from tests.kvloom.common.gguf_names import hf_name
+from tests.kvloom.common.gguf_names import LLAMA_LAYER_PARTS, hf_name
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -133,17 +133,7 @@ def test_converted_config_and_chat_template(converted):
 # An independent reading of the GGUF: the gguf package's reader and dequantizer
 # with llama.cpp's tensor names, not transformers' GGUF loader (which the
 # conversion itself uses).
-_GGUF_TO_HF = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+_GGUF_TO_HF = LLAMA_LAYER_PARTS
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvloom.common import embedded_models as em
-from tests.kvloom.common.gguf_names import hf_name
+from tests.kvloom.common.gguf_names import GEMMA3_LAYER_PARTS, hf_name
 
 pytestmark = pytest.mark.slow
 
@@ -92,21 +92,7 @@ def test_it_is_a_language_model(converted):
 
 
 # llama.cpp's Gemma 3 tensor names; unlike Llama, q/k rows are not permuted.
-_GGUF_TO_HF = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+_GGUF_TO_HF = GEMMA3_LAYER_PARTS
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -198,35 +198,42 @@ class DecoderLayer(DirectCallModule):
         self.residual_multiplier = config.residual_multiplier
         eps, offset, late = config.rms_norm_eps, arch.norm_weight_offset, \
             arch.norm_cast_after_weight
-        self.norm_names = arch.norms
         # Registered under their checkpoint names, so the weight map finds them.
-        self._norms: dict[str, RMSNorm | None] = {}
+        roles: list[RMSNorm | None] = []
         names = arch.norms
-        for role, name in (("input", names.input), ("post_attention", names.post_attention),
-                           ("pre_mlp", names.pre_mlp), ("post_mlp", names.post_mlp)):
+        for name in (names.input, names.post_attention, names.pre_mlp, names.post_mlp):
             norm = None
             if name is not None:
                 norm = RMSNorm(config.hidden_size, eps, offset, late)
                 self.add_module(name, norm)
-            self._norms[role] = norm
+            roles.append(norm)
+        # Read once per forward: the four norms by role, and whether a
+        # sublayer's output is touched at all (Llama's is not: this runs per
+        # layer per step, so its path pays no extra call).
+        self._roles = tuple(roles)
+        self._touches_outputs = (self._roles[1] is not None or self._roles[3] is not None
+                                 or self.residual_multiplier != 1.0)
 
     def forward(self, hidden_states, residual, ropes, kv_cache, md, plan):
-        norms = self._norms
-        if norms["input"] is not None:
+        input_norm, post_attention, pre_mlp, post_mlp = self._roles
+        if input_norm is not None:
             if residual is None:
                 residual = hidden_states
-                x = norms["input"](hidden_states)
+                x = input_norm(hidden_states)
             else:
-                x, residual = norms["input"](hidden_states, residual)
+                x, residual = input_norm(hidden_states, residual)
         else:  # OLMo 2: the sublayer reads the stream itself
             x = residual = hidden_states if residual is None else hidden_states + residual
         h = self.self_attn(x, ropes, kv_cache, md, plan)
-        h = self._sublayer_out(h, norms["post_attention"])
-        if norms["pre_mlp"] is not None:
-            x, residual = norms["pre_mlp"](h, residual)
+        if self._touches_outputs:
+            h = self._sublayer_out(h, post_attention)
+        if pre_mlp is not None:
+            x, residual = pre_mlp(h, residual)
         else:
             x = residual = h + residual
-        h = self._sublayer_out(self._modules[self._mlp_name](x), norms["post_mlp"])
+        h = self._modules[self._mlp_name](x)
+        if self._touches_outputs:
+            h = self._sublayer_out(h, post_mlp)
         return h, residual
 
     def _sublayer_out(self, h: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:

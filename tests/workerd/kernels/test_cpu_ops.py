@@ -62,11 +62,15 @@ def test_silu_and_mul_matches_torch(kernels, inter):
     assert torch.equal(x, x0)
 
 
+def _gate_up_row(gate: torch.Tensor) -> torch.Tensor:
+    """One [gate | up] row, up all 0.5: what the extreme-value checks feed."""
+    return torch.cat([gate, torch.full_like(gate, 0.5)]).unsqueeze(0)
+
+
 def test_silu_and_mul_at_extremes(kernels):
     gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.5, -88.5, 100.0, -100.0,
                          1e4, -1e4, 3e38, -3e38, 1.0, -1.0])
-    x = torch.cat([gate, torch.full_like(gate, 0.5)]).unsqueeze(0)
-    got = cpu_ops.silu_and_mul(kernels, x)
+    got = cpu_ops.silu_and_mul(kernels, _gate_up_row(gate))
     ref = F.silu(gate) * 0.5
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[0], ref, rtol=2e-6, atol=1e-30)
@@ -88,8 +92,7 @@ def test_gelu_tanh_and_mul_matches_torch(kernels, inter):
 def test_gelu_tanh_and_mul_at_extremes(kernels):
     gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 5.0, -5.0, 20.0, -20.0, 100.0, -100.0,
                          1e4, -1e4, 1e12, -1e12, 1.0, -1.0])
-    x = torch.cat([gate, torch.full_like(gate, 0.5)]).unsqueeze(0)
-    got = cpu_ops.gelu_tanh_and_mul(kernels, x)
+    got = cpu_ops.gelu_tanh_and_mul(kernels, _gate_up_row(gate))
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got[0], F.gelu(gate, approximate="tanh") * 0.5,
                                rtol=2e-6, atol=1e-6)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
 import logging
 import uuid
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from collections.abc import Callable
 import grpc
 
 from controlplane.api.auth import current_tenant, tenant_cache_salt
+from controlplane.api.in_flight import InFlight, Refusal
 from controlplane.api.offload import Offload, heavy_generate, heavy_outputs
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.sample_stream import SampleStream
@@ -50,6 +50,15 @@ from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+# The protocol part of this service's InFlight keys.
+PROTOCOL = "kvloom.v1"
+
+
+def new_in_flight(config: ControlPlaneConfig, router: OutputRouter) -> InFlight:
+    """The server's one InFlight: capacity max_num_seqs + max_waiting_requests."""
+    return InFlight(router, config.scheduler.max_num_seqs + config.server.max_waiting_requests,
+                    config.api_security.max_requests_per_key)
+
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(
@@ -63,6 +72,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         num_ranks_attached: Callable[[], int],
         metrics=None,
         offload: Offload | None = None,
+        in_flight: InFlight | None = None,
     ):
         self.config = config
         self.model_info = model_info
@@ -76,14 +86,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Without a pool (unit tests) everything runs inline.
         self.offload = offload if offload is not None else Offload()
         self.limits = Limits.from_config(config, model_info)
-        # (tenant id, client request id) -> the engine request ids of its
-        # samples; the tenant id is "" without API keys.
-        self._in_flight: dict[tuple[str, str], list[str]] = {}
-        # Samples in flight per tenant id (with --max-requests-per-key).
-        self._per_tenant: dict[str, int] = {}
+        # Shared with the VllmEngine service (server.py): one capacity, one
+        # per-key count, one numbering of sample ids.
+        self.in_flight = in_flight if in_flight is not None else new_in_flight(config, router)
         self._per_key_limit = config.api_security.max_requests_per_key
-        self._calls = itertools.count()  # numbers each Generate call's sample ids
-        self._capacity = config.scheduler.max_num_seqs + config.server.max_waiting_requests
+        self._capacity = self.in_flight.capacity
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
         self.tokenize_service = TokenizeService(tokenizer, self.limits.vocab_size, self.offload)
 
@@ -98,6 +105,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self.check_admission(v, context)
+        return v.request_id or uuid.uuid4().hex, v
+
+    async def check_admission(self, v: ValidatedRequest, context) -> None:
+        """The rules past validate() that both client APIs apply: the pool,
+        the server's and the key's capacity for n samples, readiness. Raises
+        InvalidRequest, or aborts the call with UNAVAILABLE."""
         self._check_pool_fits(v)
         if v.n > self._capacity:
             raise InvalidRequest(
@@ -112,53 +126,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         reason = self._not_ready_reason()
         if reason is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"not serving: {reason}")
-        return v.request_id or uuid.uuid4().hex, v
 
-    def _claim(self, key: tuple[str, str], n: int, queue: asyncio.Queue) -> list[str] | _Refusal:
-        """Reserve the tenant's request id and its sample ids, all or nothing.
-        Nothing here awaits, so no other call can claim between the checks and
-        the inserts; the caller's clean-up scope starts right after a
-        successful claim."""
-        tenant, request_id = key
-        if key in self._in_flight:
-            return _Refusal(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {request_id!r} is already in flight; use a unique id",
-            )
-        held = self._per_tenant.get(tenant, 0)
-        if tenant and self._per_key_limit and held + n > self._per_key_limit:
-            return _Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this API key has {held} samples in flight and at most "
-                f"{self._per_key_limit} may be (--max-requests-per-key); retry later",
-            )
-        if len(self.router) + n > self._capacity:
-            return _Refusal(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self.router)} requests are in flight and at most {self._capacity} may "
-                f"be (max_num_seqs + max_waiting_requests); retry later",
-            )
-        children = sample_ids(request_id, n, next(self._calls))
-        taken = [c for c in children if c in self.router]
-        if taken:  # cannot happen (see sample_ids); never leak if it does
-            return _Refusal(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {request_id!r}: sample ids {taken[:3]} are in use; use another id",
-            )
-        for child in children:
-            self.router.register(child, queue)
-        self._in_flight[key] = children
-        self._per_tenant[tenant] = held + n
-        return children
-
-    def _release(self, key: tuple[str, str]) -> None:
-        children = self._in_flight.pop(key, ())
-        for child in children:
-            self.router.unregister(child)
-        if children:
-            left = self._per_tenant.pop(key[0], 0) - len(children)
-            if left > 0:
-                self._per_tenant[key[0]] = left
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can hold here: the max
+        model length, or less where the KV pool (with no window freeing
+        blocks) cannot hold a whole context."""
+        stats = self.engine.last_stats
+        max_len = self.limits.max_model_len
+        if stats is None or not stats.num_total_blocks or self.config.cache.sliding_window:
+            return max_len
+        # blocks_needed counts prompt + max_tokens - 1 tokens.
+        return min(max_len, stats.num_total_blocks * self.config.cache.block_size + 1)
 
     def _check_pool_fits(self, v: ValidatedRequest) -> None:
         stats = self.engine.last_stats
@@ -179,12 +157,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         tenant = current_tenant()
-        key = (tenant or "", request_id)
+        key = (tenant or "", PROTOCOL, request_id)
         cache_salt = tenant_cache_salt(
             tenant, v.cache_salt, self.config.api_security.prefix_cache_scope)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-        children = self._claim(key, v.n, queue)
-        if isinstance(children, _Refusal):
+        children = self.in_flight.claim(key, v.n, queue)
+        if isinstance(children, Refusal):
             await context.abort(children.code, children.details)
         streams: dict[str, SampleStream] = {}
         try:
@@ -209,7 +187,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
-            self._release(key)
+            self.in_flight.release(key)
             # Every sample handed to the engine and not finished; aborting one
             # the engine never got (or already ended) is a no-op there.
             unfinished = [c for c, s in streams.items() if not s.finished]
@@ -278,14 +256,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         tenant = current_tenant() or ""
         parents = [k for r in dict.fromkeys(request.request_ids)
-                   if (k := (tenant, r)) in self._in_flight]
+                   if (k := (tenant, PROTOCOL, r)) in self.in_flight]
         if tenant and request.request_ids and not parents:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 "no request with the given id(s) is in flight for this API key "
                 "(never sent, already finished, or sent with another key)",
             )
-        children = [c for p in parents for c in self._in_flight[p]]
+        children = [c for p in parents for c in self.in_flight.children(p)]
         if children:
             self.engine.abort_requests(children)
             if self.metrics is not None:
@@ -333,22 +311,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             num_requests_waiting=stats.num_waiting_reqs if stats else 0,
             max_waiting_requests=cfg.server.max_waiting_requests,
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Refusal:
-    code: grpc.StatusCode
-    details: str
-
-
-def sample_ids(request_id: str, n: int, call: int) -> list[str]:
-    """The engine request ids of one Generate call's samples:
-    "<client id>/<call number>.<sample index>". Client ids hold no '/'
-    (validation.check_request_id), so a client cannot spell one; the call
-    number makes them unique per call, so outputs still on their way for an
-    earlier call with the same client id (a cancelled request's abort, the
-    step it was in) reach no one rather than the new call."""
-    return [f"{request_id}/{call}.{i}" for i in range(n)]
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

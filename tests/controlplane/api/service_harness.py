@@ -266,7 +266,7 @@ class Api:
 
     def in_flight(self, client_id: str) -> bool:
         """Whether some tenant has client_id in flight."""
-        return any(rid == client_id for _, rid in self.service._in_flight)
+        return any(rid == client_id for _, _, rid in self.service.in_flight.keys())
 
     def finishes(self, client_id: str) -> list[EngineCoreOutput]:
         return [o for o in self.emitted if client_of(o.request_id) == client_id and o.finished]

@@ -34,6 +34,8 @@ class ModelInfo:
     # else None: the block pool frees blocks that left it, which a model with
     # any full-attention layer cannot (that layer reads every key).
     sliding_window_all_layers: int | None = None
+    # config.json's model_type ("" for a config-only test directory without one).
+    model_type: str = ""
 
 
 # generation_config.json keys that become defaults of the same-named knobs.
@@ -84,6 +86,7 @@ def read_model_info(model_path: str) -> ModelInfo:
             num_hidden_layers=parsed.num_hidden_layers,
             sampling_defaults=defaults,
             sliding_window_all_layers=all_layers_window(parsed),
+            model_type=str(config["model_type"]),
         )
     # Config-only directories without a model_type (the controlplane's own
     # tests): the fields it needs, read leniently; no window.

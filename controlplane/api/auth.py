@@ -1,7 +1,8 @@
-"""API keys on the client API: who may call kvloom.v1.Generation, and as which tenant.
+"""API keys on the client API: who may call kvloom.v1.Generation (and the
+gateway's vllm.grpc.engine.VllmEngine), and as which tenant.
 
 With keys configured (--api-key-file, KVLOOM_API_KEY), every call to a
-kvloom.v1.Generation method must carry gRPC metadata
+kvloom.v1.Generation or VllmEngine method must carry gRPC metadata
 `authorization: Bearer <key>`; anything else ends with UNAUTHENTICATED before
 the request bytes are even parsed. grpc.health.v1 and reflection stay open,
 so probes and tools need no key.
@@ -37,7 +38,9 @@ from controlplane.api.handler_wrap import relay_stream, rewrap, run_unary
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVLOOM_API_KEY"
-PROTECTED_PREFIX = "/kvloom.v1.Generation/"
+# Both client APIs: kvloom's own and the gateway's engine protocol (the
+# gateway presents its --api-key as the same bearer metadata).
+PROTECTED_PREFIXES = ("/kvloom.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
 # Longest authorization header read; a key is at most MAX_KEY_LEN characters.
 MAX_KEY_LEN = 256
 MAX_HEADER_LEN = MAX_KEY_LEN + len("Bearer ")
@@ -184,8 +187,8 @@ def install_reload(loop: asyncio.AbstractEventLoop, keys: ApiKeys) -> None:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses kvloom.v1.Generation calls without an accepted key; runs the
-    others (health, reflection) untouched."""
+    """Refuses kvloom.v1.Generation and VllmEngine calls without an accepted
+    key; runs the others (grpc.health.v1, reflection) untouched."""
 
     def __init__(self, keys: ApiKeys):
         self.keys = keys
@@ -193,7 +196,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIX):
+        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIXES):
             return handler
         tenant, why = self.keys.authenticate(handler_call_details.invocation_metadata)
         if tenant is None:

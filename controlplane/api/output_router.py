@@ -19,6 +19,8 @@ class DuplicateRequestId(KeyError):
 class OutputRouter:
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        # Every token dispatched so far (GetLoads' gen_throughput reads it).
+        self.num_tokens = 0
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._queues
@@ -42,7 +44,10 @@ class OutputRouter:
 
     def dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         queues = self._queues
+        num_tokens = 0
         for out in outputs:
+            num_tokens += len(out.new_token_ids)
             q = queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
+        self.num_tokens += num_tokens

@@ -1,0 +1,175 @@
+"""One sample's engine outputs -> VllmEngine GenerateResponse messages.
+
+Token ids only: the gateway detokenizes with its own tokenizer and ignores
+any text, so the common path does no detokenizing at all, which is what keeps
+this edge cheap per token. Streaming, each output with new tokens becomes one
+chunk (the gateway decodes chunk tokens only), and the end is one Complete
+after the last chunk; not streaming, the gateway reads only the Complete,
+which then carries every token and logprob.
+
+Stop strings are also enforced by the gateway, on its own decode; kvloom
+still matches them (to stop generating, which saves the compute) but only for
+samples that have any, so only those pay for an incremental detokenizer. The
+ids sent stay the raw generated ids, up to the token that completed the stop
+string: the gateway cuts the text itself.
+"""
+
+from __future__ import annotations
+
+from controlplane.api.detokenizer import IncrementalDetokenizer
+from controlplane.api.sample_stream import find_stop, holdback_len
+from controlplane.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
+from controlplane.core.request import FinishReason, SamplingParams
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+FINISH_REASON = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+}
+
+
+class StopStringWatch:
+    """Finds the first stop string in the sample's text as tokens arrive;
+    text that could still grow into a stop string is kept for the next token."""
+
+    __slots__ = ("_detok", "_stops", "_held")
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stops: tuple[str, ...]):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = stops
+        self._held = ""
+
+    def feed(self, token_ids: list[int]) -> tuple[int, str] | None:
+        """(how many of token_ids to keep, the stop string) once one is complete."""
+        for i, token_id in enumerate(token_ids):
+            text = self._held + self._detok.step([token_id])
+            hit = find_stop(text, self._stops)
+            if hit is not None:
+                return i + 1, hit[1]
+            keep = holdback_len(text, self._stops)
+            self._held = text[len(text) - keep:] if keep else ""
+        return None
+
+
+class TokenStream:
+    __slots__ = ("index", "stream", "_eos", "_num_prompt", "_cached", "_ids", "_num_out",
+                 "_logprobs", "_prompt_logprobs", "_next_prompt_pos", "_prompt_ids",
+                 "_sent_first", "_stops", "finished", "stopped_by_string")
+
+    def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 stream: bool, eos_token_ids: frozenset[int], tokenizer=None):
+        self.index = index
+        self.stream = stream
+        self._eos = eos_token_ids
+        self._prompt_ids = prompt_token_ids
+        self._num_prompt = len(prompt_token_ids)
+        self._cached = 0
+        # Streaming: nothing is kept; not streaming: every id and logprob.
+        self._ids: list[int] = []
+        self._num_out = 0
+        self._logprobs: vpb.OutputLogProbs | None = (
+            vpb.OutputLogProbs() if params.logprobs is not None else None)
+        self._prompt_logprobs: vpb.InputLogProbs | None = (
+            _new_input_logprobs(prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self._next_prompt_pos = 1
+        self._sent_first = False
+        self._stops = (StopStringWatch(tokenizer, prompt_token_ids, params.stop)
+                       if params.stop else None)
+        self.finished = False
+        # Set when a stop string ended the sample: the engine must be told.
+        self.stopped_by_string = False
+
+    def add(self, out: EngineCoreOutput, messages: list) -> None:
+        """Append the messages `out` completes to `messages`."""
+        if self.finished:
+            return
+        if out.num_cached_tokens:
+            self._cached = out.num_cached_tokens
+        if out.num_prompt_tokens:
+            self._num_prompt = out.num_prompt_tokens
+        if out.prompt_logprobs is not None and self._prompt_logprobs is not None:
+            self._add_prompt_logprobs(out.prompt_logprobs)
+        ids = out.new_token_ids
+        reason = FINISH_REASON.get(out.finish_reason) if out.finished else None
+        matched: int | str | None = None
+        if out.stop_token_id is not None and out.stop_token_id not in self._eos:
+            matched = out.stop_token_id
+        if ids and self._stops is not None:
+            hit = self._stops.feed(ids)
+            if hit is not None:
+                ids = ids[:hit[0]]
+                reason, matched = "stop", hit[1]
+                self.stopped_by_string = True
+        logprobs = out.new_logprobs[:len(ids)] if out.new_logprobs else None
+        self._num_out += len(ids)
+        if self.stream:
+            if ids:
+                messages.append(self._chunk(ids, logprobs))
+        else:
+            self._ids.extend(ids)
+            if logprobs and self._logprobs is not None:
+                _extend_logprobs(self._logprobs, ids, logprobs)
+        if reason is not None:
+            self.finished = True
+            messages.append(self._complete(reason, matched, ids))
+
+    def _chunk(self, ids: list[int], logprobs: list[TokenLogprobs] | None) -> vpb.GenerateResponse:
+        chunk = vpb.GenerateStreamChunk(
+            token_ids=ids, prompt_tokens=self._num_prompt, completion_tokens=self._num_out,
+            cached_tokens=self._cached, index=self.index)
+        if logprobs and self._logprobs is not None:
+            _extend_logprobs(chunk.output_logprobs, ids, logprobs)
+        if not self._sent_first:
+            self._sent_first = True
+            if self._prompt_logprobs is not None:
+                chunk.input_logprobs.CopyFrom(self._prompt_logprobs)
+        return vpb.GenerateResponse(chunk=chunk)
+
+    def _complete(self, reason: str, matched, last_ids: list[int]) -> vpb.GenerateResponse:
+        done = vpb.GenerateComplete(
+            finish_reason=reason, prompt_tokens=self._num_prompt,
+            completion_tokens=self._num_out, cached_tokens=self._cached, index=self.index)
+        if self.stream:
+            # As vLLM's servicer: the last delta (the gateway reads chunks only).
+            done.output_ids.extend(last_ids)
+        else:
+            done.output_ids.extend(self._ids)
+            if self._logprobs is not None:
+                done.output_logprobs.CopyFrom(self._logprobs)
+            if self._prompt_logprobs is not None:
+                done.input_logprobs.CopyFrom(self._prompt_logprobs)
+        if isinstance(matched, str):
+            done.matched_stop_str = matched
+        elif matched is not None:
+            done.matched_token_id = matched
+        return vpb.GenerateResponse(complete=done)
+
+    def _add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Fill prompt positions once each: a re-formed worker group recomputes
+        the prompt and may send positions again."""
+        out = self._prompt_logprobs
+        for j, lp in enumerate(chunk.positions):
+            pos = chunk.start_position + j
+            if self._next_prompt_pos <= pos < len(self._prompt_ids):
+                out.token_logprobs[pos].value = lp.logprob
+                out.top_logprobs[pos].values.extend(lp.top_logprobs)
+                out.top_logprobs[pos].token_ids.extend(lp.top_token_ids)
+                self._next_prompt_pos = pos + 1
+
+
+def _new_input_logprobs(prompt_token_ids: list[int]) -> vpb.InputLogProbs:
+    """Every prompt position, the first with no value (nothing predicts it)."""
+    n = len(prompt_token_ids)
+    msg = vpb.InputLogProbs(token_ids=prompt_token_ids)
+    msg.token_logprobs.extend(vpb.InputTokenLogProb() for _ in range(n))
+    msg.top_logprobs.extend(vpb.TopLogProbs() for _ in range(n))
+    return msg
+
+
+def _extend_logprobs(msg: vpb.OutputLogProbs, ids: list[int],
+                     logprobs: list[TokenLogprobs]) -> None:
+    msg.token_ids.extend(ids)
+    msg.token_logprobs.extend(lp.logprob for lp in logprobs)
+    for lp in logprobs:
+        msg.top_logprobs.add(values=lp.top_logprobs, token_ids=lp.top_token_ids)

@@ -96,7 +96,8 @@ def replay(trace: dict, args: argparse.Namespace) -> dict:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
         ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=args.enable_prefix_caching),
+        CacheConfig(block_size=block_size, enable_prefix_caching=args.enable_prefix_caching,
+                    enable_kv_cache_events=False),
         num_blocks,
     )
     if args.gc_freeze:

@@ -46,6 +46,11 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = option(16, "tokens per KV block", ge=1)
     enable_prefix_caching: bool = option(True, "reuse the KV of cached prompt prefixes")
+    # vLLM's name. Off, SubscribeKvEvents answers UNIMPLEMENTED and the gateway
+    # routes on its approximate token tree instead (design/smg-gateway.md 4.1).
+    enable_kv_cache_events: bool = option(
+        True, "record prefix-cache block events (stored, removed, cleared) and stream them "
+        "on vllm.grpc.engine's SubscribeKvEvents for the SMG gateway's cache-aware routing")
     num_gpu_blocks_override: int = option(
         0, "fixed KV pool size in blocks, overriding what the workers profile "
         "(tests, benchmarks); 0 = profile", ge=0)

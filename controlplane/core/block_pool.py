@@ -8,11 +8,25 @@ SchedulerOutput.block_ids. The pool keeps
 * an LRU queue of free blocks. A freed block keeps its hash and stays in the
   cache map while it sits in the queue; it is evicted only when the queue hands
   it out as a fresh block, so recently freed prefixes remain reusable.
+
+With enable_kv_cache_events the pool also records what enters and leaves the
+cache map (core/kv_events.py) for the engine to take once per loop pass: a
+store when a block is registered (the KVCacheManager, which knows the
+tokens, records it from cache_full_block's answer), a removal when a hash is
+evicted or uncached, a clear on reset. Freeing a block records nothing: its
+hash stays cached until eviction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from controlplane.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    KVCacheEvent,
+    external_block_hash,
+)
 
 
 class KVCacheBlock:
@@ -116,7 +130,9 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every KVCacheBlock: allocation, sharing, freeing and the hash map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -124,6 +140,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.enable_kv_cache_events = enable_kv_cache_events
+        # Recorded since the last take_events(); always empty with events off.
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -138,11 +157,16 @@ class BlockPool:
         """Take n blocks from the LRU end, evicting their cached hashes."""
         blocks = self.free_block_queue.popleft_n(n)
         cache = self.cached_block_hash_to_block
+        evicted: list[int] | None = [] if self.enable_kv_cache_events else None
         for block in blocks:
             if block.block_hash is not None:
+                if evicted is not None:
+                    evicted.append(external_block_hash(block.block_hash))
                 del cache[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+        if evicted:
+            self.kv_event_queue.append(BlockRemoved(tuple(evicted)))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -161,19 +185,25 @@ class BlockPool:
             if block.ref_cnt == 0:
                 queue.append(block)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a just-filled block. If another block already holds the same
-        content (two requests computed one prefix at once) the first stays the
-        cached copy and this one is freed as a plain block later."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a just-filled block; True when it entered the cache map.
+        If another block already holds the same content (two requests computed
+        one prefix at once) the first stays the cached copy and this one is
+        freed as a plain block later: False, and no store to report."""
         if block.block_hash is not None:
-            return
+            return False
         cache = self.cached_block_hash_to_block
-        if block_hash not in cache:
-            cache[block_hash] = block
-            block.block_hash = block_hash
+        if block_hash in cache:
+            return False
+        cache[block_hash] = block
+        block.block_hash = block_hash
+        return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(
+                    BlockRemoved((external_block_hash(block.block_hash),)))
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
 
@@ -185,4 +215,15 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first; the caller
+        owns the list."""
+        events = self.kv_event_queue
+        if not events:
+            return []
+        self.kv_event_queue = []
+        return events

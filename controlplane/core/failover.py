@@ -46,7 +46,8 @@ def replace_kv_pool(sched: Scheduler, num_gpu_blocks: int) -> list[Request]:
     if sched.running or old.req_to_blocks:
         raise RuntimeError("replace_kv_pool while requests hold KV blocks")
     new = KVCacheManager(num_gpu_blocks, sched.block_size, old.enable_caching,
-                         old.sliding_window, old.step_tokens)
+                         old.sliding_window, old.step_tokens,
+                         enable_kv_cache_events=old.enable_kv_cache_events)
     # Cumulative counters: metrics take deltas and must not see them restart.
     new.prefix_cache_queries = old.prefix_cache_queries
     new.prefix_cache_hits = old.prefix_cache_hits

@@ -36,12 +36,18 @@ admits contexts longer than the pool (blocks_needed), the hit of such a
 context is capped so that it and the first chunk fit the pool: otherwise a
 request whose cached prefix fills the pool could never be admitted, and would
 block the waiting queue. (A context that fits the pool whole fits with any hit.)
+
+Prefix-cache events (enable_kv_cache_events, core/kv_events.py): a store is
+recorded here, where the tokens are known, for exactly the blocks the pool
+registered; removals and clears are the pool's. Freeing a window's dead
+blocks records nothing: they keep their hashes until evicted.
 """
 
 from __future__ import annotations
 
 from controlplane.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 from controlplane.core.kv_cache_utils import blocks_needed, cdiv, update_block_hashes
+from controlplane.core.kv_events import BlockStored, KVCacheEvent, external_block_hash
 from controlplane.core.request import Request
 
 _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
@@ -55,6 +61,8 @@ class KVCacheManager:
         enable_caching: bool = True,
         sliding_window: int | None = None,
         step_tokens: int = 0,
+        *,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -69,7 +77,9 @@ class KVCacheManager:
         # 0: unknown, and then no context longer than the pool is admitted).
         # Only a window model's admission bound and hit cap use it.
         self.step_tokens = step_tokens
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Record prefix-cache events (core/kv_events.py) for take_events.
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         # req_id -> blocks in token order (shared prefix blocks first); the
         # first num_skipped_blocks of them are NULL_BLOCK.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -234,10 +244,39 @@ class KVCacheManager:
             return
         hashes = update_block_hashes(request, block_size)
         req_blocks = self.req_to_blocks[req_id]
-        cache_full_block = self.block_pool.cache_full_block
-        for i in range(start, num_full):
-            cache_full_block(req_blocks[i], hashes[i])
+        if self.enable_kv_cache_events:
+            self._cache_and_record(request, req_blocks, hashes, start, num_full)
+        else:
+            cache_full_block = self.block_pool.cache_full_block
+            for i in range(start, num_full):
+                cache_full_block(req_blocks[i], hashes[i])
         self.num_cached_blocks[req_id] = num_full
+
+    def _cache_and_record(self, request: Request, req_blocks: list[KVCacheBlock],
+                          hashes: list[bytes], start: int, end: int) -> None:
+        """cache_full_blocks with events: one BlockStored per run of blocks
+        the pool registered. A block it skipped (its content is cached in
+        another block) splits the run, so each event's blocks stay one chain
+        under its parent."""
+        cache_full_block = self.block_pool.cache_full_block
+        run_start = -1
+        for i in range(start, end):
+            if cache_full_block(req_blocks[i], hashes[i]):
+                if run_start < 0:
+                    run_start = i
+            elif run_start >= 0:
+                self._record_stored(request, hashes, run_start, i)
+                run_start = -1
+        if run_start >= 0:
+            self._record_stored(request, hashes, run_start, end)
+
+    def _record_stored(self, request: Request, hashes: list[bytes], first: int,
+                       end: int) -> None:
+        block_size = self.block_size
+        parent = external_block_hash(hashes[first - 1]) if first > 0 else None
+        self.block_pool.kv_event_queue.append(BlockStored(
+            tuple(external_block_hash(h) for h in hashes[first:end]), parent,
+            tuple(request.all_token_ids[first * block_size:end * block_size]), block_size))
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
         """Free the blocks no query from num_computed_tokens on can attend to
@@ -287,3 +326,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Prefix-cache events since the last call (vLLM's name); always
+        empty unless enable_kv_cache_events."""
+        return self.block_pool.take_events()

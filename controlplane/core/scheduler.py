@@ -82,7 +82,8 @@ class Scheduler:
         self.num_gpu_blocks = num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            cache_config.sliding_window, max_step_tokens(scheduler_config))
+            cache_config.sliding_window, max_step_tokens(scheduler_config),
+            enable_kv_cache_events=cache_config.enable_kv_cache_events)
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []

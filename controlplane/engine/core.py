@@ -19,7 +19,8 @@ end at once. The loop never dies silently: an exception fails what it
 touched and the loop goes on, or the process exits for its supervisor
 (failures.py). `last_tick` (time.monotonic) is set after every loop pass, a
 step or an idle wait of at most IDLE_TICK_S, so readiness can tell a live
-engine from a stalled one.
+engine from a stalled one. Each pass also hands the prefix-cache events it
+recorded to on_kv_events (kv_events.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.failover import inherit_worker_ids
@@ -47,6 +49,7 @@ from controlplane.core.request import Request, RequestStatus
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine import failures
 from controlplane.engine.failures import FATAL_EXIT_CODE, FailureWindow, internal_reason
+from controlplane.engine.kv_events import KvEventRelay, OnKvEvents, reset_prefix_cache
 from controlplane.engine.recovery import Recovery
 from controlplane.engine.step_pacing import StepPacing
 from controlplane.engine.step_queue import StepQueue, max_steps_in_flight
@@ -68,6 +71,7 @@ class _Kind(enum.Enum):
     GROUP_FAILED = 3
     STOP = 4
     DRAIN = 5
+    RESET_PREFIX_CACHE = 6
 
 
 class EngineCore:
@@ -81,9 +85,11 @@ class EngineCore:
         recovery_timeout_s: float = 0.0,
         on_recovery: Callable[[RecoveryRecord], None] | None = None,
         pipeline_parallel_size: int = 1,
+        on_kv_events: OnKvEvents | None = None,
     ):
         self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
+        self._kv_events = KvEventRelay(on_kv_events)
+        self.cache_config = self._kv_events.configure(cache_config)
         self.executor = executor
         self.pipeline_parallel_size = pipeline_parallel_size
         self.max_steps_in_flight = max_steps_in_flight(scheduler_config.async_scheduling,
@@ -140,6 +146,13 @@ class EngineCore:
         so requests held now end, and a failure from now on is fail-fast."""
         self.input_queue.put((_Kind.DRAIN, None))
 
+    def reset_prefix_cache(self) -> Future[bool]:
+        """Forget every cached prefix on the engine thread (vLLM's name; the
+        gateway's FlushCache): False while blocks are in use or with no group."""
+        future: Future[bool] = Future()
+        self.input_queue.put((_Kind.RESET_PREFIX_CACHE, future))
+        return future
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run_busy_loop, name="engine-core", daemon=True)
         self._thread.start()
@@ -166,6 +179,7 @@ class EngineCore:
                     self.step()
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
                     self._recover("step", exc)
+            self._kv_events.pass_on(self.scheduler)
             self.last_tick = time.monotonic()
 
     def _has_work(self) -> bool:
@@ -232,6 +246,8 @@ class EngineCore:
             gc.freeze()
         elif kind is _Kind.GROUP_FAILED:
             self._group_down(*payload)
+        elif kind is _Kind.RESET_PREFIX_CACHE:
+            reset_prefix_cache(self.scheduler, payload)
         elif kind is _Kind.DRAIN:
             self._draining = True
             if self.recovery.holding:

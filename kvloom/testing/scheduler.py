@@ -31,13 +31,17 @@ def make_scheduler(
     block_size: int = 4,
     enable_prefix_caching: bool = True,
     sliding_window: int | None = None,
+    enable_kv_cache_events: bool = False,
     **scheduler_overrides,
 ) -> Scheduler:
     """A real Scheduler over `pool`'s KV blocks (the executor's worker was
     given them), else over `num_blocks` blocks of `block_size` tokens;
-    sliding_window: the window every layer of the model slides by."""
+    sliding_window: the window every layer of the model slides by. KV events
+    are off unless asked for: a test that does not take them would let them
+    pile up."""
     if pool is not None:
         num_blocks, block_size = pool.num_gpu_blocks, pool.block_size
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                        sliding_window=sliding_window)
+                        sliding_window=sliding_window,
+                        enable_kv_cache_events=enable_kv_cache_events)
     return Scheduler(scheduler_config(**scheduler_overrides), cache, num_blocks)

@@ -28,6 +28,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from controlplane.api.auth import ApiKeyInterceptor, ApiKeys, install_reload
 from controlplane.api.generation_service import GenerationService
@@ -35,6 +36,9 @@ from controlplane.api.malformed_requests import MalformedRequestInterceptor
 from controlplane.api.offload import Offload, new_pool
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.tls import add_api_port, api_credentials
+from controlplane.api.vllm_engine.kv_events import KvEventPublisher
+from controlplane.api.vllm_engine.service import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from controlplane.api.vllm_engine.service import VllmEngineService
 from controlplane.config import ControlPlaneConfig
 from controlplane.engine.core import EngineCore
 from controlplane.executor.grpc_executor import Executor
@@ -89,6 +93,9 @@ class ControlPlane:
         self.api_keys = api_keys
         self.health = health.aio.HealthServicer()
         self.router = OutputRouter()
+        # Prefix-cache events for the gateway's cache-aware routing: recorded
+        # by the block pool, handed over per step by the engine thread.
+        self.kv_events = KvEventPublisher(enabled=config.cache.enable_kv_cache_events)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.executor = Executor(
             config.parallel,
@@ -105,6 +112,7 @@ class ControlPlane:
             recovery_timeout_s=config.workers.engine_recovery_timeout_s,
             on_recovery=self._on_recovery,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+            on_kv_events=self.kv_events.publish_threadsafe if self.kv_events.enabled else None,
         )
         self.loop_probes = {name: LoopLagProbe(name) for name in ("api", "workers")}
         self.worker_plane = WorkerPlane(
@@ -166,7 +174,8 @@ class ControlPlane:
         asyncio.run_coroutine_threadsafe(self.readiness.refresh(), self._loop)
 
     async def _set_serving(self, serving: bool) -> None:
-        await self.health.set(GENERATION_SERVICE, SERVING if serving else NOT_SERVING)
+        for name in (GENERATION_SERVICE, VLLM_ENGINE_SERVICE):
+            await self.health.set(name, SERVING if serving else NOT_SERVING)
 
     def not_ready_reason(self) -> str | None:
         """Why a new request is refused now, or None. While the worker group
@@ -198,6 +207,7 @@ class ControlPlane:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
+        self.kv_events.bind(self._loop)
         cfg = self.config.server
         tokenizer = await asyncio.to_thread(load_tokenizer, self.config.model.model)
         options = grpc_options(self.config)
@@ -213,29 +223,35 @@ class ControlPlane:
             install_reload(self._loop, self.api_keys)
         interceptors.append(MalformedRequestInterceptor())
         api = grpc.aio.server(options=options, interceptors=interceptors)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(
-                self.config,
-                self.model_info,
-                tokenizer,
-                self.engine,
-                self.router,
-                readiness=self.not_ready_reason,
-                num_ranks_attached=lambda: self.executor.status().num_attached,
-                metrics=self.metrics,
-                offload=Offload(self.offload_pool),
-            ),
-            api,
+        offload = Offload(self.offload_pool)
+        generation = GenerationService(
+            self.config,
+            self.model_info,
+            tokenizer,
+            self.engine,
+            self.router,
+            readiness=self.not_ready_reason,
+            num_ranks_attached=lambda: self.executor.status().num_attached,
+            metrics=self.metrics,
+            offload=offload,
         )
+        generation_pb2_grpc.add_GenerationServicer_to_server(generation, api)
+        # The SMG gateway's engine protocol, beside kvloom's own on one port.
+        # Its HealthCheck is readiness itself (not the admission rule, which
+        # lets requests wait through a recovery): a re-forming group is
+        # unhealthy, so the gateway routes new work to other replicas.
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineService(generation, self.readiness.reason, self.kv_events, offload), api)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, api)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), api
+            (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
+             reflection.SERVICE_NAME), api
         )
         security = self.config.api_security
         client_port = add_api_port(api, cfg.host, cfg.port, api_credentials(security))
 
         await self.health.set("", SERVING)
-        await self.health.set(GENERATION_SERVICE, NOT_SERVING)
+        await self._set_serving(False)
         self.engine.start()
         workers = self.worker_plane
         worker_port = await workers.start()  # its own thread: binds, starts the executor

@@ -54,7 +54,7 @@ class InFlight:
     def __contains__(self, key: Key) -> bool:
         return key in self._children
 
-    def keys(self) -> list[Key]:
+    def held_keys(self) -> list[Key]:
         return list(self._children)
 
     def samples_per_tenant(self) -> dict[str, int]:

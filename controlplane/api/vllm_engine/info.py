@@ -17,11 +17,12 @@ import json
 import time
 from collections import deque
 
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
 from controlplane.config import ControlPlaneConfig
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.model_info import ModelInfo
 from kvloom import __version__
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 # gen_throughput: tokens over about this window, sampled at each GetLoads.
 THROUGHPUT_WINDOW_S = 10.0

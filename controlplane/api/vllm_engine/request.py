@@ -101,7 +101,9 @@ def to_kvloom_sampling(sp) -> pb.SamplingParams:
     which is the default GetModelInfo advertises and the gateway fills in."""
     out = pb.SamplingParams(
         top_p=sp.top_p or 1.0,
-        top_k=sp.top_k,
+        # uint32 here, int32 on kvloom's wire: past the vocabulary either
+        # way, which is "every token", as 0 is.
+        top_k=sp.top_k if sp.top_k < 1 << 31 else 0,
         min_p=sp.min_p,
         frequency_penalty=sp.frequency_penalty,
         presence_penalty=sp.presence_penalty,
@@ -175,6 +177,8 @@ def resolve(request, tokenizer, limits: Limits, max_request_tokens: int) -> Gate
         ids = list(request.tokenized.input_ids)
     ids = _truncate(ids, sp, limits)
     sampling = to_kvloom_sampling(sp)
+    if sampling.top_k >= limits.vocab_size:
+        sampling.top_k = 0
     if not sp.HasField("max_tokens") and 0 < len(ids) < max_request_tokens:
         sampling.max_tokens = max_request_tokens - len(ids)
     kvloom_request = pb.GenerateRequest(

@@ -16,11 +16,12 @@ string: the gateway cuts the text itself.
 
 from __future__ import annotations
 
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
 from controlplane.api.detokenizer import IncrementalDetokenizer
 from controlplane.api.sample_stream import find_stop, holdback_len
 from controlplane.core.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from controlplane.core.request import FinishReason, SamplingParams
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 FINISH_REASON = {
     FinishReason.STOP: "stop",

@@ -25,11 +25,14 @@ from collections.abc import Callable
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from controlplane.api.auth import ApiKeyInterceptor, ApiKeys
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.tls import add_api_port, api_credentials
+from controlplane.api.vllm_engine.kv_events import KvEventPublisher
+from controlplane.api.vllm_engine.service import VllmEngineService
 from controlplane.config import (
     ApiLimitsConfig,
     ApiSecurityConfig,
@@ -224,6 +227,10 @@ class Api:
         interceptors = [] if self.api_keys is None else [ApiKeyInterceptor(self.api_keys)]
         self.server = grpc.aio.server(interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.service, self.server)
+        self.not_ready: str | None = None  # the VllmEngine HealthCheck's readiness
+        self.vllm = VllmEngineService(self.service, lambda: self.not_ready,
+                                      KvEventPublisher(loop))
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         port = add_api_port(self.server, "127.0.0.1", 0,
@@ -235,6 +242,7 @@ class Api:
         else:
             self.channel = grpc.aio.secure_channel(self.address, self.channel_credentials)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.vllm_stub = vllm_engine_pb2_grpc.VllmEngineStub(self.channel)
         self.engine.start()
         self.engine.group_ready(self.num_blocks)
         await until(lambda: self.engine.last_stats is not None)
@@ -266,7 +274,7 @@ class Api:
 
     def in_flight(self, client_id: str) -> bool:
         """Whether some tenant has client_id in flight."""
-        return any(rid == client_id for _, _, rid in self.service.in_flight.keys())
+        return any(rid == client_id for _, _, rid in self.service.in_flight.held_keys())
 
     def finishes(self, client_id: str) -> list[EngineCoreOutput]:
         return [o for o in self.emitted if client_of(o.request_id) == client_id and o.finished]

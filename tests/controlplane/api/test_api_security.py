@@ -194,7 +194,7 @@ def test_two_tenants_may_use_the_same_request_id(api, two_tenants):
             await until(lambda: h.in_flight("a"))
             second = h.stub.Generate(request(request_id="a", sampling={"max_tokens": 3}),
                                      metadata=bearer(KEY_B))
-            await until(lambda: len(h.service.in_flight.keys()) == 2)
+            await until(lambda: len(h.service.in_flight.held_keys()) == 2)
             # The same tenant may not reuse an id still in flight.
             error = await rpc_error(generate_on(h.channel, bearer(KEY_A), request_id="a"))
             assert error.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -256,7 +256,7 @@ def test_max_requests_per_key(api, two_tenants):
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
             other = h.stub.Generate(request(request_id="a", sampling={"max_tokens": 3}),
                                     metadata=bearer(KEY_B))
-            await until(lambda: len(h.service.in_flight.keys()) == 2)
+            await until(lambda: len(h.service.in_flight.held_keys()) == 2)
             h.model.release()
             for call in (held, other):
                 assert (await asyncio.wait_for(drain(call), WAIT_S))[-1].finish.reason == \

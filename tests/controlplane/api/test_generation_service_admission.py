@@ -106,7 +106,7 @@ def test_client_ids_cannot_spell_sample_ids(api):
             finishes = [m.finish for m in await drain(call) if m.HasField("finish")]
             assert [f.reason for f in finishes] == [pb.LENGTH] * 3
             # Nothing of any refused request lingers: "x" is free again.
-            assert len(h.router) == 0 and not h.service.in_flight.keys()
+            assert len(h.router) == 0 and not h.service.in_flight.held_keys()
             later = await h.generate(request_id="x", sampling={"n": 3, "max_tokens": 1})
             assert sum(m.HasField("finish") for m in later) == 3
             await h.pool_is_idle("x")
@@ -131,7 +131,7 @@ def test_a_failure_while_handing_samples_to_the_engine_leaks_nothing(api):
             h.engine.add_request = failing_add
             err = await rpc_error(h.generate(request_id="f", sampling={"n": 3}))
             assert err.code() == grpc.StatusCode.UNKNOWN
-            assert len(h.router) == 0 and not h.service.in_flight.keys()
+            assert len(h.router) == 0 and not h.service.in_flight.held_keys()
             # The one sample the engine got was aborted: its blocks are free.
             assert [index_of(r) for r in h.samples("f")] == [0]
             await h.pool_is_idle("f")

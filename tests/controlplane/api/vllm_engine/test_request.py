@@ -5,10 +5,10 @@ sent. Pure: no server, no model."""
 from __future__ import annotations
 
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from controlplane.api.validation import U64_MASK, InvalidRequest, Limits
 from controlplane.api.vllm_engine.request import MAX_GATEWAY_REQUEST_ID_LEN, resolve
-from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 LIMITS = Limits(vocab_size=100, max_model_len=64,
                 sampling_defaults=(("temperature", 0.6), ("top_k", 20.0)))

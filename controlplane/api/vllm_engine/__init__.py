@@ -1,0 +1,1 @@
+"""The vllm.grpc.engine.VllmEngine service (the SMG gateway's engine protocol)."""

@@ -1,0 +1,81 @@
+"""Hypothesis strategies for VllmEngine GenerateRequests, as the gateway (or
+anyone who reaches the port) may send them: every field in range most of the
+time and hostile some of the time (any value its wire type carries, huge
+repeats, control characters, every constraint, multimodal and KV-transfer
+inputs). Shared by the resolve() fuzz and the live-cluster fuzz."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from tests.controlplane.api.fuzz_strategies import FLOATS, I32, TEXT, U32, _optional, _repeated
+
+SMALL = st.integers(0, 6)
+
+
+def _field(calm, hostile):
+    return st.one_of(calm, calm, calm, hostile)
+
+
+@st.composite
+def sampling_params(draw, vocab_size: int) -> vpb.SamplingParams:
+    sp = vpb.SamplingParams(
+        top_p=draw(_field(st.sampled_from([0.0, 0.9, 1.0]), FLOATS)),
+        top_k=draw(_field(st.sampled_from([0, 5]), U32)),
+        min_p=draw(_field(st.just(0.0), FLOATS)),
+        frequency_penalty=draw(_field(st.just(0.0), FLOATS)),
+        presence_penalty=draw(_field(st.just(0.0), FLOATS)),
+        repetition_penalty=draw(_field(st.sampled_from([0.0, 1.0, 1.1]), FLOATS)),
+        min_tokens=draw(_field(st.just(0), U32)),
+        stop=draw(_field(st.lists(st.sampled_from(["\n", "e", "the"]), max_size=2),
+                         _repeated(TEXT, 20, 40))),
+        stop_token_ids=draw(_field(st.lists(st.integers(0, vocab_size - 1), max_size=2),
+                                   _repeated(U32, 70))),
+        ignore_eos=draw(st.booleans()),
+        n=draw(_field(st.sampled_from([0, 1, 2]), U32)),
+        include_stop_str_in_output=draw(st.booleans()),
+    )
+    for name, calm, hostile in (("temperature", st.sampled_from([0.0, 1.0]), FLOATS),
+                                ("max_tokens", st.integers(1, 8), U32),
+                                ("logprobs", SMALL, I32), ("prompt_logprobs", SMALL, I32),
+                                ("seed", I32, I32),
+                                ("truncate_prompt_tokens", st.integers(1, 8), I32)):
+        value = draw(_optional(_field(calm, hostile)))
+        if value is not None:
+            setattr(sp, name, value)
+    if draw(st.integers(0, 9)) == 0:
+        sp.logit_bias[draw(I32)] = draw(FLOATS)
+    constraint = draw(st.sampled_from([None] * 8 + ["json_schema", "regex", "grammar",
+                                                    "structural_tag", "json_object", "choice"]))
+    if constraint == "json_object":
+        sp.json_object = True
+    elif constraint == "choice":
+        sp.choice.choices.extend(draw(st.lists(TEXT, max_size=3)))
+    elif constraint is not None:
+        setattr(sp, constraint, draw(TEXT))
+    return sp
+
+
+@st.composite
+def generate_requests(draw, vocab_size: int) -> vpb.GenerateRequest:
+    request = vpb.GenerateRequest(
+        request_id=draw(_field(st.text(max_size=40), TEXT)),
+        sampling_params=draw(sampling_params(vocab_size)),
+        stream=draw(st.booleans()),
+    )
+    kind = draw(st.sampled_from(["tokenized"] * 6 + ["text", None]))
+    if kind == "tokenized":
+        ids = draw(_field(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=12),
+                          _repeated(U32, 20, 5000)))
+        request.tokenized.input_ids.extend(ids)
+    elif kind == "text":
+        request.text = draw(TEXT)
+    extra = draw(st.sampled_from([None] * 12 + ["mm", "kv", "dp"]))
+    if extra == "mm":
+        request.mm_inputs.im_token_id = 1
+    elif extra == "kv":
+        request.kv_transfer_params_json = draw(TEXT)
+    elif extra == "dp":
+        request.data_parallel_rank = draw(I32)
+    return request

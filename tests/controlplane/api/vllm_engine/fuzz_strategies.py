@@ -14,12 +14,19 @@ from tests.controlplane.api.fuzz_strategies import FLOATS, I32, TEXT, U32, _opti
 SMALL = st.integers(0, 6)
 
 
-def _field(calm, hostile):
-    return st.one_of(calm, calm, calm, hostile)
+def _mixed(calm, hostile):
+    """Calm 15 times in 16: with some twenty fields, about a quarter of the
+    requests have none hostile and most have one."""
+    return st.one_of(*[calm] * 15, hostile)
+
+
+def _calm(calm, hostile):
+    return calm
 
 
 @st.composite
-def sampling_params(draw, vocab_size: int) -> vpb.SamplingParams:
+def sampling_params(draw, vocab_size: int, calm: bool = False) -> vpb.SamplingParams:
+    _field = _calm if calm else _mixed
     sp = vpb.SamplingParams(
         top_p=draw(_field(st.sampled_from([0.0, 0.9, 1.0]), FLOATS)),
         top_k=draw(_field(st.sampled_from([0, 5]), U32)),
@@ -44,9 +51,11 @@ def sampling_params(draw, vocab_size: int) -> vpb.SamplingParams:
         value = draw(_optional(_field(calm, hostile)))
         if value is not None:
             setattr(sp, name, value)
-    if draw(st.integers(0, 9)) == 0:
+    if calm:
+        return sp
+    if draw(st.sampled_from([False] * 29 + [True])):
         sp.logit_bias[draw(I32)] = draw(FLOATS)
-    constraint = draw(st.sampled_from([None] * 8 + ["json_schema", "regex", "grammar",
+    constraint = draw(st.sampled_from([None] * 30 + ["json_schema", "regex", "grammar",
                                                     "structural_tag", "json_object", "choice"]))
     if constraint == "json_object":
         sp.json_object = True
@@ -59,19 +68,23 @@ def sampling_params(draw, vocab_size: int) -> vpb.SamplingParams:
 
 @st.composite
 def generate_requests(draw, vocab_size: int) -> vpb.GenerateRequest:
+    """Half the requests have every field calm (most of those are served),
+    the others draw each field hostile now and then."""
+    calm = draw(st.booleans())
+    _field = _calm if calm else _mixed
     request = vpb.GenerateRequest(
-        request_id=draw(_field(st.text(max_size=40), TEXT)),
-        sampling_params=draw(sampling_params(vocab_size)),
+        request_id=draw(_field(st.from_regex(r"[A-Za-z0-9/_.-]{0,40}", fullmatch=True), TEXT)),
+        sampling_params=draw(sampling_params(vocab_size, calm)),
         stream=draw(st.booleans()),
     )
-    kind = draw(st.sampled_from(["tokenized"] * 6 + ["text", None]))
+    kind = "tokenized" if calm else draw(st.sampled_from(["tokenized"] * 14 + ["text", None]))
     if kind == "tokenized":
         ids = draw(_field(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=12),
                           _repeated(U32, 20, 5000)))
         request.tokenized.input_ids.extend(ids)
     elif kind == "text":
         request.text = draw(TEXT)
-    extra = draw(st.sampled_from([None] * 12 + ["mm", "kv", "dp"]))
+    extra = None if calm else draw(st.sampled_from([None] * 30 + ["mm", "kv", "dp"]))
     if extra == "mm":
         request.mm_inputs.im_token_id = 1
     elif extra == "kv":

@@ -43,12 +43,12 @@ def sampling_params(draw, vocab_size: int, calm: bool = False) -> vpb.SamplingPa
         n=draw(_field(st.sampled_from([0, 1, 2]), U32)),
         include_stop_str_in_output=draw(st.booleans()),
     )
-    for name, calm, hostile in (("temperature", st.sampled_from([0.0, 1.0]), FLOATS),
+    for name, calm_value, hostile_value in (("temperature", st.sampled_from([0.0, 1.0]), FLOATS),
                                 ("max_tokens", st.integers(1, 8), U32),
                                 ("logprobs", SMALL, I32), ("prompt_logprobs", SMALL, I32),
                                 ("seed", I32, I32),
                                 ("truncate_prompt_tokens", st.integers(1, 8), I32)):
-        value = draw(_optional(_field(calm, hostile)))
+        value = draw(_optional(_field(calm_value, hostile_value)))
         if value is not None:
             setattr(sp, name, value)
     if calm:

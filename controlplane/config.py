@@ -199,6 +199,14 @@ class ApiSecurityConfig:
     max_requests_per_key: int = option(
         0, "with API keys, most samples one key may have in flight (RESOURCE_EXHAUSTED "
         "beyond); 0 = unlimited", ge=0)
+    # The SMG gateway (1.13) sends no API key to its gRPC workers: behind it,
+    # its own --api-key guards clients, and the engine hop is guarded by the
+    # gateway's client certificate instead.
+    vllm_engine_auth: str = option(
+        "api-key", "with API keys, what admits a vllm.grpc.engine.VllmEngine call: api-key "
+        "(the same keys as kvloom.v1) or client-certificate (mTLS alone, for the SMG "
+        "gateway, which sends no key; needs --ssl-ca-certs)",
+        choices=("api-key", "client-certificate"))
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,9 @@ class ControlPlane:
         # Inside the metrics one, so refusals are counted as what they are;
         # the key check comes first, so no unauthenticated request is parsed.
         if self.api_keys is not None:
-            interceptors.append(ApiKeyInterceptor(self.api_keys))
+            interceptors.append(ApiKeyInterceptor(
+                self.api_keys,
+                vllm_engine_needs_key=self.config.api_security.vllm_engine_auth == "api-key"))
             install_reload(self._loop, self.api_keys)
         interceptors.append(MalformedRequestInterceptor())
         api = grpc.aio.server(options=options, interceptors=interceptors)

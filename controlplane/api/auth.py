@@ -5,7 +5,9 @@ With keys configured (--api-key-file, KVLOOM_API_KEY), every call to a
 kvloom.v1.Generation or VllmEngine method must carry gRPC metadata
 `authorization: Bearer <key>`; anything else ends with UNAUTHENTICATED before
 the request bytes are even parsed. grpc.health.v1 and reflection stay open,
-so probes and tools need no key.
+so probes and tools need no key. The SMG gateway sends its workers no key, so
+`--vllm-engine-auth client-certificate` lets VllmEngine calls in on the API
+port's mTLS alone (check_api_tls refuses it without mTLS).
 
 A key is never kept, compared or logged as itself: the store holds SHA-256
 digests, a presented key is hashed and compared with hmac.compare_digest
@@ -38,9 +40,8 @@ from controlplane.api.handler_wrap import relay_stream, rewrap, run_unary
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KVLOOM_API_KEY"
-# Both client APIs: kvloom's own and the gateway's engine protocol (the
-# gateway presents its --api-key as the same bearer metadata).
-PROTECTED_PREFIXES = ("/kvloom.v1.Generation/", "/vllm.grpc.engine.VllmEngine/")
+GENERATION_PREFIX = "/kvloom.v1.Generation/"
+VLLM_ENGINE_PREFIX = "/vllm.grpc.engine.VllmEngine/"
 # Longest authorization header read; a key is at most MAX_KEY_LEN characters.
 MAX_KEY_LEN = 256
 MAX_HEADER_LEN = MAX_KEY_LEN + len("Bearer ")
@@ -190,13 +191,17 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses kvloom.v1.Generation and VllmEngine calls without an accepted
     key; runs the others (grpc.health.v1, reflection) untouched."""
 
-    def __init__(self, keys: ApiKeys):
+    def __init__(self, keys: ApiKeys, vllm_engine_needs_key: bool = True):
         self.keys = keys
+        # False with --vllm-engine-auth client-certificate: the API port's
+        # mTLS (required then) has already admitted the caller.
+        self._protected = ((GENERATION_PREFIX, VLLM_ENGINE_PREFIX) if vllm_engine_needs_key
+                           else (GENERATION_PREFIX,))
         self._refusals = RefusalLog()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(PROTECTED_PREFIXES):
+        if handler is None or not handler_call_details.method.startswith(self._protected):
             return handler
         tenant, why = self.keys.authenticate(handler_call_details.invocation_metadata)
         if tenant is None:

@@ -37,6 +37,10 @@ def check_api_tls(cfg: ApiSecurityConfig) -> str | None:
     if ca and not cert:
         return ("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile: clients are only "
                 "asked for certificates over TLS")
+    if cfg.vllm_engine_auth == "client-certificate" and not ca:
+        return ("--vllm-engine-auth client-certificate needs mTLS (--ssl-certfile, "
+                "--ssl-keyfile and --ssl-ca-certs): without it, VllmEngine calls would need "
+                "no credential at all")
     if not cert:
         return None
     try:

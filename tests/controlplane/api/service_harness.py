@@ -224,7 +224,9 @@ class Api:
             readiness=lambda: None,
             num_ranks_attached=lambda: 1,
         )
-        interceptors = [] if self.api_keys is None else [ApiKeyInterceptor(self.api_keys)]
+        interceptors = [] if self.api_keys is None else [ApiKeyInterceptor(
+            self.api_keys,
+            vllm_engine_needs_key=self.config.api_security.vllm_engine_auth == "api-key")]
         self.server = grpc.aio.server(interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(self.service, self.server)
         self.not_ready: str | None = None  # the VllmEngine HealthCheck's readiness

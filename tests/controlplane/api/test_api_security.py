@@ -15,6 +15,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from controlplane.api.auth import ApiKeys
 from controlplane.api.tls import check_api_tls
@@ -297,6 +299,33 @@ def test_cached_tokens_reveal_nothing_across_keys(api, two_tenants, scope):
     asyncio.run(scenario())
 
 
+def _vllm_generate(channel, metadata=None):
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    req = vpb.GenerateRequest(request_id="g/1", tokenized=vpb.TokenizedInput(input_ids=[5, 6]),
+                              sampling_params=vpb.SamplingParams(max_tokens=2))
+    return drain(stub.Generate(req, metadata=metadata, timeout=WAIT_S))
+
+
+@pytest.mark.parametrize("auth", ["api-key", "client-certificate"])
+def test_vllm_engine_needs_a_key_unless_the_client_certificate_admits_it(api, pki, auth):
+    async def scenario():
+        good = client_credentials(pki.ca, pki.client)
+        async with api(api_security=tls_config(pki, mtls=True, vllm_engine_auth=auth),
+                       channel_credentials=good, api_keys=ApiKeys(env_key=KEY_A)) as h:
+            keyed = await _vllm_generate(h.channel, bearer(KEY_A))
+            assert keyed[-1].complete.finish_reason == "length"
+            if auth == "api-key":
+                error = await rpc_error(_vllm_generate(h.channel))
+                assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            else:  # the gateway's case: its certificate is the credential
+                assert (await _vllm_generate(h.channel))[-1].complete.finish_reason == "length"
+            # kvloom.v1 needs its key either way.
+            error = await rpc_error(h.generate(sampling={"max_tokens": 1}))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(scenario())
+
+
 # ---- start-up checks of the TLS flags ----------------------------------------------
 
 
@@ -317,6 +346,12 @@ def test_check_api_tls(pki, tmp_path):
         dataclasses.replace(ok, ssl_keyfile=str(pki.client.keyfile)):
             "not a PEM certificate and its matching private key",
         dataclasses.replace(ok, ssl_ca_certs=str(garbage)): "--ssl-ca-certs .*not a PEM CA",
+        # VllmEngine without a key is only ever behind a client certificate.
+        tls_config(pki, vllm_engine_auth="client-certificate"):
+            "--vllm-engine-auth client-certificate needs mTLS",
+        ApiSecurityConfig(vllm_engine_auth="client-certificate"):
+            "--vllm-engine-auth client-certificate needs mTLS",
     }
+    assert check_api_tls(dataclasses.replace(ok, vllm_engine_auth="client-certificate")) is None
     for cfg, problem in cases.items():
         assert re.search(problem, check_api_tls(cfg) or ""), (cfg, check_api_tls(cfg))

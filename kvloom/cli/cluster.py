@@ -13,6 +13,13 @@ directory for `run`), TLS + mTLS on the API and the worker port, and the
 paths a client needs printed. Every cluster gets a random worker auth token
 unless one is given (--auth-token-file, KVLOOM_AUTH_TOKEN, --auth-token); the
 daemons receive it in their environment, never on a command line.
+
+`--openai-port PORT` puts the SMG gateway (kvloom.cli.gateway) in front
+once the cluster is ready: an OpenAI-compatible HTTP API at
+http://HOST:PORT/v1 that reaches the controlplane's VllmEngine service. `run`
+then sends its message through it (kvloom.cli.openai_http). The gateway is
+relayed, supervised, recorded and stopped like the daemons, before the
+controlplane. It cannot dial a --tls API, so the two flags exclude each other.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -27,9 +35,25 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvloom.cli import launcher
+from kvloom.cli import gateway, launcher, openai_http
+from kvloom.cli.gateway import GatewaySpec
 from kvloom.cli.generate import EXIT_FAILURE, chat_turns, complete
 from kvloom.client import KvloomError
+from kvloom.common.config_args import BadValue
+
+
+class GatewayMissing(launcher.ClusterError):
+    """--openai-port without the `smg` program; its message is the whole line."""
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1..65535, in plain decimal digits (no sign, "_" or exponent)."""
+    if not re.fullmatch(r"[0-9]{1,5}", text.strip()):
+        raise BadValue(f"not a port number: {text[:40]!r}")
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise BadValue(f"must be in 1..65535, got {port}")
+    return port
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +90,25 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                              "cores; Linux)")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for the cluster to be ready")
+    parser.add_argument("--openai-port", type=port_number, default=None, metavar="PORT",
+                        help="also serve the OpenAI API (http://HOST:PORT/v1) through the SMG "
+                             "gateway, on --host (needs kvloom[gateway]; not with --tls); "
+                             "unset: no gateway")
+
+
+def gateway_spec(args: argparse.Namespace) -> GatewaySpec | None:
+    """The gateway --openai-port asks for (None: none), refused before
+    anything starts when it cannot work."""
+    if args.openai_port is None:
+        return None
+    if args.tls:
+        raise launcher.ClusterError(gateway.NO_TLS)
+    if gateway.uses_api_keys(args.controlplane_args, dict(os.environ)):
+        raise launcher.ClusterError(gateway.NO_API_KEYS)
+    executable = gateway.find_smg()
+    if executable is None:
+        raise GatewayMissing(gateway.MISSING)
+    return GatewaySpec(port=args.openai_port, executable=executable, host=args.host)
 
 
 def cluster_spec(args: argparse.Namespace) -> launcher.ClusterSpec:
@@ -120,23 +163,26 @@ def tls_dir(state_file: Path) -> Path:
 def cmd_up(args: argparse.Namespace) -> int:
     state_file = args.state_file or launcher.default_state_file()
     refuse_if_running(state_file)
+    front = gateway_spec(args)
     log_dir = state_file.parent / "logs" if args.detach else None
     spec = cluster_spec_for_launch(args)
     if args.tls:
         spec = with_tls(spec, tls_dir(state_file))
     cluster = launcher.Cluster(spec, log_dir=log_dir)
-    start_and_wait(cluster, args.ready_timeout)
+    front = start_and_wait(cluster, args.ready_timeout, front)
     if not args.detach:
-        return serve_foreground(cluster, state_file)
+        return serve_foreground(cluster, state_file, front)
     cluster.state().save(state_file)
-    print_endpoints(cluster)
+    print_endpoints(cluster, front)
     print(f"kvloom: logs in {log_dir}; stop with `kvloom down`", file=sys.stderr)
     return 0
 
 
-def serve_foreground(cluster: launcher.Cluster, state_file: Path) -> int:
+def serve_foreground(cluster: launcher.Cluster, state_file: Path,
+                     front: GatewaySpec | None = None) -> int:
     """Run until Ctrl-C/SIGTERM (exit 0) or until the controlplane dies or a
-    rank crash-loops (ClusterError); a dead worker is restarted meanwhile.
+    rank or the gateway crash-loops (ClusterError); a dead worker or gateway
+    is restarted meanwhile.
     Supervision runs here, on the main thread, which outlives every child it
     restarts (their PR_SET_PDEATHSIG follows the thread that forked them)."""
 
@@ -146,7 +192,7 @@ def serve_foreground(cluster: launcher.Cluster, state_file: Path) -> int:
 
     try:
         cluster.state().save(state_file)  # lets `kvloom down` stop us from elsewhere
-        print_endpoints(cluster)
+        print_endpoints(cluster, front)
         print("kvloom: press Ctrl-C to stop", file=sys.stderr)
         cluster.monitor(restart_workers=True, stop_requested=lambda: stopped_by_down(state_file),
                         on_restart=record_restarts)
@@ -175,8 +221,13 @@ def stopped_by_down(state_file: Path) -> bool:
         return False
 
 
-def print_endpoints(cluster: launcher.Cluster) -> None:
+def print_endpoints(cluster: launcher.Cluster, front: GatewaySpec | None = None) -> None:
     print(f"kvloom: API (gRPC) at {cluster.api_address}", file=sys.stderr)
+    if front is not None:
+        url = gateway.base_url(front)
+        print(f"kvloom: OpenAI API at {url} (the SMG gateway; its metrics at "
+              f"http://127.0.0.1:{front.metrics_port}/metrics)", file=sys.stderr)
+        print(f"kvloom: e.g. curl {url}/models", file=sys.stderr)
     print(f"kvloom: metrics at {cluster.metrics_address}", file=sys.stderr)
     for rank, address in enumerate(cluster.worker_metrics_addresses):
         print(f"kvloom: rank {rank} metrics at {address}", file=sys.stderr)
@@ -217,6 +268,11 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    front = gateway_spec(args)
+    refused = openai_http.unsupported_flags(args) if front is not None else []
+    if refused:
+        raise launcher.ClusterError(f"`kvloom run --openai-port` chats through the gateway, "
+                                    f"which cannot take {', '.join(refused)}")
     spec = cluster_spec_for_launch(args)
     scratch = Path(tempfile.mkdtemp(prefix="kvloom-tls-")) if args.tls else None
     if scratch is not None:
@@ -225,17 +281,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     cluster = launcher.Cluster(spec, log_sink=sink)
     supervisor = launcher.SupervisorThread(cluster)  # restarts a dead worker meanwhile
     try:
-        start_and_wait(cluster, args.ready_timeout)
+        front = start_and_wait(cluster, args.ready_timeout, front)
         supervisor.start()
-        with cluster.client() as client:
-            try:
-                return complete(client, chat_turns(args.message, args.system), args)
-            except KvloomError:
-                # A dead daemon explains a failed stream better than the RPC status.
-                if supervisor.error is not None:
-                    raise supervisor.error from None
-                cluster.check_alive(phase="while generating")
-                raise
+        try:
+            return chat_once(cluster, front, args)
+        except (KvloomError, openai_http.OpenAIError):
+            # A dead daemon explains a failed stream better than the RPC status.
+            if supervisor.error is not None:
+                raise supervisor.error from None
+            cluster.check_alive(phase="while generating")
+            raise
     finally:
         cluster.stop()
         if supervisor.is_alive():
@@ -244,6 +299,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             sink.close()
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def chat_once(cluster: launcher.Cluster, front: GatewaySpec | None,
+              args: argparse.Namespace) -> int:
+    """`run`'s one chat turn: through the gateway's OpenAI API when there is
+    one, else over the cluster's gRPC API."""
+    messages = chat_turns(args.message, args.system)
+    if front is not None:
+        return openai_http.print_chat(gateway.base_url(front), served_model(cluster),
+                                      messages, args)
+    with cluster.client() as client:
+        return complete(client, messages, args)
+
+
+def served_model(cluster: launcher.Cluster) -> str:
+    with cluster.client() as client:
+        return client.model_info().model_name
 
 
 def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
@@ -271,9 +343,14 @@ def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
     return cluster_spec(args)
 
 
-def start_and_wait(cluster: launcher.Cluster, timeout: float) -> None:
+def start_and_wait(cluster: launcher.Cluster, timeout: float,
+                   front: GatewaySpec | None = None) -> GatewaySpec | None:
+    """Start the cluster, and the gateway in front of it once it is ready;
+    returns the gateway as started (its metrics port picked), or None."""
     spec = cluster.spec
     cluster.check()  # ports, model and layout, before we announce any process
+    if front is not None:
+        front = gateway.check(front, gateway.cluster_ports(cluster))
     print(
         f"kvloom: starting controlplane + {spec.world_size} worker(s) "
         f"(tp={spec.tensor_parallel_size}, pp={spec.pipeline_parallel_size}) "
@@ -284,7 +361,18 @@ def start_and_wait(cluster: launcher.Cluster, timeout: float) -> None:
     try:
         cluster.start()
         cluster.wait_ready(timeout)
+        if front is not None:
+            start_gateway(cluster, front, timeout)
     except BaseException:
         cluster.stop()
         raise
     print(f"kvloom: ready after {time.monotonic() - started:.1f}s", file=sys.stderr)
+    return front
+
+
+def start_gateway(cluster: launcher.Cluster, front: GatewaySpec, timeout: float) -> None:
+    model = served_model(cluster)
+    print(f"kvloom: starting the SMG gateway on port {front.port} for {model!r}",
+          file=sys.stderr)
+    gateway.start(cluster, front)
+    gateway.wait_ready(cluster, front, model, timeout=min(timeout, gateway.READY_TIMEOUT))

@@ -26,6 +26,8 @@ class ClusterState:
     log_dir: str = ""
     # Per rank, in rank order.
     worker_metrics: list[str] = field(default_factory=list)
+    # The processes in front of the cluster (the gateway): stopped first.
+    front: list[str] = field(default_factory=list)
     # Set by `kvloom down` before it stops the processes.
     stopping: bool = False
 
@@ -50,8 +52,12 @@ def running_processes(state: ClusterState) -> list[tuple[str, int]]:
 
 
 def stop_detached(state: ClusterState, grace: float = 10.0) -> list[str]:
-    """Stop a cluster recorded by `kvloom up --detach`; returns names that were SIGKILLed."""
-    return stop_pids(running_processes(state), grace)
+    """Stop a cluster recorded by `kvloom up --detach` (its front processes
+    first, as Cluster.stop does); returns the names that were SIGKILLed."""
+    running = running_processes(state)
+    front = [(name, pid) for name, pid in running if name in state.front]
+    rest = [(name, pid) for name, pid in running if name not in state.front]
+    return [*stop_pids(front, grace), *stop_pids(rest, grace)] if front else stop_pids(rest, grace)
 
 
 def default_state_file() -> Path:

@@ -30,6 +30,10 @@ TLS and requires a client certificate from that CA on both (mTLS); every rank
 dials with the worker certificate; wait_ready() and `kvloom run` use the
 client certificate, whose paths `up` prints for other clients.
 
+Processes in front of the cluster (`spawn_front`: the SMG gateway of
+`kvloom up --openai-port`, kvloom.cli.gateway) are started once the cluster is
+ready, supervised like a worker and stopped before everything else.
+
 Foreground children share a process group of their own (so a terminal
 Ctrl-C reaches only the launcher, which then stops them in order) and, on
 Linux, get PR_SET_PDEATHSIG so a SIGKILLed launcher leaves no orphans.
@@ -45,11 +49,18 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from kvloom.cli.children import (  # noqa: F401 (relay_lines, TAIL_LINES: API)
+    TAIL_LINES,
+    ManagedProcess,
+    Restart,
+    describe_exit,
+    relay_lines,
+)
 from kvloom.cli.cluster_state import (  # noqa: F401 (the detached-cluster API)
     ClusterState,
     default_state_file,
@@ -81,8 +92,6 @@ from kvloom.common.ports import (  # noqa: F401 (pick_free_ports: API)
     pick_free_ports,
     port_in_use,
 )
-
-TAIL_LINES = 40
 
 
 class ClusterError(RuntimeError):
@@ -208,51 +217,6 @@ def child_env(spec: ClusterSpec) -> dict[str, str]:
     return env
 
 
-def relay_lines(
-    stream: Iterable[bytes], prefix: str, sink: IO[str], tail: deque[str], lock: threading.Lock
-) -> None:
-    """Copy a child's output line by line to sink with a prefix, keeping the last lines."""
-    for raw in stream:
-        line = raw.decode("utf-8", errors="replace").rstrip("\n")
-        tail.append(line)
-        with lock:  # one writer at a time, so lines of different ranks never interleave
-            sink.write(f"{prefix}{line}\n")
-            sink.flush()
-
-
-@dataclass
-class ManagedProcess:
-    name: str
-    popen: subprocess.Popen
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
-    log_path: Path | None = None
-    # The command as built (before the parent-death wrapper); a restart reuses it.
-    argv: tuple[str, ...] = ()
-
-    @property
-    def rank(self) -> int | None:
-        """The worker's rank; None for the controlplane."""
-        kind, _, number = self.name.partition(" ")
-        return int(number) if kind == "rank" and number.isdigit() else None
-
-    def last_lines(self) -> list[str]:
-        if self.log_path is not None and self.log_path.exists():
-            lines = self.log_path.read_text(errors="replace").splitlines()
-            return lines[-TAIL_LINES:]
-        return list(self.tail)
-
-
-@dataclass(frozen=True)
-class Restart:
-    """One worker restart done by the supervision of a foreground Cluster."""
-
-    name: str
-    rank: int
-    exit_code: int  # negative: killed by that signal
-    delay: float  # seconds waited before the restart
-    pid: int  # the new process
-
-
 # wait_ready's channel: its first polls find no listener, and gRPC's default
 # reconnect back-off (1 s, growing 1.6x) then hid a ready cluster for seconds
 # (docs/benchmarks.md, "Start-up"). Loopback or a local network: retry at
@@ -315,7 +279,8 @@ class Cluster:
         """Restarts per rank so far (ranks never restarted are absent)."""
         counts: dict[int, int] = {}
         for restart in self.restarts:
-            counts[restart.rank] = counts.get(restart.rank, 0) + 1
+            if restart.rank is not None:
+                counts[restart.rank] = counts.get(restart.rank, 0) + 1
         return counts
 
     @property
@@ -337,12 +302,27 @@ class Cluster:
             for proc in self.processes:
                 self._start_relay(proc)
 
+    def spawn_front(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        """Start a process in front of the running cluster (the gateway), with
+        its own environment (not the daemons': no auth token). It is
+        supervised like a worker and stopped before the rest."""
+        with self._supervise_lock:
+            if self._stopping.is_set():
+                raise ClusterError(f"the cluster is stopping; {name} not started")
+            proc = self._launch(name, argv, env=env, front=True)
+            self.processes.append(proc)
+            self.supervisor.started(name)
+        if self.log_dir is None:
+            self._start_relay(proc)
+        return proc
+
     def _spawn(self, name: str, argv: list[str]) -> None:
         self.processes.append(self._launch(name, argv))
         self.supervisor.started(name)
 
     def _launch(
-        self, name: str, argv: list[str] | tuple[str, ...], tail: deque[str] | None = None
+        self, name: str, argv: list[str] | tuple[str, ...], tail: deque[str] | None = None,
+        env: dict[str, str] | None = None, front: bool = False,
     ) -> ManagedProcess:
         command = list(argv)
         kwargs: dict = {"stdin": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
@@ -358,11 +338,13 @@ class Cluster:
             kwargs["process_group"] = self.processes[0].popen.pid if self.processes else 0
             argv = with_parent_death_signal(command, self.spec.python)
         try:
-            popen = subprocess.Popen(argv, env=child_env(self.spec), **kwargs)
+            popen = subprocess.Popen(argv, env=env if env is not None else child_env(self.spec),
+                                     **kwargs)
         finally:
             if log_path is not None:
                 kwargs["stdout"].close()
-        proc = ManagedProcess(name, popen, log_path=log_path, argv=tuple(command))
+        proc = ManagedProcess(name, popen, log_path=log_path, argv=tuple(command), env=env,
+                              front=front)
         if tail is not None:
             proc.tail = tail
         return proc
@@ -416,7 +398,7 @@ class Cluster:
                 code = proc.popen.poll()
                 if code is None or self.supervisor.pending(proc.name):
                     continue
-                if proc.rank is None:
+                if proc.name == "controlplane":
                     raise ClusterError(describe_exit(proc, code, "while serving"))
                 try:
                     delay = self.supervisor.exited(proc.name)
@@ -426,15 +408,15 @@ class Cluster:
                     raise ClusterError(describe_exit(proc, code, phase)) from None
                 self._exited[proc.name] = (code, delay)
                 when = f"in {delay:.1f}s" if delay > 0 else "now"
-                self._note(f"kvloom: {proc.name} {exit_how(code)}; restarting it {when} "
-                           f"(same rank and flags)")
+                same = "same rank and flags" if proc.rank is not None else "same flags"
+                self._note(f"kvloom: {proc.name} {exit_how(code)}; restarting it {when} ({same})")
             return [self._restart(name) for name in self.supervisor.due()]
 
     def _restart(self, name: str) -> Restart:
         index, old = next((i, p) for i, p in enumerate(self.processes) if p.name == name)
         reap(old.popen)
         try:
-            new = self._launch(name, old.argv, tail=old.tail)
+            new = self._launch(name, old.argv, tail=old.tail, env=old.env, front=old.front)
         except (OSError, subprocess.SubprocessError) as exc:
             raise ClusterError(f"could not restart {name}: {exc}") from exc
         self.processes[index] = new  # same slot, same name: lookups by name see it
@@ -442,7 +424,7 @@ class Cluster:
         if self.log_dir is None:
             self._start_relay(new)
         code, delay = self._exited.pop(name)
-        restart = Restart(name, old.rank or 0, code, delay, new.popen.pid)
+        restart = Restart(name, old.rank, code, delay, new.popen.pid)
         self.restarts.append(restart)
         return restart
 
@@ -479,9 +461,13 @@ class Cluster:
         Waits for a supervision pass under way, and none restarts anything after."""
         with self._supervise_lock:
             self._stopping.set()
-        stop_pids([(p.name, p.popen.pid) for p in self.processes if p.popen.poll() is None], grace)
-        for proc in self.processes:
-            reap(proc.popen)
+        # Front processes first: the gateway stops taking requests before the
+        # controlplane drains, so it never routes to a closing engine.
+        for front in (True, False):
+            group = [p for p in self.processes if p.front is front]
+            stop_pids([(p.name, p.popen.pid) for p in group if p.popen.poll() is None], grace)
+            for proc in group:
+                reap(proc.popen)
 
     def state(self) -> ClusterState:
         processes = {}
@@ -491,6 +477,7 @@ class Cluster:
             api=self.api_address, metrics=self.metrics_address, worker_port=self.ports[1],
             model=self.model, processes=processes, log_dir=str(self.log_dir or ""),
             worker_metrics=self.worker_metrics_addresses,
+            front=[p.name for p in self.processes if p.front],
         )
 
     def __enter__(self) -> Cluster:
@@ -542,15 +529,6 @@ def preflight(spec: ClusterSpec, model: str, ports: Ports) -> None:
         lines = done.stderr.strip().splitlines() or [f"exited with code {done.returncode}"]
         errors = [line.split("error: ", 1)[1] for line in lines if "error: " in line]
         raise ClusterError((errors or lines)[-1])
-
-
-def describe_exit(proc: ManagedProcess, code: int, phase: str = "during start-up") -> str:
-    how = exit_how(code)
-    # Give the relay thread a moment to drain the pipe so the tail is complete.
-    time.sleep(0.2)
-    lines = proc.last_lines()
-    shown = "\n".join(f"  {line}" for line in lines) if lines else "  (no output)"
-    return f"{proc.name} {how} {phase}; its last log lines:\n{shown}"
 
 
 def _resolve_model(model: str | None) -> str:

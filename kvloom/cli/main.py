@@ -8,6 +8,7 @@
     kvloom up [--detach]          start controlplane + T*P workers here (kvloom.cli.launcher)
     kvloom down                   stop a cluster started with `up --detach`
     kvloom run "prompt"           up, chat once, down: the one-command demo
+    (up and run take --openai-port PORT: an OpenAI API through the SMG gateway)
 
 This module parses arguments and dispatches; printing a generation lives in
 kvloom.cli.generate, local clusters in kvloom.cli.cluster, the RPCs in
@@ -24,8 +25,9 @@ import sys
 from pathlib import Path
 
 from kvloom.cli import launcher
-from kvloom.cli.cluster import add_cluster_args, cmd_down, cmd_run, cmd_up
+from kvloom.cli.cluster import GatewayMissing, add_cluster_args, cmd_down, cmd_run, cmd_up
 from kvloom.cli.generate import EXIT_FAILURE, add_generation_args, chat_turns, complete
+from kvloom.cli.openai_http import OpenAIError
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError, default_server
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
@@ -226,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with launcher.termination_as_exception():
             return HANDLERS[args.command](args)
-    except (KvloomError, launcher.ClusterError) as exc:
+    except GatewayMissing as exc:
+        print(exc, file=sys.stderr)  # the whole line, with the command that fixes it
+        return EXIT_FAILURE
+    except (KvloomError, launcher.ClusterError, OpenAIError) as exc:
         print(f"kvloom: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except (KeyboardInterrupt, launcher.Terminated):

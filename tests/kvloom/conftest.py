@@ -1,10 +1,13 @@
 """Fakes for the client, CLI and launcher tests: an in-process grpc.aio
-Generation server, and fake `controlplane` / `workerd` packages that
-`python -m` finds first when the tests chdir into their directory."""
+Generation server, fake `controlplane` / `workerd` packages that
+`python -m` finds first when the tests chdir into their directory, and a
+fake `smg` program (the SMG gateway) that PATH finds first."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -183,6 +186,9 @@ class Generation(pb_grpc.GenerationServicer):
         pp = int(args[args.index("--pipeline-parallel-size") + 1])
         return pb.ServerInfo(pipeline_parallel_size=pp)
 
+    def GetModelInfo(self, request, context):
+        return pb.ModelInfo(model_name="fake-served")
+
 class Metrics(http.server.BaseHTTPRequestHandler):
     # Like the real one, /metrics answers on --metrics-port (tools scrape it).
     def do_GET(self):
@@ -301,3 +307,104 @@ def secure_server(pki):
         threads[0].join(10)
         assert not threads[0].is_alive()
     loop.close()
+
+
+FAKE_SMG = r'''
+import json, os, signal, socket, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# `smg launch ...` as kvloom.cli.gateway runs it: serves the OpenAI routes the
+# CLI uses. FAKE_SMG_MODE: "fail" exits at once, "nomodel" lists no model
+# (a worker that never registers), "notokenizer" lists the model but never
+# its tokenizer, "chaterror" answers chats with a 400.
+args = sys.argv[1:]
+mode = os.environ.get("FAKE_SMG_MODE", "")
+record = os.environ.get("FAKE_SMG_RECORD")
+print("gateway args", " ".join(args), flush=True)
+print("gateway env HF_HUB_OFFLINE=%s token=%s" % (os.environ.get("HF_HUB_OFFLINE"),
+      os.environ.get("KVLOOM_AUTH_TOKEN")), flush=True)
+if mode == "fail":
+    print("boom: bad worker url", flush=True)
+    sys.exit(2)
+worker = args[args.index("--worker-urls") + 1].split("://", 1)[1]
+
+
+def send(handler, code, doc):
+    body = json.dumps(doc).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/v1/tokenizers":
+            names = [] if mode == "notokenizer" else ["fake-served"]
+            return send(self, 200, {"tokenizers": [{"name": n, "id": "t1"} for n in names]})
+        if self.path != "/v1/models" or mode == "nomodel":
+            return send(self, 503, {"error": {"message": "No models available"}})
+        send(self, 200, {"object": "list", "data": [{"id": "fake-served"}]})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if record:
+            with open(record, "ab") as f:
+                f.write(body + b"\n")
+        if mode == "chaterror":
+            return send(self, 400, {"error": {"message": "temperature out of range"}})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        events = [{"choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]}
+                  for c in "abc"]
+        events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        events.append({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+        for event in events:
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.wfile.flush()
+        self.wfile.write(b": done\ndata: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def stop(signum, frame):
+    # Whether the controlplane still listened when we were told to stop.
+    host, port = worker.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        up = True
+    except OSError:
+        up = False
+    print("gateway stopping; controlplane up:", up, flush=True)
+    os._exit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
+server = ThreadingHTTPServer((args[args.index("--host") + 1],
+                              int(args[args.index("--port") + 1])), Handler)
+print("gateway up", flush=True)
+server.serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_smg(tmp_path, monkeypatch):
+    """install(mode="") puts a fake `smg` first on PATH; returns the file
+    where it appends each chat request's body (one JSON a line)."""
+
+    def install(mode: str = "") -> Path:
+        bin_dir = tmp_path / "fake-bin"
+        bin_dir.mkdir(exist_ok=True)
+        smg = bin_dir / "smg"
+        smg.write_text(f"#!{sys.executable}\n" + textwrap.dedent(FAKE_SMG))
+        smg.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+        monkeypatch.setenv("FAKE_SMG_MODE", mode)
+        record = tmp_path / "smg-requests.jsonl"
+        monkeypatch.setenv("FAKE_SMG_RECORD", str(record))
+        return record
+
+    return install

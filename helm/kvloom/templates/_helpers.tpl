@@ -13,18 +13,54 @@
 {{- end }}
 {{- end }}
 
-{{/* The controlplane Service: clients and workers dial this name. */}}
-{{- define "kvloom.controlplaneService" -}}
-{{- include "kvloom.fullname" . }}
+{{/*
+Names of one replica (one whole cluster: a controlplane and its ranks), given
+(list $ replica). Replica 0 keeps the names of a single-cluster release
+(<fullname>); replica i > 0 is <fullname>-<i>.
+*/}}
+{{- define "kvloom.replicaName" -}}
+{{- $ctx := index . 0 }}
+{{- $replica := int (index . 1) }}
+{{- if eq $replica 0 }}
+{{- include "kvloom.fullname" $ctx }}
+{{- else }}
+{{- printf "%s-%d" (include "kvloom.fullname" $ctx | trunc 56 | trimSuffix "-") $replica }}
+{{- end }}
 {{- end }}
 
-{{/* The workers' headless Service; pod DNS is <pod>.<this>.<ns>.svc.<domain>. */}}
+{{/* A replica's controlplane Service: its workers and the gateway dial this name. */}}
+{{- define "kvloom.controlplaneService" -}}
+{{- include "kvloom.replicaName" . }}
+{{- end }}
+
+{{/* A replica's workers' headless Service; pod DNS is <pod>.<this>.<ns>.svc.<domain>. */}}
 {{- define "kvloom.workersService" -}}
-{{- printf "%s-workers" (include "kvloom.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-workers" (include "kvloom.replicaName" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "kvloom.workersStatefulSet" -}}
-{{- printf "%s-workerd" (include "kvloom.fullname" .) | trunc 52 | trimSuffix "-" }}
+{{- printf "%s-workerd" (include "kvloom.replicaName" .) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The label that tells the replicas' pods apart (in every replica's selectors). */}}
+{{- define "kvloom.replicaLabel" -}}
+kvloom.io/replica: {{ . | quote }}
+{{- end }}
+
+{{/* The gateway's worker list: every replica's controlplane API, one a line. */}}
+{{- define "kvloom.gatewayWorkerUrls" -}}
+{{- range $replica := until (int .Values.replicas) }}
+- {{ printf "grpc://%s:%v" (include "kvloom.controlplaneService" (list $ $replica)) $.Values.controlplane.ports.api | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "kvloom.gatewayImage" -}}
+{{- $g := .Values.gateway.image }}
+{{- if $g.repository }}
+{{- printf "%s:%s" $g.repository (default .Chart.AppVersion $g.tag) }}
+{{- else }}
+{{- include "kvloom.image" . }}
+{{- end }}
 {{- end }}
 
 {{- define "kvloom.worldSize" -}}

@@ -1,0 +1,210 @@
+"""OpenAI HTTP through the SMG gateway with the standard library only (the CLI
+does not depend on the openai package): list the served models, and stream
+one chat completion as server-sent events for `kvloom run --openai-port`,
+its text to stdout as it arrives.
+
+The sampling flags map to the OpenAI request (plus the vLLM extensions the
+gateway forwards: top_k, min_p, repetition_penalty, stop_token_ids,
+ignore_eos). Flags the gateway cannot honour (logprob tables, several
+samples, kvloom's own scheduling fields) are refused before anything starts,
+never silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+
+EXIT_FAILURE = 1
+# A server-sent event line longer than this is not a chat chunk.
+MAX_LINE = 1 << 20
+# Seconds without a byte from the gateway before `run` gives up (no --timeout).
+DEFAULT_TIMEOUT = 300.0
+
+
+class OpenAIError(RuntimeError):
+    """The gateway could not be reached (status None) or answered with an error."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def _error_text(body: bytes) -> str:
+    """The message of an OpenAI error body, or the body itself."""
+    text = body.decode("utf-8", errors="replace").strip()
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return text[:500] or "(empty body)"
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error or text)[:500]
+
+
+def _open(request: urllib.request.Request | str, timeout: float):
+    url = request.full_url if isinstance(request, urllib.request.Request) else request
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310 (http only)
+    except urllib.error.HTTPError as exc:
+        raise OpenAIError(f"{url}: HTTP {exc.code}: {_error_text(exc.read())}", exc.code) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise OpenAIError(f"cannot reach {url}: {reason}") from None
+
+
+def _names(url: str, key: str, field: str, timeout: float) -> list[str]:
+    with _open(url, timeout) as response:
+        try:
+            doc = json.loads(response.read(MAX_LINE))
+            return [str(entry[field]) for entry in doc[key]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise OpenAIError(f"{url}: not a {key} list ({exc})") from None
+
+
+def list_models(base_url: str, timeout: float = 5.0) -> list[str]:
+    """The model ids GET /v1/models lists."""
+    return _names(f"{base_url}/models", "data", "id", timeout)
+
+
+def list_tokenizers(base_url: str, timeout: float = 5.0) -> list[str] | None:
+    """The models whose tokenizer the gateway has registered (GET
+    /v1/tokenizers, an SMG route); None where the route does not exist. A
+    model is listed a moment before its tokenizer is loaded, and requests in
+    between fail with 503."""
+    try:
+        return _names(f"{base_url}/tokenizers", "tokenizers", "name", timeout)
+    except OpenAIError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+# The generation flags (dest -> as shown) a chat through the gateway cannot take.
+_UNSUPPORTED = {
+    "logprobs": "--logprobs",
+    "prompt_logprobs": "--prompt-logprobs",
+    "min_tokens": "--min-tokens (the gateway drops it from chat requests)",
+    "priority": "--priority",
+    "stream_interval": "--stream-interval",
+    "include_stop_str": "--include-stop-str",
+    "json": "--json",
+}
+
+
+def unsupported_flags(args: argparse.Namespace) -> list[str]:
+    """The generation flags set in args that a chat through the gateway cannot honour."""
+    refused = [flag for dest, flag in _UNSUPPORTED.items() if getattr(args, dest, None)]
+    if (args.n or 1) > 1:
+        refused.append("-n > 1")
+    if not args.stream:
+        refused.append("--no-stream")
+    if args.cache_salt:
+        refused.append("--cache-salt")
+    return refused
+
+
+def chat_body(model: str, messages: list[tuple[str, str]], args: argparse.Namespace) -> dict:
+    """The POST /v1/chat/completions body; unset flags are left out (gateway defaults)."""
+    body: dict = {
+        "model": model,
+        "messages": [{"role": role, "content": content} for role, content in messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    optional = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "stop": _as_list(args.stop) or None,
+        "stop_token_ids": _as_list(args.stop_token_id) or None,
+        "ignore_eos": args.ignore_eos or None,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return body
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def sse_data(lines: Iterable[bytes]) -> Iterator[str]:
+    """The data of each server-sent event (multi-line data joined by newlines)."""
+    data: list[str] = []
+    for raw in lines:
+        if len(raw) >= MAX_LINE and not raw.endswith(b"\n"):
+            raise OpenAIError(f"an event line longer than {MAX_LINE} bytes")
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":  # ":" lines are comments; other fields are unused here
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def stream_chat(base_url: str, body: dict, timeout: float) -> Iterator[dict]:
+    """POST a streamed chat completion; yields each chunk until [DONE]."""
+    request = urllib.request.Request(
+        f"{base_url}/chat/completions", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+    )
+    with _open(request, timeout) as response:
+        for data in sse_data(iter(lambda: response.readline(MAX_LINE), b"")):
+            if data.strip() == "[DONE]":
+                return
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise OpenAIError(f"not a JSON chunk: {data[:200]!r}") from None
+            if isinstance(chunk, dict) and "error" in chunk:
+                raise OpenAIError(f"the gateway ended the stream: {_error_text(data.encode())}")
+            if isinstance(chunk, dict):
+                yield chunk
+    raise OpenAIError("the stream ended without [DONE]")
+
+
+def print_chat(base_url: str, model: str, messages: list[tuple[str, str]],
+               args: argparse.Namespace) -> int:
+    """Stream one chat answer to stdout; token counts to stderr with -v."""
+    started = time.monotonic()
+    finish, usage = None, None
+    try:
+        for chunk in stream_chat(base_url, chat_body(model, messages, args),
+                                 args.timeout or DEFAULT_TIMEOUT):
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                finish = choice.get("finish_reason") or finish
+    finally:
+        print(flush=True)  # end the streamed line even when the stream failed
+    if args.verbose or finish not in ("stop", "length"):
+        print(format_usage(finish, usage, time.monotonic() - started), file=sys.stderr)
+    return 0 if finish in ("stop", "length") else EXIT_FAILURE
+
+
+def format_usage(finish: str | None, usage: dict | None, seconds: float) -> str:
+    usage = usage or {}
+    prompt, output = usage.get("prompt_tokens", "?"), usage.get("completion_tokens", "?")
+    return (f"[{finish or 'no finish reason'}: {prompt} prompt + {output} output tokens "
+            f"in {seconds:.2f}s, through the gateway]")

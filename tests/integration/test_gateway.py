@@ -241,3 +241,14 @@ def test_statuses_a_client_sees(client, served, tok):
 
     asyncio.run(fill_then_ask())
     asyncio.run(_no_leaks(address))
+
+
+def test_the_readmes_openai_example_runs(served, capsys):
+    from tests.docs.test_api_examples import ROOT, blocks
+
+    (code,) = [c for lang, c in blocks(ROOT / "README.md")
+               if lang == "python" and "OpenAI(" in c]
+    code = code.replace("http://localhost:8000/v1", served[1].base_url)
+    code = code.replace("SmolLM2-135M-Instruct", MODEL)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our own README's example
+    assert capsys.readouterr().out.strip()

@@ -134,19 +134,26 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
             live = sum(not s.finished for s in streams.values())
 
     def _consume(self, batch, streams) -> tuple[EngineCoreOutput | None, list]:
-        """(the first error output or None, the messages due before it)."""
-        messages: list = []
+        """(the first error output or None, the messages due before it): each
+        stream's outputs in the batch become one chunk (and its complete)."""
+        touched: dict[str, TokenStream] = {}
+        error = None
         for out in batch:
             stream = streams[out.request_id]
             if stream.finished:
                 continue  # e.g. the engine's own STOP after a stop string
             if out.error is not None:
-                return out, messages
-            stream.add(out, messages)
+                error = out
+                break
+            stream.add(out)
+            touched[out.request_id] = stream
             if stream.stopped_by_string:
                 stream.stopped_by_string = False
                 self.engine.stop_requests([out.request_id])
-        return None, messages
+        messages: list = []
+        for stream in touched.values():
+            stream.flush(messages)
+        return error, messages
 
     async def Abort(self, request, context):
         # Every sample of each named request; unknown and finished ids are no-ops.

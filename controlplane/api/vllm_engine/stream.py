@@ -2,10 +2,12 @@
 
 Token ids only: the gateway detokenizes with its own tokenizer and ignores
 any text, so the common path does no detokenizing at all, which is what keeps
-this edge cheap per token. Streaming, each output with new tokens becomes one
-chunk (the gateway decodes chunk tokens only), and the end is one Complete
-after the last chunk; not streaming, the gateway reads only the Complete,
-which then carries every token and logprob.
+this edge cheap per token. Streaming, the tokens of every output taken
+since the last flush go out as one chunk (the gateway decodes chunk tokens
+only; when the API loop falls behind the engine, several steps' tokens share
+a message, and so its per-message cost), and the end is one Complete after
+the last chunk; not streaming, the gateway reads only the Complete, which
+then carries every token and logprob.
 
 Stop strings are also enforced by the gateway, on its own decode; kvloom
 still matches them (to stop generating, which saves the compute) but only for
@@ -55,8 +57,9 @@ class StopStringWatch:
 
 class TokenStream:
     __slots__ = ("index", "stream", "_eos", "_num_prompt", "_cached", "_ids", "_num_out",
-                 "_logprobs", "_prompt_logprobs", "_next_prompt_pos", "_prompt_ids",
-                 "_sent_first", "_stops", "finished", "stopped_by_string")
+                 "_logprobs", "_pending_logprobs", "_prompt_logprobs", "_next_prompt_pos",
+                 "_prompt_ids", "_sent_first", "_stops", "_end", "finished",
+                 "stopped_by_string")
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  stream: bool, eos_token_ids: frozenset[int], tokenizer=None):
@@ -66,8 +69,12 @@ class TokenStream:
         self._prompt_ids = prompt_token_ids
         self._num_prompt = len(prompt_token_ids)
         self._cached = 0
-        # Streaming: nothing is kept; not streaming: every id and logprob.
+        # Streaming: the ids not yet sent; not streaming: every id (and
+        # logprob, in _logprobs).
         self._ids: list[int] = []
+        self._pending_logprobs: list[TokenLogprobs] = []
+        # (finish reason, matched stop) once finished, until the complete is out.
+        self._end: tuple[str, int | str | None] | None = None
         self._num_out = 0
         self._logprobs: vpb.OutputLogProbs | None = (
             vpb.OutputLogProbs() if params.logprobs is not None else None)
@@ -81,8 +88,8 @@ class TokenStream:
         # Set when a stop string ended the sample: the engine must be told.
         self.stopped_by_string = False
 
-    def add(self, out: EngineCoreOutput, messages: list) -> None:
-        """Append the messages `out` completes to `messages`."""
+    def add(self, out: EngineCoreOutput) -> None:
+        """Take one engine output; flush() turns what was taken into messages."""
         if self.finished:
             return
         if out.num_cached_tokens:
@@ -102,20 +109,31 @@ class TokenStream:
                 ids = ids[:hit[0]]
                 reason, matched = "stop", hit[1]
                 self.stopped_by_string = True
-        logprobs = out.new_logprobs[:len(ids)] if out.new_logprobs else None
         self._num_out += len(ids)
-        if self.stream:
-            if ids:
-                messages.append(self._chunk(ids, logprobs))
-        else:
-            self._ids.extend(ids)
-            if logprobs and self._logprobs is not None:
-                _extend_logprobs(self._logprobs, ids, logprobs)
+        self._ids.extend(ids)
+        if out.new_logprobs and self._logprobs is not None:
+            if self.stream:
+                self._pending_logprobs.extend(out.new_logprobs[:len(ids)])
+            else:
+                _extend_logprobs(self._logprobs, ids, out.new_logprobs[:len(ids)])
         if reason is not None:
             self.finished = True
-            messages.append(self._complete(reason, matched, ids))
+            self._end = (reason, matched)
 
-    def _chunk(self, ids: list[int], logprobs: list[TokenLogprobs] | None) -> vpb.GenerateResponse:
+    def flush(self, messages: list) -> None:
+        """Append what the outputs taken since the last flush complete: one
+        chunk with every new token (streaming; outputs that queued up while
+        the loop was busy go out as one message), then the complete."""
+        last: list[int] = []
+        if self.stream and self._ids:
+            last, self._ids = self._ids, []
+            messages.append(self._chunk(last, self._pending_logprobs))
+            self._pending_logprobs = []
+        if self._end is not None:
+            messages.append(self._complete(*self._end, last))
+            self._end = None
+
+    def _chunk(self, ids: list[int], logprobs: list[TokenLogprobs]) -> vpb.GenerateResponse:
         chunk = vpb.GenerateStreamChunk(
             token_ids=ids, prompt_tokens=self._num_prompt, completion_tokens=self._num_out,
             cached_tokens=self._cached, index=self.index)

@@ -25,9 +25,11 @@ def out(ids, reason=None, stop_token_id=None, logprobs=None, **kw) -> EngineCore
 
 
 def feed(stream: TokenStream, *outputs) -> list:
+    """One flush per output, as when each arrives in a batch of its own."""
     messages: list = []
     for o in outputs:
-        stream.add(o, messages)
+        stream.add(o)
+        stream.flush(messages)
     return messages
 
 
@@ -98,6 +100,21 @@ def test_prompt_logprobs_go_on_the_first_chunk_once_per_position():
     assert [first.token_logprobs[i].value for i in (1, 2)] == [-4.0, -4.5]
     assert list(first.top_logprobs[1].token_ids) == [8, 3]  # not doubled by the repeat
     assert not msgs[1].chunk.HasField("input_logprobs")
+
+
+def test_outputs_that_queued_up_go_out_as_one_chunk():
+    s = TokenStream(0, PROMPT, SamplingParams(logprobs=1), stream=True, eos_token_ids=EOS)
+    for o in (out([4], logprobs=[lp(4)]), out([5], logprobs=[lp(5)]),
+              out([6], FinishReason.LENGTH, logprobs=[lp(6)])):
+        s.add(o)
+    msgs: list = []
+    s.flush(msgs)
+    assert [m.WhichOneof("response") for m in msgs] == ["chunk", "complete"]
+    assert list(msgs[0].chunk.token_ids) == [4, 5, 6]
+    assert list(msgs[0].chunk.output_logprobs.token_ids) == [4, 5, 6]
+    assert msgs[1].complete.completion_tokens == 3
+    s.flush(msgs)
+    assert len(msgs) == 2  # nothing twice
 
 
 def test_an_abort_ends_with_abort():

@@ -29,6 +29,7 @@ import grpc
 from controlplane.api.auth import current_tenant, tenant_cache_salt
 from controlplane.api.in_flight import InFlight, Refusal
 from controlplane.api.offload import Offload, heavy_generate, heavy_outputs
+from controlplane.api.output_batches import feed_batch
 from controlplane.api.output_router import OutputRouter
 from controlplane.api.sample_stream import SampleStream
 from controlplane.api.tokenize_service import TokenizeService
@@ -219,23 +220,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         output, or None; the messages due from the outputs before it). Inline
         or on the offload pool: it touches only this call's streams and the
         engine's thread-safe queue."""
-        touched: list[SampleStream] = []
-        error = None
-        for out in batch:
-            stream = streams[out.request_id]
-            if stream.finished:
-                continue  # e.g. the engine's own STOP after a stop string
-            if out.error is not None:
-                error = out
-                break
-            stream.add(out)
-            if stream.stopped_by_string:
-                self.engine.stop_requests([out.request_id])
-            if stream.finished:
-                live.discard(out.request_id)
-            if stream not in touched:
-                touched.append(stream)
-        return error, [m for s in touched if (m := s.flush(request_id)) is not None]
+        error, fed = feed_batch(batch, streams, self.engine.stop_requests)
+        live.difference_update([r for r in live if streams[r].finished])
+        return error, [m for s in fed if (m := s.flush(request_id)) is not None]
 
     def _count_client_abort(self, context, n: int) -> None:
         if self.metrics is None:

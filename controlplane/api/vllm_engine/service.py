@@ -34,6 +34,7 @@ from controlplane.api.auth import current_tenant, tenant_cache_salt
 from controlplane.api.generation_service import GRPC_STATUS, GenerationService, sample_params
 from controlplane.api.in_flight import Refusal
 from controlplane.api.offload import Offload
+from controlplane.api.output_batches import feed_batch
 from controlplane.api.validation import InvalidRequest
 from controlplane.api.vllm_engine import info
 from controlplane.api.vllm_engine.flush_cache import flush_cache
@@ -136,22 +137,9 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     def _consume(self, batch, streams) -> tuple[EngineCoreOutput | None, list]:
         """(the first error output or None, the messages due before it): each
         stream's outputs in the batch become one chunk (and its complete)."""
-        touched: dict[str, TokenStream] = {}
-        error = None
-        for out in batch:
-            stream = streams[out.request_id]
-            if stream.finished:
-                continue  # e.g. the engine's own STOP after a stop string
-            if out.error is not None:
-                error = out
-                break
-            stream.add(out)
-            touched[out.request_id] = stream
-            if stream.stopped_by_string:
-                stream.stopped_by_string = False
-                self.engine.stop_requests([out.request_id])
+        error, fed = feed_batch(batch, streams, self.engine.stop_requests)
         messages: list = []
-        for stream in touched.values():
+        for stream in fed:
             stream.flush(messages)
         return error, messages
 

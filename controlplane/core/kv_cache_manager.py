@@ -39,8 +39,10 @@ block the waiting queue. (A context that fits the pool whole fits with any hit.)
 
 Prefix-cache events (enable_kv_cache_events, core/kv_events.py): a store is
 recorded here, where the tokens are known, for exactly the blocks the pool
-registered; removals and clears are the pool's. Freeing a window's dead
-blocks records nothing: they keep their hashes until evicted.
+registered, except for salted requests (their chains match no other
+request's tokens); removals and clears are the pool's (a removal of a hash
+never stored is a no-op for a subscriber). Freeing a window's dead blocks
+records nothing: they keep their hashes until evicted.
 """
 
 from __future__ import annotations
@@ -244,7 +246,10 @@ class KVCacheManager:
             return
         hashes = update_block_hashes(request, block_size)
         req_blocks = self.req_to_blocks[req_id]
-        if self.enable_kv_cache_events:
+        # A salted chain (cache_salt, or a tenant's with API keys) is not
+        # published: a consumer matching token ids alone (the gateway) would
+        # count it as cached for requests that can never hit it.
+        if self.enable_kv_cache_events and not request.cache_salt:
             self._cache_and_record(request, req_blocks, hashes, start, num_full)
         else:
             cache_full_block = self.block_pool.cache_full_block

@@ -203,3 +203,20 @@ def test_the_events_replayed_always_equal_the_cache_map(config, program, window)
         check()
     runner.drain()
     check()
+
+
+def test_a_salted_chain_is_not_published():
+    # Token ids alone (what the gateway matches) would count it as cached for
+    # requests that can never hit it; the unsalted twin is published.
+    sched = make_scheduler(enable_kv_cache_events=True, block_size=BS)
+    prompt = list(range(300, 310))
+    salted = make_request(prompt, max_tokens=1)
+    salted.cache_salt = "tenant-a"
+    sched.add_request(salted)
+    step(sched, {salted.request_id: 7})
+    assert sched.kv_cache_manager.take_events() == []
+    assert len(sched.kv_cache_manager.block_pool.cached_block_hash_to_block) == 2  # still cached
+    plain = make_request(prompt, max_tokens=1)
+    sched.add_request(plain)
+    step(sched, {plain.request_id: 7})
+    assert stored(sched) == [BlockStored(ext(plain, 0, 1), None, tuple(prompt[:8]), BS)]

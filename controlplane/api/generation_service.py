@@ -194,7 +194,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             unfinished = [c for c, s in streams.items() if not s.finished]
             if unfinished:
                 self.engine.abort_requests(unfinished)
-                self._count_client_abort(context, len(unfinished))
+                self.count_client_abort(context, len(unfinished))
 
     async def _responses(self, request_id, queue, streams, context):
         live = set(streams)
@@ -224,7 +224,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         live.difference_update([r for r in live if streams[r].finished])
         return error, [m for s in fed if (m := s.flush(request_id)) is not None]
 
-    def _count_client_abort(self, context, n: int) -> None:
+    def count_client_abort(self, context, n: int) -> None:
+        """A call that ended with n samples unfinished: its client cancelled
+        it or its deadline passed (kvloom_requests_aborted_total's source)."""
         if self.metrics is None:
             return
         remaining = context.time_remaining()

@@ -118,6 +118,7 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
             unfinished = [c for c, s in streams.items() if not s.finished]
             if unfinished:
                 self.engine.abort_requests(unfinished)
+                self.edge.count_client_abort(context, len(unfinished))
 
     async def _responses(self, request_id, queue, streams, context):
         live = len(streams)

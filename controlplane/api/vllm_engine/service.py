@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -92,7 +93,9 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         g = await self._resolve(request, context)
         v = g.validated
         tenant = current_tenant()
-        key = (tenant or "", PROTOCOL, g.request_id)
+        # No id: one of the server's own, so two such calls never collide.
+        request_id = g.request_id or uuid.uuid4().hex
+        key = (tenant or "", PROTOCOL, request_id)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         children = self.in_flight.claim(key, v.n, queue, prefix=SAMPLE_PREFIX)
         if isinstance(children, Refusal):
@@ -111,7 +114,7 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
                     sampling_params=params, eos_token_ids=eos, cache_salt=cache_salt))
             if self.edge.metrics is not None:
                 self.edge.metrics.request_accepted(0, len(children))
-            async for msg in self._responses(g.request_id, queue, streams, context):
+            async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
             self.in_flight.release(key)

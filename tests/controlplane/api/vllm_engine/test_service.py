@@ -96,6 +96,21 @@ def test_abort_by_gateway_id_ends_every_sample_without_cancelling_the_stream(api
     asyncio.run(scenario())
 
 
+def test_calls_without_an_id_never_collide(api, tok):
+    async def scenario():
+        async with api() as h:
+            h.model.hold()
+            first = h.vllm_stub.Generate(gen(tok, request_id="", max_tokens=3))
+            await until(lambda: len(h.router) == 1)
+            second = h.vllm_stub.Generate(gen(tok, request_id="", max_tokens=3))
+            await until(lambda: len(h.router) == 2)
+            h.model.release()
+            for call in (first, second):
+                assert (await read(call))[-1].complete.finish_reason == "length"
+
+    asyncio.run(scenario())
+
+
 def test_a_cancelled_stream_frees_its_samples(api, tok):
     async def scenario():
         async with api() as h:

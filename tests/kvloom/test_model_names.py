@@ -64,7 +64,7 @@ def test_up_with_a_name_checks_the_named_model(gemma_cache, tmp_path, spawned, c
     assert spawned == []
 
 
-@pytest.mark.parametrize("value", ["gemma", "../x", "x" * 5000])
+@pytest.mark.parametrize("value", ["gemma", "../kvloom-absent-dir", "x" * 5000])
 def test_run_refuses_an_unknown_name_listing_the_names(tmp_path, monkeypatch, spawned, capsys,
                                                        value):
     monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))

@@ -83,7 +83,7 @@ def test_a_directory_named_like_a_model_wins_over_the_name(cache, tmp_path, monk
     "gemma",
     "Gemma-3-270M",  # names are exact
     "gemma-3-270m ",
-    "../x",
+    "../kvloom-absent-dir",
     "../../no/such/checkpoint",
     "smollm2-135m/../gemma-3-270m",
     "/nonexistent/checkpoint",
@@ -109,7 +109,7 @@ def test_the_refusal_names_the_callers_flag(cache):
         em.resolve_model("nope", flag="--model-path")
 
 
-@pytest.mark.parametrize("name", ["../x", "", "gemma"])
+@pytest.mark.parametrize("name", ["../kvloom-absent-dir", "", "gemma"])
 def test_embedded_model_dir_refuses_an_unregistered_name(cache, name):
     with pytest.raises(em.EmbeddedModelError, match="no embedded model"):
         em.embedded_model_dir(name)
@@ -176,5 +176,5 @@ def test_main_prints_the_named_models_path(cache, no_conversion, capsys):
     target = _converted(cache, "gemma-3-270m")
     assert em.main(["gemma-3-270m"]) == 0
     assert capsys.readouterr().out.strip() == str(target)
-    assert em.main(["../x"]) == 2
+    assert em.main(["../kvloom-absent-dir"]) == 2
     assert "smollm2-135m|gemma-3-270m" in capsys.readouterr().err

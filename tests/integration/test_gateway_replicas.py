@@ -16,13 +16,17 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from kvloom.cli.launcher import SupervisorThread
 from kvloom.testing.checkpoints import make_tiny_llama
 from tests.integration.conftest import running_cluster
 from tests.integration.gateway_helpers import add_chat_template, needs_gateway, running_gateway
+from tests.integration.reference import hf_greedy
 
 pytestmark = [pytest.mark.slow, needs_gateway]
 
@@ -98,3 +102,64 @@ def test_the_gateway_loads_the_tokenizer_over_grpc_without_the_model_files(model
             assert r.usage.prompt_tokens > 8 * 16 and r.choices[0].message is not None
             log = gw.log()
             assert re.search(r"(?i)fetching tokenizer from worker|bundle", log), log[-3000:]
+
+
+def test_a_down_group_is_503_and_once_it_reforms_a_held_stream_ends_exact(model_dir):
+    # The only replica's rank dies mid-stream and stays down: its requests
+    # are held (zero loss), HealthCheck says unhealthy and new requests get
+    # 503 from the gateway. Once the supervisor restarts the rank the group
+    # re-forms, the held stream finishes with transformers' exact tokens, and
+    # new requests are served again.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False))
+    want = tok.decode(hf_greedy(model_dir, ids, 300), skip_special_tokens=True)
+    with running_cluster(model_dir, args=ARGS) as cluster:
+        supervisor = SupervisorThread(cluster, poll_interval=0.1)
+        try:
+            address = f"127.0.0.1:{cluster.ports[0]}"
+            with running_gateway([address], MODEL) as gw, _client(gw) as client:
+                stream = client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=300, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})
+                text = ""
+                for seen, chunk in enumerate(stream, 1):
+                    text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+                    if seen == 20:
+                        rank = next(p for p in cluster.processes if p.name == "rank 0")
+                        rank.popen.send_signal(signal.SIGKILL)
+                        down = _statuses_until(client, 503)
+                        supervisor.start()  # restarts the rank: the group re-forms
+                        up = _statuses_until(client, 200)
+                # A streaming decoder holds back bytes that never complete a
+                # character; transformers' decode ends them with U+FFFD.
+                assert text == want.rstrip("\ufffd")
+                print(f"statuses while down: {down}; coming back: {up}")
+                assert down[-1] == 503 and up[-1] == 200, (down, up)
+        finally:
+            cluster.stop(grace=5.0)
+            if supervisor.is_alive():
+                supervisor.join(10)
+        assert supervisor.error is None, supervisor.error
+        assert [r.rank for r in cluster.restarts] == [0]
+
+
+def _statuses_until(client, status: int) -> list[int]:
+    """New short requests until one gets `status` (200: served): each one's
+    HTTP status, 0 for one still held by the controlplane after 3 s."""
+    statuses: list[int] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            client.with_options(timeout=3).chat.completions.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            statuses.append(200)
+        except openai.APIStatusError as exc:
+            statuses.append(exc.status_code)
+        except openai.APITimeoutError:
+            statuses.append(0)
+        if statuses[-1] == status:
+            return statuses
+        time.sleep(0.2)
+    raise AssertionError(f"no {status} within 90 s: {statuses[-10:]}")

@@ -167,34 +167,37 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(children.code, children.details)
         streams: dict[str, SampleStream] = {}
         try:
-            for i, child in enumerate(children):
-                params = sample_params(v.params, i)
-                streams[child] = SampleStream(
-                    self.tokenizer, self.token_text, i, v.prompt_token_ids, params,
-                    v.stream, v.stream_interval,
-                )
-                self.engine.add_request(
-                    Request(
-                        request_id=child,
-                        prompt_token_ids=v.prompt_token_ids,
-                        sampling_params=params,
-                        eos_token_ids=self.model_info.eos_token_ids,
-                        cache_salt=cache_salt,
-                        priority=v.priority,
-                    )
-                )
-            if self.metrics is not None:
-                self.metrics.request_accepted(v.priority, len(children))
+            self.add_samples(streams, children, v, cache_salt, lambda i, params: SampleStream(
+                self.tokenizer, self.token_text, i, v.prompt_token_ids, params, v.stream,
+                v.stream_interval))
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
-            self.in_flight.release(key)
-            # Every sample handed to the engine and not finished; aborting one
-            # the engine never got (or already ended) is a no-op there.
-            unfinished = [c for c, s in streams.items() if not s.finished]
-            if unfinished:
-                self.engine.abort_requests(unfinished)
-                self.count_client_abort(context, len(unfinished))
+            self.end_call(key, streams, context)
+
+    def add_samples(self, streams: dict, children: list[str], v: ValidatedRequest,
+                    cache_salt: str | None, new_stream: Callable) -> None:
+        """Hand a call's samples to the engine, each with its stream in
+        `streams` (filled as they go, so end_call sees a partial hand-over)."""
+        for i, child in enumerate(children):
+            params = sample_params(v.params, i)
+            streams[child] = new_stream(i, params)
+            self.engine.add_request(Request(
+                request_id=child, prompt_token_ids=v.prompt_token_ids, sampling_params=params,
+                eos_token_ids=self.model_info.eos_token_ids, cache_salt=cache_salt,
+                priority=v.priority))
+        if self.metrics is not None:
+            self.metrics.request_accepted(v.priority, len(children))
+
+    def end_call(self, key, streams: dict, context) -> None:
+        """A call ended, however: its id and samples leave InFlight, and
+        every sample handed to the engine and not finished is aborted
+        (aborting one the engine never got, or already ended, is a no-op)."""
+        self.in_flight.release(key)
+        unfinished = [c for c, s in streams.items() if not s.finished]
+        if unfinished:
+            self.engine.abort_requests(unfinished)
+            self.count_client_abort(context, len(unfinished))
 
     async def _responses(self, request_id, queue, streams, context):
         live = set(streams)

@@ -32,7 +32,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from controlplane.api.auth import current_tenant, tenant_cache_salt
-from controlplane.api.generation_service import GRPC_STATUS, GenerationService, sample_params
+from controlplane.api.generation_service import GRPC_STATUS, GenerationService
 from controlplane.api.in_flight import Refusal
 from controlplane.api.offload import Offload
 from controlplane.api.output_batches import feed_batch
@@ -44,7 +44,6 @@ from controlplane.api.vllm_engine.request import GatewayRequest, resolve
 from controlplane.api.vllm_engine.stream import TokenStream
 from controlplane.api.vllm_engine.tokenizer_bundle import BundleError, build_bundle
 from controlplane.core.outputs import EngineCoreOutput
-from controlplane.core.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -105,23 +104,12 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         eos = self.edge.model_info.eos_token_ids
         streams: dict[str, TokenStream] = {}
         try:
-            for i, child in enumerate(children):
-                params = sample_params(v.params, i)
-                streams[child] = TokenStream(i, v.prompt_token_ids, params, v.stream, eos,
-                                             self.edge.tokenizer)
-                self.engine.add_request(Request(
-                    request_id=child, prompt_token_ids=v.prompt_token_ids,
-                    sampling_params=params, eos_token_ids=eos, cache_salt=cache_salt))
-            if self.edge.metrics is not None:
-                self.edge.metrics.request_accepted(0, len(children))
+            self.edge.add_samples(streams, children, v, cache_salt, lambda i, params: TokenStream(
+                i, v.prompt_token_ids, params, v.stream, eos, self.edge.tokenizer))
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
-            self.in_flight.release(key)
-            unfinished = [c for c, s in streams.items() if not s.finished]
-            if unfinished:
-                self.engine.abort_requests(unfinished)
-                self.edge.count_client_abort(context, len(unfinished))
+            self.edge.end_call(key, streams, context)
 
     async def _responses(self, request_id, queue, streams, context):
         live = len(streams)

@@ -100,14 +100,8 @@ async def kvloom_request(client, prompt: tuple[str, list[int]], args,
     try:
         async for chunk in client.stream(prompt[1], max_tokens=args.max_tokens, temperature=0.0,
                                          ignore_eos=True, timeout=REQUEST_TIMEOUT_S):
-            now = time.perf_counter()
             if chunk.token_ids:
-                if record.first_token is None:
-                    record.first_token = now
-                else:
-                    record.itl.append(now - last)
-                last = now
-                record.output_tokens += len(chunk.token_ids)
+                last = record.tokens_arrived(time.perf_counter(), last, len(chunk.token_ids))
             text.append(chunk.text)
     except KvloomError as exc:
         record.error = str(exc)
@@ -128,13 +122,9 @@ async def gateway_request(openai_client, model: str, prompt: tuple[str, list[int
             stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True}, timeout=REQUEST_TIMEOUT_S)
         async for event in stream:
-            now = time.perf_counter()
             if event.choices and event.choices[0].text:
-                if record.first_token is None:
-                    record.first_token = now
-                else:
-                    record.itl.append(now - last)
-                last = now
+                # Counted from usage below: an event may carry several tokens.
+                last = record.tokens_arrived(time.perf_counter(), last, 0)
                 text.append(event.choices[0].text)
             if event.usage is not None:
                 record.output_tokens = event.usage.completion_tokens

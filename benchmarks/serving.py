@@ -67,6 +67,17 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
+    def tokens_arrived(self, now: float, last: float, num_tokens: int) -> float:
+        """Record output arriving at `now` (the previous arrival was at
+        `last`): the first token's time, else an inter-token latency; returns
+        `now`, the next call's `last`."""
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.itl.append(now - last)
+        self.output_tokens += num_tokens
+        return now
+
 
 async def run_request(client, prompt, max_tokens: int, args, record: RequestRecord) -> None:
     record.start = last = time.perf_counter()
@@ -82,14 +93,8 @@ async def run_request(client, prompt, max_tokens: int, args, record: RequestReco
             stream=None if args.stream else False,
             stream_interval=args.stream_interval if args.stream_interval > 1 else None,
         ):
-            now = time.perf_counter()
             if chunk.token_ids:
-                if record.first_token is None:
-                    record.first_token = now
-                else:
-                    record.itl.append(now - last)
-                last = now
-                record.output_tokens += len(chunk.token_ids)
+                last = record.tokens_arrived(time.perf_counter(), last, len(chunk.token_ids))
     except KvloomError as exc:
         record.error = str(exc)
     record.end = time.perf_counter()

@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
 
+from kvloom.cli.generate import generation_kwargs
+
 EXIT_FAILURE = 1
 # A server-sent event line longer than this is not a chat chunk.
 MAX_LINE = 1 << 20
@@ -109,6 +111,11 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
     return refused
 
 
+_CHAT_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+              "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
+              "stop_token_ids", "ignore_eos")
+
+
 def chat_body(model: str, messages: list[tuple[str, str]], args: argparse.Namespace) -> dict:
     """The POST /v1/chat/completions body; unset flags are left out (gateway defaults)."""
     body: dict = {
@@ -117,28 +124,14 @@ def chat_body(model: str, messages: list[tuple[str, str]], args: argparse.Namesp
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    optional = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "seed": args.seed,
-        "repetition_penalty": args.repetition_penalty,
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "stop": _as_list(args.stop) or None,
-        "stop_token_ids": _as_list(args.stop_token_id) or None,
-        "ignore_eos": args.ignore_eos or None,
-    }
-    body.update({key: value for key, value in optional.items() if value is not None})
+    # The sampling knobs of `kvloom generate`, those the gateway forwards
+    # (unsupported_flags refuses the rest); unset ones are left out.
+    shared = generation_kwargs(args)
+    for key in _CHAT_KEYS:
+        value = shared[key]
+        if value is not None and value != [] and value is not False:
+            body[key] = value
     return body
-
-
-def _as_list(value) -> list:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
 
 
 def sse_data(lines: Iterable[bytes]) -> Iterator[str]:

@@ -45,6 +45,9 @@ DEPLOYED_FLAGS = [
     # Issue 14: the workers' attention kernels.
     "--attention-backend=auto", "--attention-backend=torch", "--attention-backend=flashinfer",
     "--enforce-eager", "--no-enforce-eager",
+    # Issue 31: the gateway's engine protocol.
+    "--vllm-engine-auth=api-key", "--vllm-engine-auth=client-certificate",
+    "--enable-kv-cache-events", "--no-enable-kv-cache-events",
 ]
 
 
@@ -127,6 +130,9 @@ def test_flags_land_in_their_fields():
         (["--max-requests-per-key", "nan"], "--max-requests-per-key"),
         (["--attention-backend", "FLASH_ATTN"], "--attention-backend"),
         (["--attention-backend", ""], "--attention-backend"),
+        (["--vllm-engine-auth", "none"], "--vllm-engine-auth"),
+        (["--vllm-engine-auth", ""], "--vllm-engine-auth"),
+        (["--enable-kv-cache-events=yes"], "--enable-kv-cache-events"),
     ],
 )
 def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):

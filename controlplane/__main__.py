@@ -28,6 +28,7 @@ from controlplane.config import (
     ParallelConfig,
     SchedulerConfig,
     ServerConfig,
+    StructuredOutputConfig,
     WorkerGroupConfig,
 )
 from controlplane.model_info import ModelInfo, read_model_info
@@ -50,6 +51,7 @@ CONFIG_GROUPS = (
     ("worker group", WorkerGroupConfig),
     ("server", ServerConfig),
     ("api limits", ApiLimitsConfig),
+    ("structured outputs", StructuredOutputConfig),
     ("client api security", ApiSecurityConfig),
 )
 
@@ -125,6 +127,7 @@ def build_config(
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),
         api_limits=config_from_args(ApiLimitsConfig, args),
+        structured_output=config_from_args(StructuredOutputConfig, args),
         api_security=config_from_args(ApiSecurityConfig, args),
     )
     return config, info

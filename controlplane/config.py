@@ -177,6 +177,28 @@ class ApiLimitsConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Structured outputs (SamplingParams.constraint): the edge's bounds on a
+    spec, and the engine's compile deadline and compiled-grammar cache. The
+    spec checks themselves are controlplane/structured/validate.py's."""
+
+    max_grammar_bytes: int = option(
+        64 * 1024, "largest constraint one request may send: a JSON Schema, regex, grammar "
+        "or structural tag, or all choices together, in UTF-8 bytes", ge=1, le=16 * 1024 * 1024)
+    max_grammar_choices: int = option(
+        1024, "most strings one choice constraint may list", ge=1, le=65536)
+    # xgrammar's JSON compiles have no timeout of their own; the engine holds
+    # the request while it compiles and fails it past this.
+    grammar_compile_timeout_s: float = option(
+        30.0, "seconds a constraint's grammar may take to compile before its request fails "
+        "with DEADLINE_EXCEEDED", flag="--grammar-compile-timeout", gt=0, le=3600)
+    grammar_cache_bytes: int = option(
+        256 * 1024 * 1024, "bytes of compiled grammars kept for reuse by later requests with "
+        "the same constraint (least recently used go first); 0 = no cache",
+        ge=0, le=64 * 1024 * 1024 * 1024)
+
+
+@dataclass(frozen=True)
 class ApiSecurityConfig:
     """The client API's TLS, API keys and tenants (docs/security.md, "Client
     API"). The keys themselves are no field: api/auth.py's ApiKeys holds them
@@ -218,4 +240,5 @@ class ControlPlaneConfig:
     workers: WorkerGroupConfig = field(default_factory=WorkerGroupConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     api_limits: ApiLimitsConfig = field(default_factory=ApiLimitsConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     api_security: ApiSecurityConfig = field(default_factory=ApiSecurityConfig)

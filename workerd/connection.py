@@ -1,7 +1,9 @@
 """The worker's side of the Connect stream: dial, register, then pump messages.
 
 A reader thread takes commands off the stream and queues them for the main
-thread, which runs them one at a time. The reader also watches for the end:
+thread, which runs them one at a time; only GrammarMasks skips the queue
+(on_grammar_masks), because the running step may be waiting for it. The
+reader also watches for the end:
 when the controlplane says Shutdown or the stream breaks while the main
 thread is stuck (e.g. in a collective with a dead peer), it gives the main
 thread a grace period and then ends the process, so no rank is left hanging.
@@ -149,8 +151,16 @@ class ControlplaneConnection:
         self._reader: threading.Thread | None = None
         self.dial_attempts = 0  # read by tests and logs
         # Called on the reader thread when Reset arrives while a command runs
-        # (workerd/distributed/collective_abort.py); None = wait for the command.
+        # (workerd/distributed/collective_abort.py, and the end of a wait for
+        # grammar masks); None = wait for the command.
         self.on_abort = None
+        # Called on the reader thread with each GrammarMasks, at once: the
+        # running step may be blocked until they are in (the worker's
+        # GrammarMaskBox.put). None = queue them like any command.
+        self.on_grammar_masks = None
+        # Called on the reader thread when the stream has ended, before the
+        # main thread's grace period: what it may be waiting for will not come.
+        self.on_stream_end = None
         self._deadline = 0.0
         self._timeout_s = 0.0
 
@@ -324,6 +334,9 @@ class ControlplaneConnection:
                     logger.info("controlplane asked to shut down: %s", msg.shutdown.reason)
                     code = 0
                     break
+                if kind == "grammar_masks" and self.on_grammar_masks is not None:
+                    self.on_grammar_masks(msg.grammar_masks)
+                    continue
                 if kind == "reset" and busy.is_set() and self.on_abort is not None:
                     # The running command belongs to the failed group and may
                     # wait forever on a peer that will not answer.
@@ -336,6 +349,8 @@ class ControlplaneConnection:
         # Set before the end-of-stream marker: the main thread reads exit_code
         # as soon as it sees the marker.
         self.exit_code = code
+        if self.on_stream_end is not None:
+            self.on_stream_end()
         self.commands.put(None)
         if busy.is_set():
             # The main thread may be blocked in a collective whose peer is gone.

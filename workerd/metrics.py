@@ -1,7 +1,8 @@
 """One rank's Prometheus metrics, served on workerd's --metrics-port.
 
 What only the rank itself knows: how long each forward pass took (every
-rank, not just the output rank the controlplane hears from), how many KV
+rank, not just the output rank the controlplane hears from), how long the
+output rank waited for a constrained step's grammar masks, how many KV
 blocks it allocated and their bytes, its model weights, and the memory it
 holds (process RSS on CPU, torch.cuda.memory_allocated on CUDA). Series are
 named kvloom_workerd_* so they never duplicate the controlplane's kvloom_*
@@ -69,6 +70,12 @@ class WorkerMetrics:
             "states (later PP stages only): the stage's bubble, not its work.",
             ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
         )
+        self._grammar_wait = Histogram(
+            "kvloom_workerd_grammar_wait_seconds",
+            "Time the output rank's grammar-constrained step waited, after its forward, for "
+            "the controlplane's grammar masks (structured outputs) before it could sample.",
+            ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
+        )
         # reused="true": a survivor of a group failure kept its weights.
         self._loads = Counter(
             "kvloom_workerd_model_loads",
@@ -98,6 +105,10 @@ class WorkerMetrics:
             if worker.ps is not None and not worker.ps.is_first_pp_rank:
                 self._pipeline_wait.labels(self.model_name, str(self.rank)).observe(
                     worker.runner.last_recv_wait_s)
+            if (msg.execute_model.constrained_req_ids and worker.ps is not None
+                    and worker.ps.is_output_rank):
+                self._grammar_wait.labels(self.model_name, str(self.rank)).observe(
+                    worker.runner.grammar.last_wait_s)
         elif kind == "init_distributed" and worker.ps is not None:
             self.rank = worker.ps.rank
             self.device = worker.ps.device

@@ -87,6 +87,7 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),
+        constrained_req_ids=list(msg.constrained_req_ids),
     )
 
 

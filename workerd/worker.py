@@ -12,6 +12,12 @@ next InitDistributed re-binds the same ParallelState object (the model's
 layers hold it) to the new process groups, and a LoadModel for the same
 weights answers reused=True without reading the checkpoint again (with other
 limits or enforce_eager, a new runner over those weights).
+
+GrammarMasks (structured outputs, output rank only) is the one command with
+no reply that the main thread does not run: the stream reader files it in
+the worker's GrammarMaskBox at once (workerd/connection.py), since the main
+thread may be blocked in a step that waits for it. The table's entry files it
+the same way for callers that hand every command to handle() (in-process).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from kvloom.worker.v1 import worker_pb2
 from workerd.distributed.devices import claim_device, resolve_device
 from workerd.layers.attention.backend import resolve_attention_backend
 from workerd.limits import WorkerLimits
+from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,8 @@ class Worker:
         self.last_forward_time_s = 0.0
         # What the runner's weights were loaded from (LoadModel's arguments).
         self._loaded: tuple | None = None
+        # Each constrained step's masks, for whichever runner samples it.
+        self.grammar_masks = GrammarMaskBox()
         self._handlers: dict[str, Callable] = {
             "init_distributed": self.init_distributed,
             "load_model": self.load_model,
@@ -54,6 +63,7 @@ class Worker:
             "execute_model": self.execute_model,
             "ping": self.ping,
             "reset": self.reset,
+            "grammar_masks": self.file_grammar_masks,
         }
 
     def handle(self, msg: worker_pb2.ControlMessage) -> worker_pb2.WorkerMessage | None:
@@ -141,6 +151,7 @@ class Worker:
         runner = ModelRunner(
             self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition),
             limits=limits, attention_backend=backend, enforce_eager=cmd.enforce_eager,
+            grammar_masks=self.grammar_masks,
         )
         runner.load_model()
         self.runner, self._loaded = runner, key
@@ -178,6 +189,10 @@ class Worker:
             return None
         return worker_pb2.WorkerMessage(model_runner_output=model_runner_output_to_proto(output))
 
+    def file_grammar_masks(self, cmd: worker_pb2.GrammarMasks) -> None:
+        """No reply: a step's masks wait in the box for its sampling."""
+        self.grammar_masks.put(cmd)
+
     def ping(self, cmd: worker_pb2.Ping) -> worker_pb2.WorkerMessage:
         return _ack()
 
@@ -189,6 +204,7 @@ class Worker:
             destroy_parallel_state(self.ps)
         if self.runner is not None:
             self.runner.reset_state()
+        self.grammar_masks.clear()  # the failed group's; the next group's steps count afresh
         port = free_port("")  # every interface: peers on other hosts dial it
         logger.info("left the worker group (%s); weights kept, rendezvous port %d next",
                     cmd.reason or "no reason given", port)

@@ -302,7 +302,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             num_requests_running=stats.num_running_reqs if stats else 0,
             num_requests_waiting=stats.num_waiting_reqs if stats else 0,
             max_waiting_requests=cfg.server.max_waiting_requests,
+            constrained_decoding_start=constrained_decoding_start(self.limits),
         )
+
+
+def constrained_decoding_start(limits: Limits) -> str:
+    """Where a constraint starts applying, as both APIs advertise it: kvloom
+    has no reasoning parser, so always at the first generated token; "" for
+    a server without a grammar backend (which refuses every constraint)."""
+    return "first_token" if limits.grammar_backend else ""
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -318,6 +326,7 @@ GRPC_STATUS: dict[EngineErrorCode, grpc.StatusCode] = {
     EngineErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     EngineErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     EngineErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    EngineErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 

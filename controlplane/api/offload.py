@@ -1,9 +1,10 @@
 """Heavy client work runs off the API event loop, on a bounded thread pool.
 
-Tokenizing a long prompt, rendering a chat template, detokenizing a long id
-list, and turning a large batch of engine outputs into response messages
-(incremental detokenizing, stop-string matching, logprobs) take milliseconds
-to seconds of CPU. On the event loop that time is a stall for every other
+Tokenizing a long prompt, rendering a chat template, parsing a
+structured-output constraint, detokenizing a long id list, and turning a
+large batch of engine outputs into response messages (incremental
+detokenizing, stop-string matching, logprobs) take milliseconds to seconds
+of CPU. On the event loop that time is a stall for every other
 client; so above a size threshold the work goes to the server's pool
 (ThreadPoolExecutor, a few threads) and the loop awaits it.
 
@@ -46,6 +47,7 @@ T = TypeVar("T")
 INLINE_MAX_CHARS = 4096
 INLINE_MAX_IDS = 4096
 INLINE_MAX_TURNS = 64
+INLINE_MAX_CHOICES = 8192
 INLINE_MAX_OUTPUT_US = 1000
 OUTPUT_TOKEN_US = 10.0
 LOGPROB_ENTRY_US = 1.2
@@ -90,9 +92,32 @@ class Offload:
 
 
 def heavy_generate(request: pb.GenerateRequest, limits: Limits) -> bool:
-    """Does validating this request (tokenizing its prompt) belong on the pool?
-    Not when its size alone gets it refused: validate() says so at once, and
-    a refusal must not queue behind other prompts' tokenizing."""
+    """Does validating this request (tokenizing its prompt, parsing its
+    constraint) belong on the pool? Not when its size alone gets it refused:
+    validate() says so at once, and a refusal must not queue behind other
+    prompts' tokenizing."""
+    return heavy_constraint(request.sampling, limits) or _heavy_prompt(request, limits)
+
+
+def heavy_constraint(sp, limits: Limits) -> bool:
+    """Does checking this SamplingParams.constraint belong on the pool?
+    xgrammar parses every kind but json_object and choice, and what that
+    costs does not follow the spec's size (a tiny schema whose pattern nests
+    repeats can parse slower than a large flat one): so always, unless the
+    spec is refused at once (no backend, over --max-grammar-bytes). A choice
+    check only walks its strings, so a short list stays inline. kvloom.v1's
+    and the gateway's SamplingParams alike: their oneofs have the same
+    branch names."""
+    branch = sp.WhichOneof("constraint")
+    if branch is None or branch == "json_object" or not limits.grammar_backend:
+        return False
+    if branch == "choice":
+        return INLINE_MAX_CHOICES < len(sp.choice.choices) <= limits.max_grammar_choices
+    # Characters <= UTF-8 bytes: a longer string is over the limit for sure.
+    return len(getattr(sp, branch)) <= limits.max_grammar_bytes
+
+
+def _heavy_prompt(request: pb.GenerateRequest, limits: Limits) -> bool:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return INLINE_MAX_CHARS < len(request.text) <= limits.max_prompt_chars

@@ -3,20 +3,25 @@ precisely which field is wrong.
 
 Every check happens here, before the request reaches the engine: a bad
 request must never enter the scheduler or disturb the batch. Defaults are
-applied here too (see generation.proto for each one).
+applied here too (see generation.proto for each one). A structured-output
+constraint is resolved and checked by api/constraint.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 
+from controlplane.api.constraint import ConstraintError, resolve_constraint
 from controlplane.core.request import SamplingParams, exceeds_max_model_len
+from controlplane.structured import validate as structured
 from kvloom.v1 import generation_pb2
 
 # Fixed bounds (vLLM has no flags for them). The flag-backed ones are
-# ApiLimitsConfig's (--max-logprobs, --max-n); the derived ones are Limits'
+# ApiLimitsConfig's (--max-logprobs, --max-n) and StructuredOutputConfig's
+# (--max-grammar-bytes, --max-grammar-choices); the derived ones are Limits'
 # properties. The README's API section lists them all.
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
@@ -64,6 +69,12 @@ class Limits:
     max_n: int = MAX_N  # --max-n
     stream_interval: int = 1  # --stream-interval: the default of the request field
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # --max-message-bytes
+    max_grammar_bytes: int = structured.DEFAULT_MAX_GRAMMAR_BYTES  # --max-grammar-bytes
+    max_grammar_choices: int = structured.DEFAULT_MAX_GRAMMAR_CHOICES  # --max-grammar-choices
+    # Whether xgrammar is installed: without it every constraint is refused.
+    # Looked up when built (a test may patch it), not when imported.
+    grammar_backend: bool = dataclasses.field(
+        default_factory=lambda: structured.grammar_backend_available())
 
     @classmethod
     def from_config(cls, config, model_info) -> Limits:
@@ -77,6 +88,8 @@ class Limits:
             max_n=config.api_limits.max_n,
             stream_interval=config.api_limits.stream_interval,
             max_message_bytes=config.server.max_message_bytes,
+            max_grammar_bytes=config.structured_output.max_grammar_bytes,
+            max_grammar_choices=config.structured_output.max_grammar_choices,
         )
 
     def default(self, name: str, fallback: float) -> float:
@@ -101,6 +114,10 @@ class Limits:
     def max_logprob_entries(self) -> int:
         """Logprob entries one response message may have to carry."""
         return self.max_message_bytes // LOGPROB_ENTRY_BYTES
+
+    @property
+    def grammar_limits(self) -> structured.GrammarLimits:
+        return structured.GrammarLimits(self.max_grammar_bytes, self.max_grammar_choices)
 
 
 @dataclass(frozen=True)
@@ -210,6 +227,10 @@ def resolve_sampling(sp: generation_pb2.SamplingParams, limits: Limits) -> Sampl
         )
     stop_token_ids, stop = _check_stops(sp, limits)
     logprobs, prompt_logprobs = _check_logprobs(sp, limits)
+    try:
+        structured_output = resolve_constraint(sp, limits.grammar_limits, limits.grammar_backend)
+    except ConstraintError as exc:
+        raise InvalidRequest(str(exc)) from None
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -227,6 +248,7 @@ def resolve_sampling(sp: generation_pb2.SamplingParams, limits: Limits) -> Sampl
         prompt_logprobs=prompt_logprobs,
         stop=stop,
         include_stop_str_in_output=sp.include_stop_str_in_output,
+        structured_output=structured_output,
     )
 
 

@@ -82,6 +82,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Preempted this step; workers drop them from the batch but keep state.
     preempted_req_ids: set[str]
+    # Requests that sample a grammar-constrained token this step, in the order
+    # of the step's GrammarMasks (set by the engine after scheduling).
+    constrained_req_ids: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
@@ -113,6 +116,10 @@ class ScheduledStep:
     # When scheduling began and ended (time.monotonic, like Request.arrival_time).
     t_start: float
     t_scheduled: float
+    # Constrained requests' masks not yet sent: a request's previous token
+    # was in flight when this step was scheduled (async scheduling), so they
+    # go out once the steps before this one are applied (engine/grammar_gate.py).
+    masks_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -156,6 +163,8 @@ class EngineErrorCode(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     # A bug in the engine, not the request's fault nor the group's.
     INTERNAL = "internal"
+    # A bounded piece of the request's own work ran out of time (its grammar's compile).
+    DEADLINE_EXCEEDED = "deadline_exceeded"
 
 
 @dataclass(slots=True)

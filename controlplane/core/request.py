@@ -11,6 +11,11 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from controlplane.structured.params import StructuredOutputsParams
+    from controlplane.structured.request_grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -81,6 +86,8 @@ class SamplingParams:
     # Stop strings are matched on detokenized text by the API edge, not here.
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # The output must match this grammar (structured outputs); None = free.
+    structured_output: StructuredOutputsParams | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +129,9 @@ class Request:
     # Chained hashes of the full blocks of all_token_ids, extended incrementally
     # by kv_cache_utils so every full block is hashed exactly once.
     block_hashes: list[bytes] = field(default_factory=list)
+    # The grammar's matcher, at the last real output token (structured
+    # outputs): set once its grammar is compiled, before the scheduler sees it.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

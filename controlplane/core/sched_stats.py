@@ -19,3 +19,18 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+
+    @classmethod
+    def of(cls, scheduler) -> SchedulerStats:
+        """The scheduler's state now (a Scheduler; not imported: it imports this)."""
+        kv = scheduler.kv_cache_manager
+        return cls(
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions,
+            num_free_blocks=kv.get_num_free_blocks(),
+            num_total_blocks=kv.num_total_blocks,
+        )

@@ -38,6 +38,7 @@ from controlplane.core.kv_cache_utils import max_num_computed_tokens, max_step_t
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    EngineErrorCode,
     ExpectedReply,
     ModelRunnerOutput,
     NewRequestData,
@@ -55,6 +56,7 @@ from controlplane.core.request import (
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.core.worker_requests import WorkerRequests
+from controlplane.structured.request_grammar import rejected_error, status_after
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -445,7 +447,9 @@ class Scheduler:
             params = request.sampling_params
             status = None
             stop_token_id = None
-            if num_output >= params.min_tokens:
+            if request.grammar is not None:
+                status = status_after(request.grammar, token_id, params.ignore_eos)
+            if status is None and num_output >= params.min_tokens:
                 if not params.ignore_eos and token_id in request.eos_token_ids:
                     status = _STOPPED
                 elif token_id in params.stop_token_ids:
@@ -472,6 +476,8 @@ class Scheduler:
                 len(request.prompt_token_ids),
                 num_output,
             )
+            if status is RequestStatus.FINISHED_ERROR:
+                out.error, out.error_code = rejected_error(token_id), EngineErrorCode.INTERNAL
             if logprobs and logprobs[i] is not None:
                 out.new_logprobs = [logprobs[i]]
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
@@ -487,14 +493,4 @@ class Scheduler:
     # -- metrics ------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_free_blocks=kv.get_num_free_blocks(),
-            num_total_blocks=kv.num_total_blocks,
-        )
+        return SchedulerStats.of(self)

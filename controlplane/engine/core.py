@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from controlplane.config import CacheConfig, SchedulerConfig
-from controlplane.core.failover import inherit_worker_ids
 from controlplane.core.outputs import (
     EngineCoreOutput,
     EngineErrorCode,
@@ -47,8 +46,9 @@ from controlplane.core.outputs import (
 )
 from controlplane.core.request import Request, RequestStatus
 from controlplane.core.scheduler import Scheduler
-from controlplane.engine import failures
-from controlplane.engine.failures import FATAL_EXIT_CODE, FailureWindow, internal_reason
+from controlplane.engine.failures import FailureWindow
+from controlplane.engine.grammar_gate import NOT_YET, GrammarGate
+from controlplane.engine.internal_errors import InternalErrors
 from controlplane.engine.kv_events import KvEventRelay, OnKvEvents, reset_prefix_cache
 from controlplane.engine.recovery import Recovery
 from controlplane.engine.step_pacing import StepPacing
@@ -56,7 +56,7 @@ from controlplane.engine.step_queue import StepQueue, max_steps_in_flight
 from controlplane.executor.step_executor import PendingStep, StepExecutor
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.records import RecoveryRecord, StepRecord
-from kvloom.common.logs import flush_log_handlers
+from controlplane.structured.backend import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,10 @@ class _Kind(enum.Enum):
     STOP = 4
     DRAIN = 5
     RESET_PREFIX_CACHE = 6
+    GRAMMAR_COMPILED = 7
 
 
-class EngineCore:
+class EngineCore(InternalErrors):
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -86,6 +87,8 @@ class EngineCore:
         on_recovery: Callable[[RecoveryRecord], None] | None = None,
         pipeline_parallel_size: int = 1,
         on_kv_events: OnKvEvents | None = None,
+        grammar_backend: GrammarBackend | None = None,
+        grammar_compile_timeout_s: float = 30.0,
     ):
         self.scheduler_config = scheduler_config
         self._kv_events = KvEventRelay(on_kv_events)
@@ -100,6 +103,12 @@ class EngineCore:
             self.max_steps_in_flight,
             adaptive=scheduler_config.async_scheduling and pipeline_parallel_size == 1)
         self.steps = StepQueue()
+        # Constrained requests: their compile wait and each step's masks.
+        self.grammar = GrammarGate(
+            grammar_compile_timeout_s,
+            lambda request: self.input_queue.put((_Kind.GRAMMAR_COMPILED, request)))
+        if grammar_backend is not None:
+            self.grammar.install(grammar_backend)
         self._emit = emit
         self.input_queue: queue.Queue = queue.Queue()
         self.scheduler: Scheduler | None = None
@@ -169,6 +178,9 @@ class EngineCore:
             self._process_input_queue()
             if self._stopped:
                 break
+            late = self.grammar.expire(time.monotonic())
+            if late:
+                self._emit(late, None)
             if self.recovery.expired():
                 try:
                     self._give_up()
@@ -217,7 +229,7 @@ class EngineCore:
         try:
             self._handle(kind, payload)
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
-            if kind is _Kind.ADD:
+            if kind is _Kind.ADD or kind is _Kind.GRAMMAR_COMPILED:
                 self._fail_request(payload, exc)
             elif kind is _Kind.FINISH:
                 self._recover("finishing requests", exc)
@@ -232,6 +244,8 @@ class EngineCore:
     def _handle(self, kind: _Kind, payload) -> None:
         if kind is _Kind.ADD:
             self._add(payload)
+        elif kind is _Kind.GRAMMAR_COMPILED:
+            self._add_compiled(payload)
         elif kind is _Kind.FINISH:
             self._finish(*payload)
         elif kind is _Kind.GROUP_READY and self.recovery.holding:
@@ -257,6 +271,23 @@ class EngineCore:
             self._stopped = True
 
     def _add(self, request: Request) -> None:
+        if self.scheduler is not None and request.sampling_params.structured_output is not None:
+            # Into the scheduler once its grammar is compiled (grammar_gate.py).
+            error = self.grammar.start(request)
+            if error is not None:
+                if error is not NOT_YET:
+                    self._emit([error], None)
+                return
+        self._add_to_scheduler(request)
+
+    def _add_compiled(self, request: Request) -> None:
+        error = self.grammar.compiled(request)
+        if error is None:
+            self._add_to_scheduler(request)
+        elif error is not NOT_YET:
+            self._emit([error], None)
+
+    def _add_to_scheduler(self, request: Request) -> None:
         if self.scheduler is None:
             self._emit([error_output(request, self._unavailable_reason)], None)
             return
@@ -268,13 +299,15 @@ class EngineCore:
             self._emit([error_output(request, str(exc), EngineErrorCode.INVALID_ARGUMENT)], None)
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
-        if self.scheduler is None:
-            return
-        # Look the requests up first: finishing removes them from the scheduler.
-        requests = {r: self.scheduler.get_request(r) for r in request_ids}
-        finished = self.scheduler.finish_requests(request_ids, status)
-        outputs = [finish_output(request, status) for req_id in finished
-                   if (request := requests[req_id]) is not None]
+        # Still compiling: never in the scheduler.
+        outputs = [finish_output(request, status) for req_id in request_ids
+                   if (request := self.grammar.take(req_id)) is not None]
+        if self.scheduler is not None:
+            # Look the requests up first: finishing removes them from the scheduler.
+            requests = {r: self.scheduler.get_request(r) for r in request_ids}
+            finished = self.scheduler.finish_requests(request_ids, status)
+            outputs += [finish_output(request, status) for req_id in finished
+                        if (request := requests[req_id]) is not None]
         if outputs:
             self._emit(outputs, None)
 
@@ -296,6 +329,11 @@ class EngineCore:
         queue is full or there is nothing more to schedule."""
         steps = self.steps
         depth = self.pacing.depth
+        if steps.next_awaits_oldest() and steps.oldest_ready():
+            # The step after it samples only once this output is applied and
+            # its masks are sent: do that before scheduling more.
+            self._update_oldest()
+            return
         if len(steps) < depth:
             step = self._schedule()
             if step is not None:
@@ -307,17 +345,29 @@ class EngineCore:
                 # Nothing fits right now (e.g. waiting on blocks); don't spin hot.
                 time.sleep(0.001)
                 return
+        self._update_oldest()
+
+    def _update_oldest(self) -> None:
+        """Apply the oldest step's output; then the next step's deferred
+        masks can be filled, every token before it being known."""
+        steps = self.steps
         collected = steps.collect_oldest()
-        if collected is not None:
-            self._update(*collected)
+        if collected is None:
+            return
+        self._update(*collected)
+        oldest = steps.oldest()
+        if oldest is not None and oldest.masks_pending:
+            self.grammar.send(oldest, self.scheduler.requests, self.executor)
 
     def _schedule(self) -> ScheduledStep | None:
         """The next step; None when it would send the workers nothing."""
-        assert self.scheduler is not None
-        step = self.scheduler.schedule_step()
+        sched = self.scheduler
+        assert sched is not None
+        step = sched.schedule_step()
         so = step.scheduler_output
         if so.is_empty() and not (so.finished_req_ids or so.preempted_req_ids):
             return None
+        self.grammar.plan(step, sched.requests, sched.placeholders)
         return step
 
     def _submit(self, step: ScheduledStep) -> bool:
@@ -328,6 +378,11 @@ class EngineCore:
             self.steps.send_failed()
             return False
         self.steps.push(step, pending)
+        # A step is pending only behind an older one; were it the oldest, its
+        # masks could be filled now.
+        if step.scheduler_output.constrained_req_ids and (
+                not step.masks_pending or self.steps.oldest() is step):
+            self.grammar.send(step, self.scheduler.requests, self.executor)
         return True
 
     def _update(self, step: ScheduledStep, pending: PendingStep,
@@ -416,79 +471,11 @@ class EngineCore:
         """The worker group is gone: every live request ends with an error."""
         self.recovery.abandon()
         self._unavailable_reason = reason
-        live = self.scheduler.requests.values() if self.scheduler is not None else ()
+        live = [*(self.scheduler.requests.values() if self.scheduler is not None else ()),
+                *self.grammar.take_all()]
         outputs = [error_output(r, reason) for r in live]
         self.scheduler = None
         self._forget_worker_state()
         if outputs:
             logger.warning("failing %d in-flight request(s): %s", len(outputs), reason)
             self._emit(outputs, None)
-
-    # ---- internal errors ------------------------------------------------------
-
-    def _fail_request(self, request: Request, exc: Exception) -> None:
-        """Adding one request raised: that request fails, the others go on."""
-        logger.error("engine failed to add request %r; failing it", request.request_id,
-                     exc_info=exc)
-        self._count_failure(exc)
-        if self._stopped:
-            return
-        try:
-            # It may be half in (in requests, not in a queue): take it out,
-            # but never another request that holds the same id.
-            sched = self.scheduler
-            if sched is not None and sched.get_request(request.request_id) is request:
-                sched.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR)
-        except Exception as cleanup_exc:  # noqa: BLE001
-            self._recover("removing a request that failed to add", cleanup_exc)
-            return
-        try:
-            self._emit([error_output(request, internal_reason(exc), EngineErrorCode.INTERNAL)],
-                       None)
-        except Exception as emit_exc:  # noqa: BLE001
-            self._die("failing a request", emit_exc)
-
-    def _recover(self, what: str, exc: Exception) -> None:
-        """A step or a scheduler call raised: fail every in-flight request with
-        INTERNAL and go on over a fresh scheduler of the same KV pool, whose
-        first step drops every request the workers hold (failures.py)."""
-        sched = self.scheduler
-        live = {**self._step_requests, **(sched.requests if sched is not None else {})}
-        self._step_requests = {}
-        logger.error("engine %s failed; failing %d in-flight request(s) and resetting the "
-                     "scheduler", what, len(live), exc_info=exc)
-        self._count_failure(exc)
-        if self._stopped:
-            return
-        if sched is None:
-            # Only failing the requests of a failed group runs without a
-            # scheduler: they were dropped before their errors reached anyone.
-            self._die("failing the in-flight requests", exc)
-            return
-        try:
-            on_workers = sched.worker_requests.ids()
-            self._forget_worker_state()
-            self._new_scheduler(sched.num_gpu_blocks)
-            inherit_worker_ids(self.scheduler, on_workers)
-            reason = internal_reason(exc)
-            outputs = [error_output(r, reason, EngineErrorCode.INTERNAL) for r in live.values()]
-            if outputs:
-                self._emit(outputs, None)
-        except Exception as fail_exc:  # noqa: BLE001
-            self._die("failing the in-flight requests", fail_exc)
-
-    def _count_failure(self, exc: Exception) -> None:
-        if self._failures.too_many():
-            self._die(f"{failures.MAX_FAILURES} internal errors within "
-                      f"{failures.FAILURE_WINDOW_S:g} s", exc)
-
-    def _die(self, what: str, exc: BaseException) -> None:
-        """The engine cannot go on: exit so the supervisor restarts the process.
-        os._exit, not sys.exit: this is the engine thread, and the requests'
-        streams hang on a process that stays up without an engine."""
-        logger.critical("engine cannot go on (%s); exiting with code %d", what,
-                        FATAL_EXIT_CODE, exc_info=exc)
-        flush_log_handlers()
-        self.exit_process(FATAL_EXIT_CODE)
-        self._stopped = True  # only reached when exit_process is a test's stand-in
-

@@ -67,6 +67,17 @@ class StepQueue:
         self._steps.popleft()
         return step, pending, output
 
+    def oldest(self) -> ScheduledStep | None:
+        return self._steps[0][0] if self._steps else None
+
+    def oldest_ready(self) -> bool:
+        return bool(self._steps) and self._steps[0][1].ready()
+
+    def next_awaits_oldest(self) -> bool:
+        """The step after the oldest has grammar masks waiting for the
+        oldest's output (engine/grammar_gate.py)."""
+        return len(self._steps) > 1 and self._steps[1][0].masks_pending
+
     def send_failed(self) -> None:
         """A step could not be sent: the steps already out may still be
         applied (ready()), none after them."""

@@ -62,13 +62,14 @@ from controlplane.executor.reply_check import ProtocolViolation, reply_payload_p
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.executor.step_broadcast import BroadcastStep, post_to_loop
 from controlplane.executor.step_executor import StepExecutor
-from controlplane.executor.wire import scheduler_output_to_proto
+from controlplane.executor.wire import grammar_masks_to_proto, scheduler_output_to_proto
 from controlplane.executor.worker_calls import (
     CallTable,
     PendingCall,
     WorkerGroupFailed,
     replies_within,
 )
+from controlplane.structured.mask_codec import TokenMask
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,8 @@ class Executor(StepExecutor):
         # Single values the engine thread writes too, so outside the lock.
         self._last_success = 0.0
         self._steps_in_flight = 0
+        # Bytes of GrammarMasks written to the output rank (benchmarks).
+        self.grammar_mask_bytes = 0
 
     # ---- lifecycle on the event loop -------------------------------------
 
@@ -463,6 +466,20 @@ class Executor(StepExecutor):
             step_timeout_s=self.cfg.step_timeout_s, t_send=t_send, fail=self._fail_soon,
             answered=self._step_answered,
         )
+
+    def send_grammar_masks(self, step_id: int, masks: list[TokenMask]) -> None:
+        """Post a step's grammar masks to the output rank's stream alone
+        (engine thread). After the step on that stream: the loop runs its
+        callbacks in order. A lost message costs the step its deadline."""
+        raw = grammar_masks_to_proto(step_id, masks).SerializeToString()
+        assert self._loop is not None
+        post_to_loop(self._loop, lambda: self._send_to_output_rank(raw))
+
+    def _send_to_output_rank(self, raw: bytes) -> None:
+        handle = self._handles.get(self.parallel.output_rank)
+        if self._state is GroupState.READY and handle is not None:
+            handle.outbox.put_nowait(raw)
+            self.grammar_mask_bytes += len(raw)
 
     def _step_off_the_wire(self, _future) -> None:
         self._steps_in_flight -= 1

@@ -19,6 +19,7 @@ import abc
 
 from controlplane.core.outputs import ExpectedReply, ModelRunnerOutput, SchedulerOutput
 from controlplane.executor.worker_calls import WorkerGroupFailed
+from controlplane.structured.mask_codec import TokenMask
 
 
 class PendingStep(abc.ABC):
@@ -71,3 +72,10 @@ class StepExecutor(abc.ABC):
     ) -> ModelRunnerOutput:
         """One step, waited for."""
         return self.submit(scheduler_output, expected).wait()
+
+    def send_grammar_masks(self, step_id: int, masks: list[TokenMask]) -> None:
+        """Send the grammar masks of submitted step `step_id` (one per its
+        SchedulerOutput.constrained_req_ids) to the output rank alone; the
+        step samples only once they are in. Executors that run no
+        constrained request (test stand-ins) keep this default."""
+        raise NotImplementedError(f"{type(self).__name__} runs no grammar-constrained request")

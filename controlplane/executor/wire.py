@@ -16,6 +16,7 @@ from controlplane.core.outputs import (
     TokenLogprobs,
 )
 from controlplane.core.request import SamplingParams
+from controlplane.structured.mask_codec import TokenMask
 from kvloom.worker.v1 import worker_pb2
 
 
@@ -47,6 +48,7 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         total_num_scheduled_tokens=so.total_num_scheduled_tokens,
         finished_req_ids=sorted(so.finished_req_ids),
         preempted_req_ids=sorted(so.preempted_req_ids),
+        constrained_req_ids=so.constrained_req_ids,
     )
     num_scheduled = so.num_scheduled_tokens
     for new_req in so.scheduled_new_reqs:
@@ -100,3 +102,19 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRu
             raise ValueError(f"prompt logprobs of {chunk.req_id!r} have an empty position")
         out.prompt_logprobs.append(PromptLogprobs(chunk.req_id, chunk.start_position, positions))
     return out
+
+
+def grammar_masks_to_proto(step_id: int, masks: list[TokenMask]) -> worker_pb2.ControlMessage:
+    """A step's GrammarMasks command (call_id 0: no reply)."""
+    msg = worker_pb2.GrammarMasks(step_id=step_id)
+    for mask in masks:
+        out = msg.masks.add()
+        if mask.kind == "bitmask":
+            out.bitmask = mask.data
+        elif mask.kind == "allowed":
+            out.allowed.ids.extend(mask.data)
+        elif mask.kind == "disallowed":
+            out.disallowed.ids.extend(mask.data)
+        else:
+            out.unconstrained = True
+    return worker_pb2.ControlMessage(grammar_masks=msg)

@@ -286,6 +286,25 @@ class _ScrapeCollector:
         yield self._cache_config_info(m, status)
         yield from self._worker_metrics(m, status)
         yield self._loop_lag(m)
+        yield from self._grammar_metrics(m)
+
+    def _grammar_metrics(self, m: str) -> Iterable[Metric]:
+        """Structured outputs: the compile wait and the compiled-grammar cache."""
+        stats = self.engine.grammar.stats()
+        for family, name, doc, value in (
+            (GaugeMetricFamily, "kvloom_num_requests_waiting_for_grammar",
+             "Constrained requests waiting for their grammar to compile.", stats.num_waiting),
+            (CounterMetricFamily, "kvloom_grammar_compiles",
+             "Grammars compiled (cache misses).", stats.num_compiles),
+            (CounterMetricFamily, "kvloom_grammar_cache_hits",
+             "Constrained requests whose grammar was compiled or compiling already.",
+             stats.num_cache_hits),
+            (GaugeMetricFamily, "kvloom_grammar_cache_bytes",
+             "Bytes of compiled grammars kept (--grammar-cache-bytes).", stats.cached_bytes),
+        ):
+            g = family(name, doc, labels=["model_name"])
+            g.add_metric([m], value)
+            yield g
 
     def _scheduler_gauges(self, m: str) -> Iterable[Metric]:
         stats = self.engine.last_stats if self.engine.scheduler is not None else None

@@ -67,6 +67,7 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                    help="likewise for the prompt tokens")
     s.add_argument("-n", "--n", type=int, default=None, help="number of samples")
+    _add_constraint_args(parser)
     q = parser.add_argument_group("scheduling")
     q.add_argument("--priority", type=int, default=None, metavar="N",
                    help="lower is served first (server default 0); a non-zero value needs "
@@ -80,6 +81,63 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                    help="print each response message as a JSON line instead of text")
     o.add_argument("--timeout", type=float, default=None, help="seconds for the request")
     o.add_argument("-v", "--verbose", action="store_true", help="print token counts")
+
+
+# A spec read from @FILE larger than this is no constraint any server takes
+# (--max-grammar-bytes is at most 16 MiB).
+MAX_SPEC_FILE_BYTES = 16 * 1024 * 1024
+
+
+def text_or_file(value: str) -> str:
+    """A spec given inline, or @FILE for the file's text (UTF-8)."""
+    if not value.startswith("@"):
+        return value
+    path = value[1:]
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_FILE_BYTES + 1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SPEC_FILE_BYTES:
+        raise argparse.ArgumentTypeError(f"{path} is over {MAX_SPEC_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text: {exc}") from None
+
+
+def json_text_or_file(value: str) -> str:
+    """text_or_file, and it must parse as JSON (sent as written)."""
+    text = text_or_file(value)
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        what = value[1:] if value.startswith("@") else "the text"
+        raise argparse.ArgumentTypeError(f"{what} is not JSON: {exc}") from None
+    return text
+
+
+def _add_constraint_args(parser: argparse.ArgumentParser) -> None:
+    c = parser.add_argument_group(
+        "structured output (at most one constraint; the server checks and compiles it)")
+    one = c.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", type=json_text_or_file, default=None, metavar="SCHEMA",
+                     help="the output is JSON valid under this JSON Schema (JSON text, or "
+                          "@FILE)")
+    one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    one.add_argument("--regex", default=None, metavar="PATTERN",
+                     help="the output matches this regular expression")
+    one.add_argument("--grammar", type=text_or_file, default=None, metavar="GRAMMAR",
+                     help='the output follows this grammar: EBNF with a "root ::= ..." rule, '
+                          "or Lark (text, or @FILE)")
+    one.add_argument("--choice", action=AppendOverridingDefault, default=None, metavar="STR",
+                     help="the output is exactly one of these strings (repeatable)")
+    one.add_argument("--structural-tag", type=json_text_or_file, default=None, metavar="TAG",
+                     help="an xgrammar structural tag (JSON text, or @FILE)")
+    c.add_argument("--json-any-whitespace", action=argparse.BooleanOptionalAction,
+                   default=None, help="with --json-schema/--json-object: any whitespace "
+                   "between JSON tokens (server default); --no-json-any-whitespace asks for "
+                   "compact JSON, which small models need")
 
 
 def generation_kwargs(args: argparse.Namespace) -> dict:
@@ -107,6 +165,21 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "cache_salt": args.cache_salt,
         "priority": args.priority,
         "timeout": args.timeout,
+        **constraint_kwargs(args),
+    }
+
+
+def constraint_kwargs(args: argparse.Namespace) -> dict:
+    """The structured-output keywords; unset ones None (json_object False)."""
+    choice = _as_list(args.choice)
+    return {
+        "json_schema": args.json_schema,
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "grammar": args.grammar,
+        "choice": choice or None,
+        "structural_tag": args.structural_tag,
+        "json_any_whitespace": args.json_any_whitespace,
     }
 
 

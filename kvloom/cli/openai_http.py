@@ -5,9 +5,12 @@ its text to stdout as it arrives.
 
 The sampling flags map to the OpenAI request (plus the vLLM extensions the
 gateway forwards: top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos). Flags the gateway cannot honour (logprob tables, several
-samples, kvloom's own scheduling fields) are refused before anything starts,
-never silently dropped.
+ignore_eos). A constraint maps to `response_format` (--json-schema,
+--json-object) or to the gateway's own `regex` and `ebnf` fields (--regex,
+--grammar), which it turns into the engine's constraint. Flags the gateway
+cannot honour (logprob tables, several samples, kvloom's own scheduling
+fields, --choice, --structural-tag, compact JSON) are refused before
+anything starts, never silently dropped.
 """
 
 from __future__ import annotations
@@ -96,6 +99,10 @@ _UNSUPPORTED = {
     "stream_interval": "--stream-interval",
     "include_stop_str": "--include-stop-str",
     "json": "--json",
+    # The gateway's chat request has no field for these (its structural tags
+    # are its own, built for tool calls and reasoning).
+    "choice": "--choice",
+    "structural_tag": "--structural-tag",
 }
 
 
@@ -108,6 +115,8 @@ def unsupported_flags(args: argparse.Namespace) -> list[str]:
         refused.append("--no-stream")
     if args.cache_salt:
         refused.append("--cache-salt")
+    if args.json_any_whitespace is False:
+        refused.append("--no-json-any-whitespace")
     return refused
 
 
@@ -131,7 +140,29 @@ def chat_body(model: str, messages: list[tuple[str, str]], args: argparse.Namesp
         value = shared[key]
         if value is not None and value != [] and value is not False:
             body[key] = value
+    body.update(_constraint_fields(shared))
     return body
+
+
+# The name OpenAI's json_schema response format requires; the gateway only
+# passes the schema on.
+SCHEMA_NAME = "output"
+
+
+def _constraint_fields(kwargs: dict) -> dict:
+    """The chat request's fields for the constraint in kwargs (at most one:
+    the flags exclude each other); those with none are refused before."""
+    if kwargs["json_schema"] is not None:
+        schema = json.loads(kwargs["json_schema"])  # checked when parsed
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": SCHEMA_NAME, "schema": schema}}}
+    if kwargs["json_object"]:
+        return {"response_format": {"type": "json_object"}}
+    if kwargs["regex"] is not None:
+        return {"regex": kwargs["regex"]}
+    if kwargs["grammar"] is not None:
+        return {"ebnf": kwargs["grammar"]}
+    return {}
 
 
 def sse_data(lines: Iterable[bytes]) -> Iterator[str]:

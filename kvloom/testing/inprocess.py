@@ -2,9 +2,12 @@
 
 InProcessExecutor is a StepExecutor (controlplane/executor/step_executor.py),
 the gRPC Executor's interface: submit(SchedulerOutput, ExpectedReply) ->
-PendingStep, and execute_model() over it. It runs every step when it is
-submitted, the way the wire does: the controlplane's wire module builds the
-ControlMessage, it is serialized and parsed back, a real workerd Worker
+PendingStep, execute_model() over it, and send_grammar_masks. It runs each
+step as soon as it can, in submission order: at once, unless the step lists
+grammar-constrained requests (structured outputs); such a step runs once its
+masks were sent, and holds back the steps behind it, as a rank's command
+order would. Each goes the way the wire does: the controlplane's wire module
+builds the ControlMessage, it is serialized and parsed back, a real workerd Worker
 dispatches it through its command table (workerd.wire -> ModelRunner ->
 workerd.wire), and the reply is serialized, parsed and converted by the
 controlplane's wire module. The reply check is the gRPC executor's alone
@@ -23,8 +26,9 @@ did so a test can assert its scenario (a chunked prefill, a preemption, a
 resume into other blocks) really happened while it checks the worker
 followed.
 
-replay_rank replays the bytes an executor broadcast on one rank of a TP x PP
-group, for tests that check every layout answers the same steps the same way.
+kvloom/testing/replay.py replays what an executor sent on the ranks of a
+TP x PP group, for tests that check every layout answers the same steps the
+same way.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -51,9 +55,14 @@ from controlplane.core.scheduler import Scheduler
 from controlplane.engine.core import EngineCore
 from controlplane.executor.status import FailureKind
 from controlplane.executor.step_executor import DoneStep, PendingStep, StepExecutor
-from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
+from controlplane.executor.wire import (
+    grammar_masks_to_proto,
+    model_runner_output_from_proto,
+    scheduler_output_to_proto,
+)
 from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
+from controlplane.structured.mask_codec import TokenMask
 from kvloom.common.ports import free_port
 from kvloom.testing.scheduler import scheduler_config
 from kvloom.worker.v1 import worker_pb2
@@ -141,7 +150,7 @@ def handshake(
     else:
         # Stand-in models skip the checkpoint load, nothing else.
         runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed,
-                             limits=runner_limits())
+                             limits=runner_limits(), grammar_masks=worker.grammar_masks)
         runner.model = model
         worker.runner = runner
     profile = call(
@@ -152,6 +161,40 @@ def handshake(
     num_blocks = num_gpu_blocks or profile.memory_profile.num_blocks
     call(init_kv_cache=worker_pb2.InitKVCache(num_blocks=num_blocks, block_size=block_size))
     return num_blocks
+
+
+class _InProcessStep(PendingStep):
+    """A submitted step; once it ran, the DoneStep of its reply or failure."""
+
+    def __init__(self, executor: InProcessExecutor, step_id: int,
+                 command: worker_pb2.ControlMessage, step_bytes: int, needs_masks: bool,
+                 sent_index: int):
+        self._executor = executor
+        self.step_id = step_id
+        self.sent_index = sent_index  # of its command in executor.sent
+        self.command = command
+        self.step_bytes = step_bytes
+        # A constrained step runs only once its grammar masks were sent.
+        self.masks_sent = not needs_masks
+        self.done: DoneStep | None = None
+
+    def finish(self, done: DoneStep) -> None:
+        self.done = done
+        self.round_trip_s = done.round_trip_s
+
+    def wait(self) -> ModelRunnerOutput:
+        if self.done is None:
+            # In process nothing else could send the masks: waiting would hang.
+            blocker = self._executor.blocking_step_id()
+            behind = "its" if blocker == self.step_id else f"step {blocker}'s"
+            raise RuntimeError(
+                f"step {self.step_id} waited for but {behind} grammar masks were never sent "
+                f"(an engine bug: a step with constrained requests samples only after "
+                f"send_grammar_masks, and the steps behind it wait for it)")
+        return self.done.wait()
+
+    def ready(self) -> bool:
+        return self.done is not None and self.done.ready()
 
 
 class InProcessExecutor(StepExecutor):
@@ -187,9 +230,13 @@ class InProcessExecutor(StepExecutor):
         self.num_gpu_blocks = 0
         # Told once of each failure of the group, as the gRPC executor's is.
         self.on_failed = on_failed
-        # Every execute_model command as broadcast, and the reply each got.
+        # Every execute_model command as broadcast, and the reply each got;
+        # sent_masks[i]: the GrammarMasks command of sent[i] (for replays).
         self.sent: list[bytes] = []
+        self.sent_masks: dict[int, bytes] = {}
         self.replies: list[ModelRunnerOutput] = []
+        # Submitted steps not run yet, in order; the first waits for its masks.
+        self._queued: deque[_InProcessStep] = deque()
         self.start_group()
 
     def start_group(self) -> int:
@@ -206,6 +253,7 @@ class InProcessExecutor(StepExecutor):
         """Re-form the group as a survivor does: Reset the same Worker (it keeps
         its weights), then the whole handshake again; KV block count."""
         assert self.worker is not None, "no worker to keep: start_group()"
+        self._fail_queued("the worker group was re-formed")
         call_worker(self.worker, worker_pb2.ControlMessage(
             call_id=next(self._call_ids), reset=worker_pb2.Reset(reason="test")))
         self.num_gpu_blocks = handshake(
@@ -220,7 +268,8 @@ class InProcessExecutor(StepExecutor):
         self.on_failed = lambda reason, kind: engine.group_failed(reason, kind.value)
 
     def submit(self, scheduler_output: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
-        """Run the step now; `expected` is for the gRPC executor's reply check."""
+        """Run the step now, or once the steps before it ran and its grammar
+        masks are in; `expected` is for the gRPC executor's reply check."""
         if self.worker is None:
             raise WorkerGroupFailed(f"worker group is down: {self.failure_reason}")
         command = worker_pb2.ControlMessage(
@@ -229,15 +278,59 @@ class InProcessExecutor(StepExecutor):
         )
         raw = command.SerializeToString()
         self.sent.append(raw)
-        t_send = time.perf_counter()
+        step = _InProcessStep(self, scheduler_output.step_id, command, len(raw),
+                              bool(scheduler_output.constrained_req_ids), len(self.sent) - 1)
+        self._queued.append(step)
+        self._run_runnable()
+        return step
+
+    def send_grammar_masks(self, step_id: int, masks: list[TokenMask]) -> None:
+        """The output rank's GrammarMasks (no reply), through bytes and the
+        worker's table as on the wire; then the steps it unblocks run."""
+        if self.worker is None:
+            raise WorkerGroupFailed(f"worker group is down: {self.failure_reason}")
+        command = grammar_masks_to_proto(step_id, masks)
         try:
-            reply = call_worker(self.worker, command)
+            call_worker(self.worker, command)
         except WorkerGroupFailed as exc:
             self.fail_group(str(exc))
-            return DoneStep(None, exc, step_bytes=len(raw))
+            raise
+        for step in self._queued:
+            if step.step_id == step_id:
+                step.masks_sent = True
+                self.sent_masks[step.sent_index] = command.SerializeToString()
+        self._run_runnable()
+
+    def blocking_step_id(self) -> int | None:
+        """The step whose grammar masks hold up every queued step; None when none waits."""
+        return self._queued[0].step_id if self._queued else None
+
+    def _run_runnable(self) -> None:
+        while self._queued and self._queued[0].masks_sent:
+            step = self._queued.popleft()
+            step.finish(self._run(step))
+
+    def _run(self, step: _InProcessStep) -> DoneStep:
+        if self.worker is None:  # an earlier step failed the group
+            return DoneStep(None, WorkerGroupFailed(
+                f"worker group is down: {self.failure_reason}"), step_bytes=step.step_bytes)
+        t_send = time.perf_counter()
+        try:
+            reply = call_worker(self.worker, step.command)
+        except WorkerGroupFailed as exc:
+            self.fail_group(str(exc))
+            return DoneStep(None, exc, step_bytes=step.step_bytes)
         out = model_runner_output_from_proto(reply.model_runner_output)
         self.replies.append(out)
-        return DoneStep(out, step_bytes=len(raw), round_trip_s=time.perf_counter() - t_send)
+        return DoneStep(out, step_bytes=step.step_bytes,
+                        round_trip_s=time.perf_counter() - t_send)
+
+    def _fail_queued(self, reason: str) -> None:
+        """Steps that never ran fail with the group they were sent to."""
+        while self._queued:
+            step = self._queued.popleft()
+            step.finish(DoneStep(None, WorkerGroupFailed(f"worker group is down: {reason}"),
+                                 step_bytes=step.step_bytes))
 
     def fail_group(self, reason: str, kind: FailureKind = FailureKind.WORKER_ERROR) -> None:
         """The group fails as the gRPC executor's does: it runs no more steps
@@ -254,6 +347,7 @@ class InProcessExecutor(StepExecutor):
         return self.worker.runner
 
     def close(self) -> None:
+        self._fail_queued(self.failure_reason or "the worker group was closed")
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -402,61 +496,3 @@ def make_engine(
     )
     executor.report_to(engine)
     return engine
-
-
-# ---- a TP x PP rank replaying a broadcast -------------------------------------------
-
-
-def replay_rank(
-    rank: int,
-    tp: int,
-    pp: int,
-    port: int,
-    model_dir: str,
-    num_blocks: int,
-    sent: list[bytes],
-    out_dir: str,
-) -> None:
-    """One spawned rank of a tp x pp group: the handshake, then every broadcast
-    command in order; saves the serialized replies (None where it stayed silent)."""
-    torch.set_num_threads(1)
-    worker = Worker("cpu")
-    try:
-        handshake(
-            worker, model_dir, num_gpu_blocks=num_blocks, rank=rank, tp=tp, pp=pp,
-            master_port=port,
-        )
-        replies = []
-        for raw in sent:
-            reply = call_worker(worker, worker_pb2.ControlMessage.FromString(raw), rank)
-            replies.append(None if reply is None else reply.SerializeToString())
-        torch.save(replies, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        worker.close()
-
-
-def replay_layout(executor: InProcessExecutor, model_dir: str, out_dir: str,
-                  tp: int, pp: int) -> None:
-    """Replay everything `executor` broadcast on a tp x pp group of spawned
-    ranks (replay_rank each); their replies land in out_dir/rank<N>.pt."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(
-        replay_rank,
-        args=(tp, pp, free_port(), model_dir, executor.num_gpu_blocks, executor.sent, out_dir),
-        nprocs=tp * pp,
-        join=True,
-    )
-
-
-def replayed_outputs(path) -> list[ModelRunnerOutput | None]:
-    """A replay_rank file, converted as the controlplane converts replies."""
-    raws = torch.load(path, weights_only=False)
-    return [
-        None
-        if raw is None
-        else model_runner_output_from_proto(
-            worker_pb2.WorkerMessage.FromString(raw).model_runner_output
-        )
-        for raw in raws
-    ]

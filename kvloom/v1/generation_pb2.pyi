@@ -27,7 +27,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos", "stop_token_ids", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "stop", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "n")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos", "stop_token_ids", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "stop", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "n", "json_schema", "json_object", "regex", "grammar", "choice", "structural_tag", "json_any_whitespace")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,13 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    JSON_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -62,7 +69,20 @@ class SamplingParams(_message.Message):
     logprobs: int
     prompt_logprobs: int
     n: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: ChoiceConstraint
+    structural_tag: str
+    json_any_whitespace: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., structural_tag: _Optional[str] = ..., json_any_whitespace: _Optional[bool] = ...) -> None: ...
+
+class ChoiceConstraint(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -255,7 +275,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "tensor_parallel_size", "pipeline_parallel_size", "block_size", "num_total_blocks", "num_free_blocks", "max_num_seqs", "max_num_batched_tokens", "num_ranks_attached", "num_requests_running", "num_requests_waiting", "max_waiting_requests")
+    __slots__ = ("version", "tensor_parallel_size", "pipeline_parallel_size", "block_size", "num_total_blocks", "num_free_blocks", "max_num_seqs", "max_num_batched_tokens", "num_ranks_attached", "num_requests_running", "num_requests_waiting", "max_waiting_requests", "constrained_decoding_start")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +288,7 @@ class ServerInfo(_message.Message):
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_DECODING_START_FIELD_NUMBER: _ClassVar[int]
     version: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -280,4 +301,5 @@ class ServerInfo(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     max_waiting_requests: int
-    def __init__(self, version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_ranks_attached: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ...) -> None: ...
+    constrained_decoding_start: str
+    def __init__(self, version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_ranks_attached: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., constrained_decoding_start: _Optional[str] = ...) -> None: ...

@@ -1,6 +1,7 @@
 """Property-based fuzzing of VllmEngine.Generate against a live TP=1 cluster,
 as test_fuzz_api.py fuzzes kvloom.v1: hostile ids (any length, '/',
-control characters), every constraint, logit bias, multimodal and KV-transfer
+control characters), every constraint (valid ones, which a server with
+xgrammar serves, and hostile ones), logit bias, multimodal and KV-transfer
 inputs, numbers at and past every bound, huge repeats. Each answer must be
 what resolve() (run here with the server's limits) says: OK with a
 well-formed stream (one complete per index, ids inside the vocabulary, no

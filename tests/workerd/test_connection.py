@@ -364,3 +364,25 @@ def test_exit_code_is_known_when_the_end_of_commands_is_seen(controlplane, conne
     finally:
         handoff.main_read_exit_code.set()
     assert code == 0
+
+
+def test_grammar_masks_skip_the_command_queue_and_the_streams_end_is_announced(
+    controlplane, connections
+):
+    # The main thread may be blocked in a step waiting for them: they must
+    # not queue behind it.
+    conn, servicer = _registered(controlplane, connections)
+    filed: queue.Queue = queue.Queue()
+    ended = threading.Event()
+    conn.on_grammar_masks = filed.put
+    conn.on_stream_end = ended.set
+    conn.start_reader(threading.Event())
+    masks = worker_pb2.GrammarMasks(step_id=3, masks=[worker_pb2.TokenMask(unconstrained=True)])
+    servicer.to_worker.put(worker_pb2.ControlMessage(grammar_masks=masks))
+    servicer.to_worker.put(worker_pb2.ControlMessage(call_id=5, ping=worker_pb2.Ping()))
+    assert filed.get(timeout=WAIT_S) == masks
+    assert conn.commands.get(timeout=WAIT_S).WhichOneof("command") == "ping"
+    assert not ended.is_set()
+    servicer.to_worker.put(None)
+    assert conn.commands.get(timeout=WAIT_S) is None
+    assert ended.is_set()  # before the end-of-commands marker

@@ -32,12 +32,13 @@ import sys
 import workerd.__main__ as main
 from kvloom.common.logs import setup_logging
 from kvloom.worker.v1 import worker_pb2
+from workerd.sample.grammar_masks import GrammarMaskBox
 
 class HeldWorker:
     last_forward_time_s = 0.0
 
     def __init__(self, device):
-        pass
+        self.grammar_masks = GrammarMaskBox()
 
     def handle(self, msg):
         print(f"handling {msg.call_id}", flush=True)
@@ -282,3 +283,17 @@ def test_more_torch_threads_than_compute_cores_is_warned_about():
     quiet = subprocess.run([sys.executable, "-c", script, "1"], capture_output=True,
                            text=True, timeout=120, check=True).stderr
     assert "torch threads" not in quiet
+
+
+def test_reset_while_a_command_runs_also_ends_a_wait_for_grammar_masks(monkeypatch):
+    import workerd.__main__ as workerd_main
+    from workerd.sample.grammar_masks import GrammarMasksMissing
+    from workerd.worker import Worker
+
+    shut = []
+    monkeypatch.setattr(workerd_main, "_abort_collectives", lambda *args: shut.append(args))
+    worker = Worker("cpu")
+    workerd_main._abort_command(worker, None, None)
+    assert len(shut) == 1
+    with pytest.raises(GrammarMasksMissing, match="Reset"):
+        worker.grammar_masks.take(1, timeout_s=WAIT_S)

@@ -27,6 +27,7 @@ DISPATCHED = {
     "execute_model",
     "ping",
     "reset",
+    "grammar_masks",
 }
 _ONEOF = worker_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["command"]
 ALL_COMMANDS = {f.name for f in _ONEOF.fields}

@@ -11,7 +11,9 @@ protobuf by workerd.wire) to execute_model, which
   4. on the last stage computes logits for requests whose context is complete
      (plus every prompt position of requests that asked for prompt logprobs)
      and, on the output rank only, samples one token each and takes the
-     logprobs that were asked for (workerd.sample.logprobs).
+     logprobs that were asked for (workerd.sample.logprobs); a step with
+     grammar-constrained requests samples once their masks are in
+     (workerd.runner.grammar_step).
   5. appends one token per sampling request on every rank
      (workerd.runner.sampled_tokens): the output rank its sampled ids, the first PP
      stage the same ids received from it, every other rank a placeholder.
@@ -22,7 +24,6 @@ step before it has seen them), so this is how all ranks stay identical.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from workerd.distributed import parallel_state as distributed
-from workerd.distributed.parallel_state import IntermediateTensors, ParallelState
+from workerd.distributed.parallel_state import ParallelState
 from workerd.layers.attention.backend import backend_class, make_attention_backend
 from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels
@@ -44,6 +45,7 @@ from workerd.runner.cuda_graphs import (
     graphs_memory_bytes,
     graphs_unavailable,
 )
+from workerd.runner.grammar_step import StepGrammar
 from workerd.runner.input_batch import CachedRequestState, InputBatch
 from workerd.runner.kv_cache import (
     allocate_kv_caches,
@@ -52,15 +54,17 @@ from workerd.runner.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
+from workerd.runner.profile_run import profile_run
 from workerd.runner.sampled_tokens import SampledTokens
 from workerd.runner.sched_output import ModelRunnerOutput, SchedulerOutput
+from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.sample.logprobs import (
     PromptLogprobsTarget,
     compute_token_logprobs,
     prompt_logprobs,
     prompt_target,
 )
-from workerd.sample.sampler import Sampler, SamplingMetadata
+from workerd.sample.sampler import GrammarMetadata, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         enforce_eager: bool = False,
         pack_weights: bool = True,
+        grammar_masks: GrammarMaskBox | None = None,
     ) -> None:
         self.ps = ps
         self.model_path = model_path
@@ -138,6 +143,9 @@ class ModelRunner:
         # the one before it is a pipeline bubble, so it is kept out of
         # forward_time_s and reported on its own.
         self.last_recv_wait_s = 0.0
+        # The output rank's wait for a step's grammar masks (the worker's
+        # box); like the receive above, kept out of forward_time_s.
+        self.grammar = StepGrammar(grammar_masks)
 
     # ---- start-up -------------------------------------------------------
 
@@ -166,7 +174,7 @@ class ModelRunner:
         runner = ModelRunner(
             self.ps, self.model_path, self.dtype, 0, self.pp_layer_partition, limits=limits,
             attention_backend=self.attention_backend, enforce_eager=enforce_eager,
-            pack_weights=self.pack_weights)
+            pack_weights=self.pack_weights, grammar_masks=self.grammar.box)
         runner.model = self.model  # in place of runner.load_model()
         runner.generator.set_state(self.generator.get_state())
         runner.graph_capture = self.graph_capture
@@ -229,10 +237,10 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        self.last_recv_wait_s = 0.0
+        self.last_recv_wait_s = self.grammar.last_wait_s = 0.0
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], []) if self.ps.is_output_rank else None
+            return self._nothing_sampled(scheduler_output)
         if not self.kv_caches:
             raise RuntimeError("execute_model before init_kv_cache")
         if self.sampled_tokens.receives:
@@ -252,7 +260,7 @@ class ModelRunner:
             if num_sample == 0 and not inputs.prompt_targets:
                 # Only partial prefill chunks: nothing to sample, but every
                 # last-stage rank takes the same branch, so no collective hangs.
-                out = ModelRunnerOutput([], []) if self.ps.is_output_rank else None
+                out = self._nothing_sampled(scheduler_output)
             else:
                 indices = inputs.logits_indices
                 if inputs.prompt_targets:
@@ -263,20 +271,32 @@ class ModelRunner:
                 if not self.ps.is_output_rank:
                     self.sampled_tokens.append(inputs.sample_states, None)
                     return None
-                out = self.sample(logits[:num_sample], inputs.sample_states)
+                grammar = self.grammar.take(scheduler_output, inputs.sample_states,
+                                            logits.shape[-1], self.device)
+                out = self.sample(logits[:num_sample], inputs.sample_states, grammar)
                 self.sampled_tokens.append(inputs.sample_states, out.sampled_token_ids)
                 if inputs.prompt_targets:
                     out.prompt_logprobs = prompt_logprobs(
                         logits[num_sample:], inputs.prompt_targets
                     )
         if out is not None:
-            out.forward_time_s = time.perf_counter() - start - self.last_recv_wait_s
+            waits = self.last_recv_wait_s + self.grammar.last_wait_s
+            out.forward_time_s = time.perf_counter() - start - waits
         return out
 
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState]) -> ModelRunnerOutput:
+    def _nothing_sampled(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The reply to a step in which no request samples."""
+        if not self.ps.is_output_rank:
+            return None
+        self.grammar.take(so, [], 0, self.device)  # raises if it lists a constrained request
+        return ModelRunnerOutput([], [])
+
+    def sample(self, logits: torch.Tensor, states: list[CachedRequestState],
+               grammar: GrammarMetadata | None = None) -> ModelRunnerOutput:
         """Step 4's sampling on the output rank: one token per row of logits
-        (states in the same order) and the logprobs those requests asked for.
-        Public for benchmarks that time the step's parts (decode_roofline)."""
+        (states in the same order; `grammar` restricts some rows) and the
+        logprobs those requests asked for (of the raw logits). Public for
+        benchmarks that time the step's parts (decode_roofline)."""
         if not states:
             return ModelRunnerOutput([], [])
         params = [s.sampling_params for s in states]
@@ -295,6 +315,7 @@ class ModelRunner:
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=output_token_ids,
         )
+        metadata.grammar = grammar
         sampled = self.sampler(logits, metadata)
         out = ModelRunnerOutput([s.req_id for s in states], sampled.tolist())
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -460,37 +481,5 @@ class ModelRunner:
     # ---- profiling --------------------------------------------------------
 
     def _profile_run(self, block_size: int) -> None:
-        """The activation peak: one forward of max_num_batched_tokens tokens,
-        and logits for a full batch of sampled rows (one per request, at most
-        max_num_seqs).
-
-        No pipeline traffic: non-first stages feed zeros instead of receiving,
-        so each rank can profile on its own.
-        """
-        n = self.limits.max_num_batched_tokens
-        num_blocks = math.ceil(n / block_size)
-        dev = self.device
-        caches = allocate_kv_caches(self.model, num_blocks, block_size, self.dtype, dev)
-        md = AttentionMetadata(
-            num_reqs=1,
-            num_actual_tokens=n,
-            slot_mapping=torch.arange(n, device=dev),
-            query_start_loc=torch.tensor([0, n], device=dev),
-            seq_lens=torch.tensor([n], device=dev),
-            block_table=torch.arange(num_blocks, device=dev).unsqueeze(0),
-            max_query_len=n,
-            max_seq_len=n,
-            block_size=block_size,
-            query_lens_cpu=[n],
-            seq_lens_cpu=[n],
-        )
-        input_ids, intermediate = torch.zeros(n, dtype=torch.int64, device=dev), None
-        if not self.ps.is_first_pp_rank:
-            zeros = torch.zeros(n, self.model.hidden_size, dtype=self.dtype, device=dev)
-            input_ids, intermediate = None, IntermediateTensors(zeros, zeros.clone())
-        positions = torch.arange(n, device=dev)
-        with torch.inference_mode():
-            out = self.model.forward(input_ids, positions, caches, md, intermediate)
-            if self.ps.is_last_pp_rank:
-                self.model.compute_logits(out[-min(n, self.limits.max_num_seqs) :])
-        del caches, out
+        """The activation peak the CUDA KV budget is measured around."""
+        profile_run(self.model, self.ps, self.limits, block_size, self.dtype, self.device)

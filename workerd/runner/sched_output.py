@@ -65,6 +65,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Requests whose token this step is grammar-constrained, in the order of
+    # the step's GrammarMasks: the output rank samples only once those are in.
+    constrained_req_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -9,8 +9,10 @@ min-p, and drawn with the exponential-race trick (argmax(p / q), q ~ Exp(1)),
 which is an exact categorical draw that needs one noise row per request. That
 is what makes seeded requests batch-independent: a seeded row's noise comes
 from its own generator, unseeded rows share one batched draw from the
-worker's default generator. The input logits are never modified, so the
-runner can take logprobs of the raw logits afterwards (workerd.sample.logprobs).
+worker's default generator. A grammar-constrained row (structured outputs)
+then has every token its grammar forbids set to -inf, last, so no edit can
+bring one back. The input logits are never modified, so the runner can take
+logprobs of the raw logits afterwards (workerd.sample.logprobs).
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from workerd.sample.penalties import PenaltyMetadata, apply_penalties, min_token
 
 # Temperatures below this are greedy: dividing by them would overflow.
 GREEDY_BELOW = 1e-5
+
+
+@dataclass
+class GrammarMetadata:
+    """The grammar-constrained rows of one logits tensor and what each may sample."""
+
+    rows: torch.Tensor  # [m] int64 rows of the logits tensor, distinct
+    allowed: torch.Tensor  # [m, vocab] bool, True = may be sampled
 
 
 @dataclass
@@ -44,6 +54,8 @@ class SamplingMetadata:
     penalties: PenaltyMetadata | None = None
     # (row, token id) pairs to mask to -inf: min_tokens not reached yet.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Rows whose grammar restricts the token (workerd.sample.grammar_masks).
+    grammar: GrammarMetadata | None = None
 
     @classmethod
     def from_params(
@@ -159,19 +171,23 @@ class Sampler:
 
     @staticmethod
     def _apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """min_tokens mask then penalties, on a copy: the caller's raw logits
-        stay intact for logprobs. A batch that uses neither skips the copy."""
-        if metadata.penalties is None and metadata.min_tokens_mask is None:
+        """min_tokens mask, penalties, then the grammar mask, on a copy: the
+        caller's raw logits stay intact for logprobs. A batch that uses none
+        skips the copy."""
+        md = metadata
+        if md.penalties is None and md.min_tokens_mask is None and md.grammar is None:
             return logits
-        logits = logits.clone()
-        if metadata.min_tokens_mask is not None:
-            rows, tokens = metadata.min_tokens_mask
+        out = logits.clone()
+        if md.min_tokens_mask is not None:
+            rows, tokens = md.min_tokens_mask
             # An id past this model's vocabulary cannot be sampled anyway.
-            in_vocab = tokens < logits.shape[-1]
-            logits[rows[in_vocab], tokens[in_vocab]] = float("-inf")
-        if metadata.penalties is not None:
-            apply_penalties(logits, metadata.penalties)
-        return logits
+            in_vocab = tokens < out.shape[-1]
+            out[rows[in_vocab], tokens[in_vocab]] = float("-inf")
+        if md.penalties is not None:
+            apply_penalties(out, md.penalties)
+        if md.grammar is not None:
+            apply_grammar(out, logits, md)
+        return out
 
     def _exponential_noise(
         self,
@@ -192,3 +208,23 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # Exp(1) can return 0 with probability ~2^-24; p / 0 would win the race.
         return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def apply_grammar(logits: torch.Tensor, raw: torch.Tensor, md: SamplingMetadata) -> None:
+    """Sets every token a constrained row's grammar forbids to -inf, in place.
+
+    min_tokens can forbid all the grammar allows (a grammar that has ended
+    allows only EOS, which min_tokens holds back): the grammar wins, since
+    output that breaks it is worthless while a short one is not, so such a
+    row is rebuilt from `raw` with the penalties and the grammar only."""
+    g = md.grammar
+    masked = logits[g.rows].masked_fill_(~g.allowed, float("-inf"))
+    if md.min_tokens_mask is not None:
+        # Nothing else sets -inf (raw logits are finite), so only then can a row empty.
+        empty = torch.isneginf(masked).all(dim=-1)
+        if empty.any():
+            redo = raw.clone()
+            if md.penalties is not None:
+                apply_penalties(redo, md.penalties)
+            masked[empty] = redo[g.rows[empty]].masked_fill_(~g.allowed[empty], float("-inf"))
+    logits[g.rows] = masked

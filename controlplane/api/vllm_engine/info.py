@@ -56,7 +56,11 @@ def model_info_response(config: ControlPlaneConfig, info: ModelInfo, tokenizer,
 
 
 def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | None,
-                         started_at: float) -> vpb.GetServerInfoResponse:
+                         started_at: float,
+                         constrained_decoding_start: str = "") -> vpb.GetServerInfoResponse:
+    """constrained_decoding_start: "first_token" with a grammar backend, else
+    "" (the gateway's `constrained_decoding_start` worker label: with
+    first_token it leads a forced tool call's grammar with the thought)."""
     return vpb.GetServerInfoResponse(
         active_requests=stats.num_running_reqs + stats.num_waiting_reqs if stats else 0,
         uptime_seconds=time.monotonic() - started_at,
@@ -66,6 +70,7 @@ def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | Non
         model_dtype=config.model.dtype,
         block_size=config.cache.block_size,
         max_num_seqs=config.scheduler.max_num_seqs,
+        constrained_decoding_start=constrained_decoding_start,
     )
 
 

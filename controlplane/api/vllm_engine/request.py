@@ -6,10 +6,15 @@ kvloom.v1's own clients, so both APIs enforce one set of bounds. What the
 translation adds is the VllmEngine meaning of its fields (vLLM's servicer,
 smg-gateway.md section 2.4): proto3 zeros that mean "unset" (top_p 0,
 repetition_penalty 0, n 0), an unset max_tokens that means "as long as the
-context allows", an int32 seed, and logprobs -1 ("all"). What kvloom cannot
-do (constraints, logit bias, multimodal inputs, KV transfer, another DP rank)
-is refused naming the field, never ignored: a silently unconstrained answer
-to `tool_choice=required` breaks the gateway's parsing.
+context allows", an int32 seed, and logprobs -1 ("all"). A structured-output
+constraint (the `constraint` oneof, as vLLM's servicer maps it onto
+StructuredOutputsParams) is copied branch for branch and checked like
+kvloom.v1's; kvloom applies every grammar from the first generated token,
+which is what `grammar_from_first_token` asks for and what GetServerInfo
+advertises, so that flag needs nothing. What kvloom cannot do (logit bias,
+multimodal inputs, KV transfer, another DP rank) is refused naming the field,
+never ignored: a silently unconstrained answer to `tool_choice=required`
+breaks the gateway's parsing.
 """
 
 from __future__ import annotations
@@ -32,8 +37,7 @@ from kvloom.v1 import generation_pb2 as pb
 # misread (control characters). They never become engine ids (service.py).
 MAX_GATEWAY_REQUEST_ID_LEN = 1024
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-# The oneof branches of SamplingParams.constraint, and the fields kvloom
-# cannot honour yet; each is named in the refusal.
+# The inputs kvloom cannot honour; each is named in the refusal.
 _UNSUPPORTED_INPUTS = ("mm_inputs", "kv_transfer_params", "media_refs")
 
 
@@ -72,11 +76,6 @@ def _refuse_unsupported(request) -> None:
         raise InvalidRequest(f"data_parallel_rank is {request.data_parallel_rank}, but this "
                              f"engine has one data-parallel rank (0)")
     sp = request.sampling_params
-    constraint = sp.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidRequest(
-            f"sampling_params.{constraint} is set, but structured outputs (constrained "
-            f"decoding) are not supported by this engine yet: send no constraint")
     if sp.logit_bias:
         raise InvalidRequest("sampling_params.logit_bias is not supported by this engine: "
                              "send an empty map")
@@ -126,7 +125,21 @@ def to_kvloom_sampling(sp) -> pb.SamplingParams:
         value = _top_count(sp, name)
         if value is not None:
             setattr(out, name, value)
+    _copy_constraint(sp, out)
     return out
+
+
+def _copy_constraint(sp, out: pb.SamplingParams) -> None:
+    """The gateway's constraint oneof onto kvloom.v1's: the same branches,
+    by name, each as sent (an empty or false one too: validate() names it).
+    This wire has no whitespace option: JSON kinds take vLLM's default, any
+    whitespace."""
+    branch = sp.WhichOneof("constraint")
+    if branch == "choice":
+        out.choice.SetInParent()
+        out.choice.choices.extend(sp.choice.choices)
+    elif branch is not None:
+        setattr(out, branch, getattr(sp, branch))
 
 
 def _truncate(ids: list[int], sp, limits: Limits) -> list[int]:

@@ -32,9 +32,13 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from controlplane.api.auth import current_tenant, tenant_cache_salt
-from controlplane.api.generation_service import GRPC_STATUS, GenerationService
+from controlplane.api.generation_service import (
+    GRPC_STATUS,
+    GenerationService,
+    constrained_decoding_start,
+)
 from controlplane.api.in_flight import Refusal
-from controlplane.api.offload import Offload
+from controlplane.api.offload import Offload, heavy_constraint
 from controlplane.api.output_batches import feed_batch
 from controlplane.api.validation import InvalidRequest
 from controlplane.api.vllm_engine import info
@@ -79,7 +83,8 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def _resolve(self, request, context) -> GatewayRequest:
         edge = self.edge
         heavy = (len(request.tokenized.input_ids) > INLINE_MAX_IDS
-                 or len(request.text) > INLINE_MAX_IDS)
+                 or len(request.text) > INLINE_MAX_IDS
+                 or heavy_constraint(request.sampling_params, edge.limits))
         try:
             g = await self.offload.run(heavy, resolve, request, edge.tokenizer, edge.limits,
                                        edge.max_request_tokens())
@@ -167,7 +172,8 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def GetServerInfo(self, request, context):
         return info.server_info_response(self.edge.config, self.engine.last_stats,
-                                         self._started)
+                                         self._started,
+                                         constrained_decoding_start(self.edge.limits))
 
     async def GetLoads(self, request, context):
         if request.HasField("dp_rank") and request.dp_rank != 0:

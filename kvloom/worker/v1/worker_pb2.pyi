@@ -12,10 +12,12 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
+PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
@@ -181,20 +183,48 @@ class CachedRequestData(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., resumed_from_preemption: _Optional[_Iterable[bool]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids")
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "constrained_req_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
     total_num_scheduled_tokens: int
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    constrained_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., constrained_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GrammarMasks(_message.Message):
+    __slots__ = ("step_id", "masks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+
+class TokenMask(_message.Message):
+    __slots__ = ("bitmask", "allowed", "disallowed", "unconstrained")
+    BITMASK_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    DISALLOWED_FIELD_NUMBER: _ClassVar[int]
+    UNCONSTRAINED_FIELD_NUMBER: _ClassVar[int]
+    bitmask: bytes
+    allowed: TokenIdList
+    disallowed: TokenIdList
+    unconstrained: bool
+    def __init__(self, bitmask: _Optional[bytes] = ..., allowed: _Optional[_Union[TokenIdList, _Mapping]] = ..., disallowed: _Optional[_Union[TokenIdList, _Mapping]] = ..., unconstrained: _Optional[bool] = ...) -> None: ...
+
+class TokenIdList(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "rank", "top_token_ids", "top_logprobs")
@@ -263,7 +293,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset")
+    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset", "grammar_masks")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     INIT_DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +304,7 @@ class ControlMessage(_message.Message):
     PING_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASKS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     registered: RegisterReply
     init_distributed: InitDistributed
@@ -284,7 +315,8 @@ class ControlMessage(_message.Message):
     ping: Ping
     shutdown: Shutdown
     reset: Reset
-    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ...) -> None: ...
+    grammar_masks: GrammarMasks
+    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ..., grammar_masks: _Optional[_Union[GrammarMasks, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()

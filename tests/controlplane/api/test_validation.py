@@ -22,7 +22,7 @@ from controlplane.api.validation import (
     Limits,
     validate,
 )
-from controlplane.config import ApiLimitsConfig, ApiSecurityConfig
+from controlplane.config import ApiLimitsConfig, ApiSecurityConfig, StructuredOutputConfig
 from kvloom.v1 import generation_pb2 as pb
 
 LIMITS = Limits(vocab_size=100, max_model_len=64)
@@ -179,6 +179,7 @@ def _service(policy: str):
         server=SimpleNamespace(max_waiting_requests=8, max_message_bytes=1 << 20),
         cache=SimpleNamespace(block_size=16),
         api_limits=ApiLimitsConfig(),
+        structured_output=StructuredOutputConfig(),
         api_security=ApiSecurityConfig(),
     )
     info = SimpleNamespace(vocab_size=100, sampling_defaults=(), eos_token_ids=frozenset())
@@ -356,11 +357,13 @@ def test_limits_from_config_follow_the_flags():
         scheduler=SimpleNamespace(max_model_len=77, policy="priority"),
         server=ServerConfig(max_message_bytes=6400),
         api_limits=ApiLimitsConfig(max_logprobs=3, max_n=2),
+        structured_output=StructuredOutputConfig(max_grammar_bytes=99, max_grammar_choices=7),
     )
     info = SimpleNamespace(vocab_size=50, sampling_defaults=(("top_k", 5),))
     limits = Limits.from_config(config, info)
     assert (limits.vocab_size, limits.max_model_len, limits.scheduling_policy) == (50, 77,
                                                                                    "priority")
     assert (limits.max_logprobs, limits.max_n, limits.max_logprob_entries) == (3, 2, 100)
+    assert (limits.max_grammar_bytes, limits.max_grammar_choices) == (99, 7)
     assert limits.max_prompt_chars == 77 * MAX_PROMPT_CHARS_PER_TOKEN
     assert limits.default("top_k", 0) == 5

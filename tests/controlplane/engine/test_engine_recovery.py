@@ -51,6 +51,7 @@ from tests.controlplane.engine.test_engine import (
     _prompt,
 )
 from tests.controlplane.engine.test_engine_failures import _add_together
+from tests.controlplane.metrics.grammar_stub import NO_GRAMMAR
 from tests.integration.reference import hf_greedy
 from tests.torch_fixtures import tiny_model_path
 
@@ -68,8 +69,8 @@ class RecoveryLog:
         config = ControlPlaneConfig(model=ModelConfig(model="/m/tiny", served_model_name="tiny",
                                                       worker_model_path="/m"))
         status = ExecutorStatus(state=GroupState.READY, world_size=1, ranks=())
-        self.metrics = ControlPlaneMetrics(config, SimpleNamespace(scheduler=None),
-                                           SimpleNamespace(status=lambda: status))
+        engine = SimpleNamespace(scheduler=None, grammar=NO_GRAMMAR)
+        self.metrics = ControlPlaneMetrics(config, engine, SimpleNamespace(status=lambda: status))
 
     def __call__(self, record: RecoveryRecord) -> None:
         self.metrics.observe_recovery(record)

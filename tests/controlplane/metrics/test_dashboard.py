@@ -16,6 +16,7 @@ from controlplane.config import ControlPlaneConfig, ModelConfig
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.executor.status import ExecutorStatus, GroupState
 from controlplane.metrics.exporter import ControlPlaneMetrics
+from tests.controlplane.metrics.grammar_stub import NO_GRAMMAR
 from workerd.metrics import WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy/grafana/dashboards/kvloom.json"
@@ -24,7 +25,8 @@ DASHBOARD = Path(__file__).resolve().parents[3] / "deploy/grafana/dashboards/kvl
 def _exported_names() -> set[str]:
     config = ControlPlaneConfig(model=ModelConfig(model="/m", served_model_name="m",
                                                   worker_model_path="/m"))
-    engine = SimpleNamespace(scheduler=object(), last_stats=SchedulerStats())
+    engine = SimpleNamespace(scheduler=object(), last_stats=SchedulerStats(),
+                             grammar=NO_GRAMMAR)
     status = ExecutorStatus(state=GroupState.FORMING, world_size=config.parallel.world_size)
     executor = SimpleNamespace(status=lambda: status)
     worker = WorkerMetrics()

@@ -16,6 +16,7 @@ from controlplane.config import ControlPlaneConfig, ModelConfig, ParallelConfig
 from controlplane.core.outputs import EngineCoreOutput
 from controlplane.core.request import FinishReason
 from controlplane.core.sched_stats import SchedulerStats
+from controlplane.engine.grammar_gate import GrammarStats
 from controlplane.executor.registration import WorkerHandle
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.metrics.exporter import (
@@ -31,6 +32,7 @@ from controlplane.metrics.records import (
     StepRecord,
     priority_class,
 )
+from tests.controlplane.metrics.grammar_stub import NO_GRAMMAR
 
 
 def record(t: float, scheduled_new=(), *, tokens=1, stats=None, generation=1) -> StepRecord:
@@ -132,7 +134,7 @@ def metrics():
     )
     stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25,
                            prefix_cache_queries=40, prefix_cache_hits=16)
-    engine = SimpleNamespace(scheduler=object(), last_stats=stats)
+    engine = SimpleNamespace(scheduler=object(), last_stats=stats, grammar=NO_GRAMMAR)
     h0 = WorkerHandle(rank=0, host="h", device="cpu", dist_port=1, pid=1)
     h0.last_seen = time.monotonic() - 3.0
     h0.last_forward_time_s = 0.02
@@ -243,3 +245,15 @@ def test_accepted_requests_are_counted_by_priority_class(metrics):
     assert _get(s, "kvloom_requests_accepted_total", priority_class="low") == 999
     series = [labels for name, labels in s if name == "kvloom_requests_accepted_total"]
     assert len(series) == len(PRIORITY_CLASSES)
+
+
+def test_grammar_gauges_and_counters_read_the_engine_snapshot(metrics):
+    m, _, engine = metrics
+    assert _get(_samples(m.registry), "kvloom_num_requests_waiting_for_grammar") == 0
+    engine.grammar = SimpleNamespace(stats=lambda: GrammarStats(
+        num_waiting=2, num_compiles=5, num_cache_hits=7, cached_bytes=1000))
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_num_requests_waiting_for_grammar") == 2
+    assert _get(s, "kvloom_grammar_compiles_total") == 5
+    assert _get(s, "kvloom_grammar_cache_hits_total") == 7
+    assert _get(s, "kvloom_grammar_cache_bytes") == 1000

@@ -21,6 +21,7 @@ from controlplane.config import ControlPlaneConfig, ModelConfig
 from controlplane.executor.status import ExecutorStatus, GroupState
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.loop_lag import LoopLagProbe
+from tests.controlplane.metrics.grammar_stub import NO_GRAMMAR
 
 INTERVAL_S = 0.01
 BLOCK_S = 0.3
@@ -84,8 +85,8 @@ def test_exporter_publishes_each_loops_lag():
     config = ControlPlaneConfig(
         model=ModelConfig(model="/m/tiny", served_model_name="tiny", worker_model_path="/m"))
     status = ExecutorStatus(state=GroupState.FORMING, world_size=1)
-    metrics = ControlPlaneMetrics(config, SimpleNamespace(scheduler=None, last_stats=None),
-                                  SimpleNamespace(status=lambda: status))
+    engine = SimpleNamespace(scheduler=None, last_stats=None, grammar=NO_GRAMMAR)
+    metrics = ControlPlaneMetrics(config, engine, SimpleNamespace(status=lambda: status))
     api, workers = LoopLagProbe("api"), LoopLagProbe("workers")
     for probe in (api, workers):
         metrics.watch_loop(probe)

@@ -25,10 +25,9 @@ from kvloom.testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
     output_tokens,
-    replay_layout,
-    replayed_outputs,
     run_to_completion,
 )
+from kvloom.testing.replay import replay_layout, replayed_outputs
 from kvloom.testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 

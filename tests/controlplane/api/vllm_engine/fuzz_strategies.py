@@ -12,6 +12,24 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from tests.controlplane.api.fuzz_strategies import FLOATS, I32, TEXT, U32, _optional, _repeated
 
 SMALL = st.integers(0, 6)
+# Constraints xgrammar accepts, one or more per branch (what a gateway sends
+# for response_format, tool_choice and the vLLM extensions).
+VALID_CONSTRAINTS = (
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}, '
+                    '"required": ["a"]}'),
+    ("json_schema", '{"type": "string", "enum": ["yes", "no"]}'),
+    ("json_object", True),
+    ("regex", "[a-z]{1,5}( [a-z]{1,5})?"),
+    ("grammar", 'root ::= "yes" | "no"'),
+    ("grammar", 'start: "a" | "b"'),  # Lark
+    ("choice", ("yes", "no", "maybe")),
+    ("structural_tag", '{"type": "structural_tag", "format": {"type": "triggered_tags", '
+                       '"triggers": ["<tool>"], "tags": [{"begin": "<tool>", "content": '
+                       '{"type": "json_schema", "json_schema": {"type": "object"}}, '
+                       '"end": "</tool>"}]}}'),
+)
+CONSTRAINT_BRANCHES = ("json_schema", "regex", "grammar", "structural_tag", "json_object",
+                       "choice")
 
 
 def _mixed(calm, hostile):
@@ -51,19 +69,37 @@ def sampling_params(draw, vocab_size: int, calm: bool = False) -> vpb.SamplingPa
         value = draw(_optional(_field(calm_value, hostile_value)))
         if value is not None:
             setattr(sp, name, value)
+    if draw(st.sampled_from([False] * 5 + [True])):
+        set_constraint(sp, *draw(st.sampled_from(VALID_CONSTRAINTS)))
     if calm:
         return sp
     if draw(st.sampled_from([False] * 29 + [True])):
         sp.logit_bias[draw(I32)] = draw(FLOATS)
-    constraint = draw(st.sampled_from([None] * 30 + ["json_schema", "regex", "grammar",
-                                                    "structural_tag", "json_object", "choice"]))
-    if constraint == "json_object":
-        sp.json_object = True
-    elif constraint == "choice":
-        sp.choice.choices.extend(draw(st.lists(TEXT, max_size=3)))
-    elif constraint is not None:
-        setattr(sp, constraint, draw(TEXT))
+    sp.grammar_from_first_token = draw(st.booleans())
+    constraint = draw(st.sampled_from([None] * 24 + list(CONSTRAINT_BRANCHES)))
+    if constraint is not None:
+        set_constraint(sp, constraint, draw(hostile_constraint(constraint)))
     return sp
+
+
+def hostile_constraint(branch: str):
+    """Any value the branch's wire type carries: malformed, empty, NUL, huge."""
+    if branch == "json_object":
+        return st.booleans()
+    if branch == "choice":
+        return st.one_of(st.lists(TEXT, max_size=3), _repeated(st.sampled_from(["a", ""]),
+                                                               3, 3000))
+    return TEXT
+
+
+def set_constraint(sp: vpb.SamplingParams, branch: str, value) -> None:
+    """Sets the oneof's branch (a later one replaces an earlier one)."""
+    if branch == "choice":
+        sp.choice.SetInParent()
+        del sp.choice.choices[:]
+        sp.choice.choices.extend(value)
+    else:
+        setattr(sp, branch, value)
 
 
 @st.composite

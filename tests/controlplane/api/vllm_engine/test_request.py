@@ -1,6 +1,6 @@
 """The VllmEngine GenerateRequest -> kvloom request translation (request.py):
 vLLM's meaning of each field, and every refusal naming the field the gateway
-sent. Pure: no server, no model."""
+sent. Pure: no server, no model. Constraints: test_request_constraint.py."""
 
 from __future__ import annotations
 
@@ -63,15 +63,6 @@ def test_seed_logprobs_and_stops_pass_through():
     assert p.seed == U64_MASK  # int32 -1 on this wire
     assert (p.logprobs, p.prompt_logprobs, p.stop, p.stop_token_ids) == (3, 0, ("\n",), (9,))
     assert (p.min_tokens, p.ignore_eos) == (2, True)
-
-
-@pytest.mark.parametrize("field,value", [
-    ("json_schema", '{"type": "object"}'), ("regex", "a+"), ("grammar", "root ::= 'a'"),
-    ("structural_tag", "{}"), ("json_object", True),
-    ("choice", vpb.ChoiceConstraint(choices=["a", "b"])),
-])
-def test_every_constraint_is_refused_by_name(field, value):
-    assert f"sampling_params.{field}" in refused(gen(**{field: value}))
 
 
 def test_what_kvloom_cannot_do_is_refused_never_ignored():

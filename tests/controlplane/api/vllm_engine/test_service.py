@@ -149,7 +149,7 @@ def test_one_capacity_and_one_id_space_per_protocol(api, tok):
 def test_bad_requests_are_invalid_argument_naming_the_field(api, tok):
     async def scenario():
         async with api() as h:
-            for bad, field in [(gen(tok, json_schema="{}"), "sampling_params.json_schema"),
+            for bad, field in [(gen(tok, json_schema="{"), "sampling_params.json_schema"),
                                (gen(tok, top_p=2.0), "sampling_params.top_p"),
                                (gen(tok, "x" * 300), "max model length")]:
                 error = await rpc_error(read(h.vllm_stub.Generate(bad)))

@@ -1,0 +1,64 @@
+"""One request's grammar state: xgrammar's matcher at its last real token.
+
+Owned by the engine thread. It advances only on tokens the output rank
+really sampled (Scheduler.update_from_output), never on a placeholder, so a
+step dropped by a group failure or a preemption leaves it where the
+request's tokens are: nothing to rebuild on recovery.
+"""
+
+from __future__ import annotations
+
+from controlplane.structured.mask_codec import TokenMask, encode_mask_row, unconstrained_mask
+
+
+class RequestGrammar:
+    __slots__ = ("matcher", "vocab_size", "num_accepted")
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.num_accepted = 0
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: it allows nothing more."""
+        return self.matcher.is_terminated()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance on a sampled token; False if the grammar forbids it (the
+        mask should have made that impossible: the request then fails). A
+        terminated grammar (ignore_eos went on past it) accepts anything."""
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def fill(self, scratch) -> TokenMask:
+        """The next token's mask; scratch is a [1, words] int32 bitmask (xgrammar's)."""
+        matcher = self.matcher
+        if matcher.is_terminated() or not matcher.fill_next_token_bitmask(scratch, 0):
+            return unconstrained_mask()
+        return encode_mask_row(scratch[0].numpy(), self.vocab_size)
+
+
+def status_after(grammar: RequestGrammar, token_id: int, ignore_eos: bool):
+    """The request's end, if the grammar decides it, after accepting a real
+    token: FINISHED_ERROR when the grammar forbids it (the worker's mask
+    should have made that impossible), FINISHED_STOPPED once the grammar has
+    ended (it then allows only stop tokens, so it ends the request even
+    before min_tokens; with ignore_eos the request goes on unconstrained),
+    None otherwise."""
+    from controlplane.core.request import RequestStatus
+
+    if not grammar.accept(token_id):
+        return RequestStatus.FINISHED_ERROR
+    if grammar.is_terminated and not ignore_eos:
+        return RequestStatus.FINISHED_STOPPED
+    return None
+
+
+def rejected_error(token_id: int) -> str:
+    return (f"the output's grammar rejected sampled token {token_id}: the worker's mask and "
+            f"the controlplane's grammar disagree (an engine bug; see the controlplane log)")

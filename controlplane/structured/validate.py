@@ -1,0 +1,216 @@
+"""Checks a structured-output spec at the API edge, before admission.
+
+A spec is refused (ValueError naming the field and what to fix) when it is
+too large, malformed, or asks for what xgrammar would silently drop: a JSON
+Schema keyword it ignores would let output through that does not validate,
+so such schemas are refused rather than half-honoured (vLLM's
+has_xgrammar_unsupported_json_features). Parsing here is xgrammar's own
+(Grammar.from_*), so what passes is what the compiler accepts; the compile
+itself (the costly part) runs later, off the engine thread.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+
+from controlplane.structured.params import (
+    StructuredOutputKind,
+    StructuredOutputsParams,
+    choice_as_ebnf,
+    grammar_is_lark,
+)
+
+# Defaults of the flags (--max-grammar-bytes, --max-grammar-choices).
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * 1024
+DEFAULT_MAX_GRAMMAR_CHOICES = 1024
+# JSON Schema nesting: compile time grows fast with depth (vllm#54003), and no
+# real response format nests this deep.
+MAX_JSON_SCHEMA_DEPTH = 32
+
+# Keywords xgrammar 0.2.8 ignores (it only logs a warning), by what they constrain.
+_IGNORED_KEYWORDS = (
+    "multipleOf", "uniqueItems", "contains", "minContains", "maxContains",
+    "patternProperties", "propertyNames", "dependentSchemas", "dependentRequired",
+    "not", "if", "then", "else", "unevaluatedProperties", "unevaluatedItems",
+)
+# String formats xgrammar turns into a grammar; any other it ignores.
+SUPPORTED_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname",
+    "uuid", "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+# "[12:00:00] /project/cpp/regex_converter.cc:83: " in front of xgrammar's messages.
+_XGRAMMAR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def grammar_backend_available() -> bool:
+    """Whether xgrammar is installed (scripts/install.sh installs it with
+    --no-deps: its declared dependencies pull a CUDA triton). Without it every
+    constraint is refused at the edge and ServerInfo advertises none."""
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    max_choices: int = DEFAULT_MAX_GRAMMAR_CHOICES
+
+
+def check_structured_output(params: StructuredOutputsParams, field: str,
+                            limits: GrammarLimits) -> None:
+    """Raise ValueError naming `field` (e.g. "sampling.json_schema") unless
+    xgrammar can compile the spec as asked."""
+    kind = params.kind
+    if kind is StructuredOutputKind.CHOICE:
+        _check_choices(params.choices, field, limits)
+        return
+    if kind is StructuredOutputKind.JSON_OBJECT:
+        return
+    size = len(params.spec.encode("utf-8", "surrogatepass"))
+    if size == 0:
+        raise ValueError(f"{field} is empty: send a {_WHAT[kind]}")
+    if size > limits.max_bytes:
+        raise ValueError(f"{field} is {size} bytes, over this server's limit of "
+                         f"{limits.max_bytes} (--max-grammar-bytes): send a smaller {_WHAT[kind]}")
+    if "\x00" in params.spec:
+        raise ValueError(f"{field} contains a NUL character")
+    if kind is StructuredOutputKind.JSON_SCHEMA:
+        _check_json_schema(params.spec, field)
+    elif kind is StructuredOutputKind.STRUCTURAL_TAG:
+        _parse_json(params.spec, field, "a structural tag")
+    _parse_with_xgrammar(params, field)
+
+
+_WHAT = {
+    StructuredOutputKind.JSON_SCHEMA: "JSON Schema",
+    StructuredOutputKind.REGEX: "regular expression",
+    StructuredOutputKind.GRAMMAR: "grammar (EBNF or Lark)",
+    StructuredOutputKind.STRUCTURAL_TAG: "structural tag (JSON)",
+}
+
+
+def _check_choices(choices: tuple[str, ...], field: str, limits: GrammarLimits) -> None:
+    if not choices:
+        raise ValueError(f"{field}.choices is empty: send at least one string")
+    if len(choices) > limits.max_choices:
+        raise ValueError(f"{field}.choices has {len(choices)} strings, over this server's limit "
+                         f"of {limits.max_choices} (--max-grammar-choices)")
+    total = 0
+    for i, choice in enumerate(choices):
+        if not choice:
+            raise ValueError(f"{field}.choices[{i}] is empty: every choice needs text")
+        if "\x00" in choice:
+            raise ValueError(f"{field}.choices[{i}] contains a NUL character")
+        total += len(choice.encode("utf-8", "surrogatepass"))
+    if total > limits.max_bytes:
+        raise ValueError(f"{field}.choices total {total} bytes, over this server's limit of "
+                         f"{limits.max_bytes} (--max-grammar-bytes)")
+
+
+def _parse_json(spec: str, field: str, what: str):
+    try:
+        return json.loads(spec)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{field} is not valid JSON ({what}): {exc}") from None
+
+
+# Where a schema holds schemas (JSON Schema 2020-12 and draft 7): under these
+# keywords, one schema (or a list of them) ...
+_APPLICATORS = frozenset({
+    "items", "prefixItems", "additionalItems", "additionalProperties", "allOf", "anyOf",
+    "oneOf", "not", "if", "then", "else", "contains", "propertyNames", "unevaluatedItems",
+    "unevaluatedProperties",
+})
+# ... and under these, a map from names to schemas. Everything else (enum,
+# const, default, examples, unknown keys) is data, whatever its keys.
+_SCHEMA_MAPS = frozenset({
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+    "dependencies",
+})
+_SCHEMA, _SCHEMAS, _DATA = "schema", "schemas", "data"
+
+
+def _check_json_schema(spec: str, field: str) -> None:
+    schema = _parse_json(spec, field, "a JSON Schema")
+    if not isinstance(schema, dict | bool):
+        raise ValueError(f"{field} must be a JSON object (or true/false), "
+                         f"got {type(schema).__name__}")
+    # Iterative: a hostile schema must not overflow the stack here either.
+    # Each node is a schema, a list or map of schemas, or data: keywords are
+    # checked in schemas only, so a property named "not" is no keyword and
+    # {"not": {...}} under "properties" is one.
+    stack: list[tuple[object, int, str, str]] = [(schema, 1, "", _SCHEMA)]
+    while stack:
+        node, depth, path, role = stack.pop()
+        if depth > MAX_JSON_SCHEMA_DEPTH:
+            raise ValueError(f"{field} nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels "
+                             f"(at {path or '/'}): flatten it or use $defs")
+        if isinstance(node, list):
+            member = _SCHEMA if role == _SCHEMAS else _DATA
+            stack.extend((v, depth + 1, f"{path}/{i}", member) for i, v in enumerate(node)
+                         if isinstance(v, dict | list))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if role == _SCHEMA:
+            _check_schema_node(node, field, path)
+        stack.extend((v, depth + 1, f"{path}/{k}", _member_role(role, k, v))
+                     for k, v in node.items() if isinstance(v, dict | list))
+
+
+def _member_role(role: str, key: str, value: object) -> str:
+    if role == _SCHEMAS:
+        return _SCHEMA
+    if role == _DATA:
+        return _DATA
+    if key in _SCHEMA_MAPS:
+        return _SCHEMAS if isinstance(value, dict) else _DATA
+    if key in _APPLICATORS:
+        return _SCHEMAS if isinstance(value, list) else _SCHEMA
+    return _DATA
+
+
+def _check_schema_node(node: dict, field: str, path: str) -> None:
+    for keyword in _IGNORED_KEYWORDS:
+        if keyword in node:
+            raise ValueError(f"{field} uses '{keyword}' (at {path or '/'}), which the grammar "
+                             f"backend cannot enforce: drop it or express it otherwise")
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:
+        supported = ", ".join(sorted(SUPPORTED_FORMATS))
+        raise ValueError(f"{field} uses format '{fmt}' (at {path or '/'}), which the grammar "
+                         f"backend cannot enforce; supported: {supported}")
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        raise ValueError(f"{field} combines 'pattern' with minLength/maxLength (at "
+                         f"{path or '/'}), which the grammar backend cannot enforce together: "
+                         f"put the length into the pattern")
+
+
+def _parse_with_xgrammar(params: StructuredOutputsParams, field: str) -> None:
+    import xgrammar as xgr  # the edge checks availability before any spec
+
+    kind = params.kind
+    try:
+        if kind is StructuredOutputKind.JSON_SCHEMA:
+            xgr.Grammar.from_json_schema(params.spec, any_whitespace=params.any_whitespace)
+        elif kind is StructuredOutputKind.REGEX:
+            xgr.Grammar.from_regex(params.spec)
+        elif kind is StructuredOutputKind.GRAMMAR:
+            if grammar_is_lark(params.spec):
+                xgr.Grammar.from_lark(params.spec)
+            else:
+                xgr.Grammar.from_ebnf(params.spec)
+        elif kind is StructuredOutputKind.STRUCTURAL_TAG:
+            xgr.Grammar.from_structural_tag(params.spec)
+        elif kind is StructuredOutputKind.CHOICE:
+            xgr.Grammar.from_ebnf(choice_as_ebnf(params.choices))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"{field} is not a valid {_WHAT[kind]}: {xgrammar_message(exc)}") from None
+
+
+def xgrammar_message(exc: BaseException) -> str:
+    """xgrammar's error without its timestamp and C++ source location, on one line."""
+    text = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
+    return " ".join(text.split())[:500]

@@ -1,0 +1,94 @@
+"""The controlplane's grammar backend: compiles off the caller's thread, one
+compile per spec, an LRU bounded by bytes, and failures as errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from controlplane.core.request import RequestStatus
+from controlplane.structured.backend import GrammarCompileError
+from controlplane.structured.mask_codec import unconstrained_mask
+from controlplane.structured.request_grammar import status_after
+from kvloom.testing.structured import EXAMPLES, backend_for, choice, grammar, regex
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    b = backend_for(tiny_model_dir)
+    yield b
+    b.shutdown()
+
+
+def test_equal_specs_share_one_compile_and_a_hit_is_done_at_once(backend):
+    params = regex(r"[a-c]{4}")
+    first = backend.compile(params)
+    first.result(timeout=60)
+    compiles = backend.num_compiles
+    again = backend.compile(regex(r"[a-c]{4}"))
+    assert again is first and again.done()
+    assert backend.num_compiles == compiles
+    other = backend.compile(regex(r"[a-c]{5}"))
+    other.result(timeout=60)
+    assert backend.num_compiles == compiles + 1
+
+
+def test_a_spec_that_does_not_compile_fails_and_is_not_cached(backend):
+    # Passes xgrammar's parse but names a rule that does not exist.
+    bad = grammar('root ::= item\nitem ::= missing')
+    failed = backend.compile(bad)
+    with pytest.raises(GrammarCompileError, match="grammar does not compile"):
+        failed.result(timeout=60)
+    retry = backend.compile(bad)
+    assert retry is not failed  # a failure is forgotten, never served from the cache
+    with pytest.raises(GrammarCompileError):
+        retry.result(timeout=60)
+
+
+def test_the_cache_is_bounded_by_bytes(tiny_model_dir):
+    small = backend_for(tiny_model_dir, cache_bytes=1)
+    try:
+        first = small.compile(regex("a+"))
+        first.result(timeout=60)
+        assert small.cached_bytes == 0  # over the budget: not kept
+        assert small.compile(regex("a+")) is not first
+    finally:
+        small.shutdown()
+
+
+def test_compiles_run_off_the_calling_thread(backend):
+    started = threading.Event()
+    release = threading.Event()
+    original = backend._compile
+
+    def slow(params):
+        started.set()
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(10)
+        return original(params)
+
+    backend._compile = slow
+    try:
+        future = backend.compile(choice("x", "y", "zed"))
+        assert started.wait(10) and not future.done()  # compile() returned while it runs
+        release.set()
+        future.result(timeout=60)
+    finally:
+        backend._compile = original
+
+
+@pytest.mark.parametrize("kind", sorted(EXAMPLES))
+def test_the_matcher_fills_masks_and_refuses_a_forbidden_token(backend, kind, tiny_model_dir):
+    import xgrammar as xgr
+
+    grammar_state = backend.new_request_grammar(backend.compile(EXAMPLES[kind]).result(timeout=60))
+    scratch = xgr.allocate_token_bitmask(1, backend.vocab_size)
+    mask = grammar_state.fill(scratch)
+    assert mask.kind in ("allowed", "disallowed", "bitmask")
+    assert mask != unconstrained_mask()
+    allowed = set(mask.data) if mask.kind == "allowed" else None
+    if allowed is not None:
+        forbidden = next(t for t in range(backend.vocab_size) if t not in allowed)
+        assert status_after(grammar_state, forbidden, ignore_eos=False) is \
+            RequestStatus.FINISHED_ERROR

@@ -60,9 +60,10 @@ def test_block_parser_sees_an_unmarked_block(tmp_path):
     assert blocks(doc) == [("bash", "rm -rf /\n"), ("bash no-run", "kvloom up\n")]
 
 
-def _readme_client_example() -> str:
-    found = [c for i, c in blocks(ROOT / "README.md") if i == "python" and "KvloomClient" in c]
-    assert len(found) == 1, "README's API section should have one client example"
+def _readme_client_example(*, structured: bool = False) -> str:
+    found = [c for i, c in blocks(ROOT / "README.md") if i == "python" and "KvloomClient" in c
+             and ("json_schema=" in c) == structured]
+    assert len(found) == 1, "README should have one client example and one structured one"
     return found[0]
 
 
@@ -99,6 +100,15 @@ def test_python_example(python_text, address):
 
 def test_readme_client_example(address):
     assert _run([sys.executable, "-c"], _readme_client_example(), address).strip()
+
+
+def test_readme_structured_output_example(address):
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed (scripts/install.sh)")
+    text = _run([sys.executable, "-c"], _readme_client_example(structured=True), address)
+    value = json.loads(text)
+    assert set(value) == {"city", "population"}
+    assert isinstance(value["city"], str) and len(value["city"]) <= 20
+    assert isinstance(value["population"], int) and 0 <= value["population"] <= 10**8
 
 
 def test_node_example(python_text, address):

@@ -14,13 +14,6 @@ from controlplane.structured.request_grammar import status_after
 from kvloom.testing.structured import EXAMPLES, backend_for, choice, grammar, regex
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    b = backend_for(tiny_model_dir)
-    yield b
-    b.shutdown()
-
-
 def test_equal_specs_share_one_compile_and_a_hit_is_done_at_once(backend):
     params = regex(r"[a-c]{4}")
     first = backend.compile(params)

@@ -10,50 +10,11 @@ import re
 import threading
 import time
 
-import pytest
-
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.testing.structured import EXAMPLES, backend_for, hf_constrained_greedy, regex
-from tests.inprocess.test_async_scheduling import Run
+from kvloom.testing.structured import EXAMPLES, hf_constrained_greedy, regex
 from tests.structured.test_engine_exact import PROMPT, watch_deferred
 
 CHOICE_RE = r"red|green|blue sky"
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    b = backend_for(tiny_model_dir)
-    yield b
-    b.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture
-def runs(tiny_model_dir, backend):
-    opened: list[Run] = []
-
-    def open_run(**kwargs) -> Run:
-        run = Run(tiny_model_dir, **kwargs)
-        run.engine.grammar.install(backend)
-        opened.append(run)
-        return run
-
-    yield open_run
-    for run in opened:
-        run.close()
 
 
 def request(req_id: str, params, eos: int, prompt=PROMPT, **sampling) -> Request:

@@ -13,48 +13,12 @@ import re
 import pytest
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.testing.structured import EXAMPLES, PERSON_SCHEMA, backend_for, hf_constrained_greedy
+from kvloom.testing.structured import EXAMPLES, PERSON_SCHEMA, hf_constrained_greedy
 from tests.inprocess.test_async_scheduling import Run
 from tests.integration.reference import hf_greedy
 
 MAX_TOKENS = 48
 PROMPT = [12, 85, 301, 47, 9, 220, 18]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    b = backend_for(tiny_model_dir)
-    yield b
-    b.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture
-def runs(tiny_model_dir, backend):
-    opened: list[Run] = []
-
-    def open_run(**kwargs) -> Run:
-        run = Run(tiny_model_dir, **kwargs)
-        run.engine.grammar.install(backend)
-        opened.append(run)
-        return run
-
-    yield open_run
-    for run in opened:
-        run.close()
 
 
 def constrained(req_id: str, kind: str, eos: int, prompt=PROMPT, **params) -> Request:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineErrorCode,
@@ -20,7 +18,7 @@ from controlplane.core.request import FinishReason, Request, SamplingParams
 from controlplane.engine.grammar_gate import NO_BACKEND, NOT_YET, GrammarGate
 from controlplane.executor.step_executor import StepExecutor
 from controlplane.structured.mask_codec import unconstrained_mask
-from kvloom.testing.structured import backend_for, choice, regex
+from kvloom.testing.structured import choice, regex
 
 
 class MaskSink(StepExecutor):
@@ -32,13 +30,6 @@ class MaskSink(StepExecutor):
 
     def send_grammar_masks(self, step_id, masks) -> None:
         self.sent.append((step_id, masks))
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir):
-    b = backend_for(tiny_model_dir)
-    yield b
-    b.shutdown()
 
 
 def _request(req_id: str, params, **kw) -> Request:

@@ -13,7 +13,6 @@ never waits behind a slow compile in the pool.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections import OrderedDict
@@ -30,6 +29,10 @@ from controlplane.structured.request_grammar import RequestGrammar
 from controlplane.structured.validate import xgrammar_message
 
 logger = logging.getLogger(__name__)
+
+# Compiles that may run at once. Most finish in milliseconds; this bounds how
+# many threads hostile specs (compiling past their timeout) can hold.
+MAX_COMPILE_THREADS = 8
 
 
 class GrammarCompileError(ValueError):
@@ -50,14 +53,16 @@ class GrammarBackend:
         # Caching is ours (below), sized by the same measure xgrammar uses.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1,
                                              cache_enabled=False)
-        # Two at least: one slow compile must not hold up every other spec.
-        # Daemon threads, not a ThreadPoolExecutor (whose threads the
-        # interpreter joins at exit): a compile cannot be interrupted, and a
-        # hostile one must not keep a stopping controlplane alive.
+        # Compile threads: daemons, not a ThreadPoolExecutor (whose threads
+        # the interpreter joins at exit): a compile cannot be interrupted, and
+        # a hostile one must not keep a stopping controlplane alive. A thread
+        # is added whenever a compile would otherwise queue, up to
+        # max_compile_threads: a slow compile (past its request's timeout, it
+        # still runs) holds one thread, never every new spec behind it.
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._num_threads = compile_threads or max(2, ((os.cpu_count() or 1) + 1) // 2)
-        for i in range(self._num_threads):
-            threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
+        self.max_compile_threads = compile_threads or MAX_COMPILE_THREADS
+        self._num_threads = 0
+        self._num_idle = 0
         self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
         # key -> future, compiling or done; done ones are the LRU cache.
@@ -78,6 +83,12 @@ class GrammarBackend:
                 self.num_cache_hits += 1
                 return future
             future = Future()
+            if self._num_idle == 0 and self._num_threads < self.max_compile_threads:
+                self._num_threads += 1
+                self._num_idle += 1
+                threading.Thread(target=self._work, daemon=True,
+                                 name=f"grammar-compile-{self._num_threads}").start()
+            self._num_idle -= 1  # the thread that takes it (the count may dip below 0)
             self._queue.put((future, params))
             self._futures[key] = future
             self.num_compiles += 1
@@ -97,12 +108,13 @@ class GrammarBackend:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             future, params = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._compile(params))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._compile(params))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                    future.set_exception(exc)
+            with self._lock:
+                self._num_idle += 1
 
     def _compile(self, params: StructuredOutputsParams):
         compiler = self._compiler

@@ -85,3 +85,27 @@ def test_the_matcher_fills_masks_and_refuses_a_forbidden_token(backend, kind, ti
         forbidden = next(t for t in range(backend.vocab_size) if t not in allowed)
         assert status_after(grammar_state, forbidden, ignore_eos=False) is \
             RequestStatus.FINISHED_ERROR
+
+
+def test_a_stuck_compile_does_not_hold_up_another_spec(tiny_model_dir):
+    b = backend_for(tiny_model_dir)
+    release = threading.Event()
+    original = b._compile
+
+    def stuck_on_one(params):
+        if params.spec == "z{3}":
+            release.wait(30)
+        return original(params)
+
+    b._compile = stuck_on_one
+    try:
+        stuck = b.compile(regex("z{3}"))
+        others = [b.compile(regex(f"y{{{n}}}")) for n in range(2, 5)]
+        for future in others:
+            future.result(timeout=30)  # done while the first one still runs
+        assert not stuck.done()
+    finally:
+        release.set()
+        b.shutdown()
+    stuck.result(timeout=30)
+    assert b._num_threads <= b.max_compile_threads

@@ -1,6 +1,6 @@
 """Heavy client work runs off the API event loop, on a bounded thread pool.
 
-Tokenizing a long prompt, rendering a chat template, parsing a
+Tokenizing a long prompt, rendering a chat template, checking a long
 structured-output constraint, detokenizing a long id list, and turning a
 large batch of engine outputs into response messages (incremental
 detokenizing, stop-string matching, logprobs) take milliseconds to seconds
@@ -100,12 +100,12 @@ def heavy_generate(request: pb.GenerateRequest, limits: Limits) -> bool:
 
 
 def heavy_constraint(sp, limits: Limits) -> bool:
-    """Does checking this SamplingParams.constraint belong on the pool?
-    xgrammar parses every kind but json_object and choice, and what that
-    costs does not follow the spec's size (a tiny schema whose pattern nests
-    repeats can parse slower than a large flat one): so always, unless the
-    spec is refused at once (no backend, over --max-grammar-bytes). A choice
-    check only walks its strings, so a short list stays inline. kvloom.v1's
+    """Does checking this SamplingParams.constraint belong on the pool? The
+    edge's checks (controlplane/structured/validate.py) read JSON and walk
+    strings, in time that follows the spec's size: a long spec goes to the
+    pool, unless its size alone gets it refused (over --max-grammar-bytes),
+    and a short one is checked inline. xgrammar's own parse, whose cost does
+    not follow the size, is the compile's, never the edge's. kvloom.v1's
     and the gateway's SamplingParams alike: their oneofs have the same
     branch names."""
     branch = sp.WhichOneof("constraint")
@@ -114,7 +114,7 @@ def heavy_constraint(sp, limits: Limits) -> bool:
     if branch == "choice":
         return INLINE_MAX_CHOICES < len(sp.choice.choices) <= limits.max_grammar_choices
     # Characters <= UTF-8 bytes: a longer string is over the limit for sure.
-    return len(getattr(sp, branch)) <= limits.max_grammar_bytes
+    return INLINE_MAX_CHARS < len(getattr(sp, branch)) <= limits.max_grammar_bytes
 
 
 def _heavy_prompt(request: pb.GenerateRequest, limits: Limits) -> bool:

@@ -209,7 +209,8 @@ class EngineCore(InternalErrors):
         if not self._has_work():
             # Idle: block for the next input, waking now and then to tick.
             try:
-                item = self.input_queue.get(timeout=self.recovery.wait_s(IDLE_TICK_S))
+                wait = self.grammar.wait_s(IDLE_TICK_S, time.monotonic())
+                item = self.input_queue.get(timeout=self.recovery.wait_s(wait))
             except queue.Empty:
                 return
             self._handle_safely(*item)

@@ -131,6 +131,13 @@ class GrammarGate:
         return GrammarStats(len(self._compiling), backend.num_compiles, backend.num_cache_hits,
                             backend.cached_bytes)
 
+    def wait_s(self, at_most: float, now: float) -> float:
+        """How long an idle engine may block: until the first compile deadline."""
+        if not self._compiling:
+            return at_most
+        first = min(e.deadline for e in self._compiling.values())
+        return max(0.0, min(at_most, first - now))
+
     def expire(self, now: float) -> list[EngineCoreOutput]:
         """Error outputs for the requests whose compile ran past the timeout."""
         if not self._compiling:

@@ -4,9 +4,9 @@ A spec is refused (ValueError naming the field and what to fix) when it is
 too large, malformed, or asks for what xgrammar would silently drop: a JSON
 Schema keyword it ignores would let output through that does not validate,
 so such schemas are refused rather than half-honoured (vLLM's
-has_xgrammar_unsupported_json_features). Parsing here is xgrammar's own
-(Grammar.from_*), so what passes is what the compiler accepts; the compile
-itself (the costly part) runs later, off the engine thread.
+has_xgrammar_unsupported_json_features). Every check here is cheap and
+bounded by the spec's size; xgrammar's own parse belongs to the compile
+(see check_structured_output).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from controlplane.structured.params import (
     StructuredOutputKind,
     StructuredOutputsParams,
-    choice_as_ebnf,
-    grammar_is_lark,
 )
 
 # Defaults of the flags (--max-grammar-bytes, --max-grammar-choices).
@@ -60,8 +58,13 @@ class GrammarLimits:
 
 def check_structured_output(params: StructuredOutputsParams, field: str,
                             limits: GrammarLimits) -> None:
-    """Raise ValueError naming `field` (e.g. "sampling.json_schema") unless
-    xgrammar can compile the spec as asked."""
+    """Raise ValueError naming `field` (e.g. "sampling.json_schema") when the
+    spec is too large, malformed JSON, too deep, or asks for what the backend
+    would drop. xgrammar's own parse is the compile's (backend.py), off the
+    API's threads and under --grammar-compile-timeout: a spec of a few hundred
+    bytes can take seconds to parse, and a check here would stall every
+    request queued behind it; a spec it refuses fails as INVALID_ARGUMENT
+    from there, before the request reaches the scheduler."""
     kind = params.kind
     if kind is StructuredOutputKind.CHOICE:
         _check_choices(params.choices, field, limits)
@@ -80,7 +83,6 @@ def check_structured_output(params: StructuredOutputsParams, field: str,
         _check_json_schema(params.spec, field)
     elif kind is StructuredOutputKind.STRUCTURAL_TAG:
         _parse_json(params.spec, field, "a structural tag")
-    _parse_with_xgrammar(params, field)
 
 
 _WHAT = {
@@ -186,28 +188,6 @@ def _check_schema_node(node: dict, field: str, path: str) -> None:
         raise ValueError(f"{field} combines 'pattern' with minLength/maxLength (at "
                          f"{path or '/'}), which the grammar backend cannot enforce together: "
                          f"put the length into the pattern")
-
-
-def _parse_with_xgrammar(params: StructuredOutputsParams, field: str) -> None:
-    import xgrammar as xgr  # the edge checks availability before any spec
-
-    kind = params.kind
-    try:
-        if kind is StructuredOutputKind.JSON_SCHEMA:
-            xgr.Grammar.from_json_schema(params.spec, any_whitespace=params.any_whitespace)
-        elif kind is StructuredOutputKind.REGEX:
-            xgr.Grammar.from_regex(params.spec)
-        elif kind is StructuredOutputKind.GRAMMAR:
-            if grammar_is_lark(params.spec):
-                xgr.Grammar.from_lark(params.spec)
-            else:
-                xgr.Grammar.from_ebnf(params.spec)
-        elif kind is StructuredOutputKind.STRUCTURAL_TAG:
-            xgr.Grammar.from_structural_tag(params.spec)
-        elif kind is StructuredOutputKind.CHOICE:
-            xgr.Grammar.from_ebnf(choice_as_ebnf(params.choices))
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"{field} is not a valid {_WHAT[kind]}: {xgrammar_message(exc)}") from None
 
 
 def xgrammar_message(exc: BaseException) -> str:

@@ -10,6 +10,8 @@ import pytest
 from controlplane.core.request import RequestStatus
 from controlplane.structured.backend import GrammarCompileError
 from controlplane.structured.mask_codec import unconstrained_mask
+from controlplane.structured.params import StructuredOutputKind as Kind
+from controlplane.structured.params import StructuredOutputsParams
 from controlplane.structured.request_grammar import status_after
 from kvloom.testing.structured import EXAMPLES, backend_for, choice, grammar, regex
 
@@ -31,7 +33,7 @@ def test_a_spec_that_does_not_compile_fails_and_is_not_cached(backend):
     # Passes xgrammar's parse but names a rule that does not exist.
     bad = grammar('root ::= item\nitem ::= missing')
     failed = backend.compile(bad)
-    with pytest.raises(GrammarCompileError, match="grammar does not compile"):
+    with pytest.raises(GrammarCompileError, match="grammar constraint is not valid"):
         failed.result(timeout=60)
     retry = backend.compile(bad)
     assert retry is not failed  # a failure is forgotten, never served from the cache
@@ -109,3 +111,26 @@ def test_a_stuck_compile_does_not_hold_up_another_spec(tiny_model_dir):
         b.shutdown()
     stuck.result(timeout=30)
     assert b._num_threads <= b.max_compile_threads
+
+
+@pytest.mark.parametrize(("params", "reason"), [
+    (StructuredOutputsParams(Kind.JSON_SCHEMA, '{"type": "frobnicate"}'),
+     'the json_schema constraint is not valid: Unsupported type "frobnicate"'),
+    (regex("(ab"), "the regex constraint is not valid: Regex parsing error"),
+    (regex("[z-a]"), "the regex constraint is not valid: "),
+    (grammar('root ::= "a'), "the grammar constraint is not valid: EBNF lexer error"),
+    (grammar("start: ("), "the grammar constraint is not valid: "),
+    (grammar("just some words"), "the grammar constraint is not valid: "),
+    (StructuredOutputsParams(Kind.STRUCTURAL_TAG, "{}"),
+     "the structural_tag constraint is not valid: "),
+    (StructuredOutputsParams(Kind.STRUCTURAL_TAG, "[]"),
+     "the structural_tag constraint is not valid: "),
+])
+def test_specs_xgrammar_refuses_fail_their_compile_with_its_reason(backend, params, reason):
+    """xgrammar parses in the compile, off the API's threads (validate.py
+    leaves it there): its refusal becomes the request's INVALID_ARGUMENT."""
+    with pytest.raises(GrammarCompileError) as info:
+        backend.compile(params).result(timeout=60)
+    message = str(info.value)
+    assert message.startswith(reason), message
+    assert "\n" not in message and "/project/cpp" not in message and len(message) < 700

@@ -50,11 +50,11 @@ async def _settle(call) -> None:
 def test_hostile_constraints_are_invalid_argument_on_both_apis(api, tok):
     async def scenario():
         async with api() as h:
-            for sampling, field in [({"regex": "(ab"}, "regex"),
+            for sampling, field in [({"regex": "a\x00"}, "regex"),
                                     ({"json_schema": '{"multipleOf": 2, "type": "number"}'},
                                      "json_schema"),
                                     ({"json_object": False}, "json_object"),
-                                    ({"grammar": "root ::= nope"}, "grammar")]:
+                                    ({"grammar": ""}, "grammar")]:
                 details = await _refused(h.stub.Generate(request(
                     sampling={"max_tokens": 4, **sampling})))
                 assert details.startswith(f"sampling.{field}"), details

@@ -193,7 +193,8 @@ def renamed_schema(n: int) -> dict:
 # ---- /metrics ----------------------------------------------------------------------
 
 _WAIT = "kvloom_workerd_grammar_wait_seconds"
-_GRAMMAR_COUNTERS = ("kvloom_grammar_compiles_total", "kvloom_grammar_cache_hits_total")
+_GRAMMAR_COUNTERS = ("kvloom_grammar_compiles_total", "kvloom_grammar_cache_hits_total",
+                     "kvloom_grammar_mask_bytes_total")
 
 
 def _bucket(text: str, le: str) -> float:
@@ -236,6 +237,7 @@ def window_figures(d: dict[str, float], duration: float, serial: bool) -> dict:
     out["grammar_waits_over_1ms"] = 1 - d["wait_le_1ms"] / waits if waits else 0.0
     out["grammar_compiles"] = int(d["kvloom_grammar_compiles_total"])
     out["grammar_cache_hits"] = int(d["kvloom_grammar_cache_hits_total"])
+    out["grammar_mask_bytes"] = int(d["kvloom_grammar_mask_bytes_total"])
     return out
 
 
@@ -402,6 +404,9 @@ ROWS = [
     ("ITL p90 (ms)", _ms("itl_ms_p90", 2), "itl_ms_p90"),
     ("constrained steps", lambda m: str(m.get("constrained_steps", "-")), None),
     ("grammar wait ms/constrained step", _ms("grammar_wait_ms_mean", 3), None),
+    ("mask bytes/constrained step",
+     lambda m: f"{_div(m['grammar_mask_bytes'], m['constrained_steps']):.0f}"
+     if m.get("constrained_steps") else "-", None),
     ("constrained steps waiting > 1 ms (%)",
      lambda m: f"{100 * m['grammar_waits_over_1ms']:.0f}" if m.get("constrained_steps") else "-",
      None),

@@ -126,8 +126,7 @@ class Executor(StepExecutor):
         # Single values the engine thread writes too, so outside the lock.
         self._last_success = 0.0
         self._steps_in_flight = 0
-        # Bytes of GrammarMasks written to the output rank (benchmarks).
-        self.grammar_mask_bytes = 0
+        self._grammar_mask_bytes = 0  # GrammarMasks written (loop thread)
 
     # ---- lifecycle on the event loop -------------------------------------
 
@@ -157,6 +156,7 @@ class Executor(StepExecutor):
                 last_success=self._last_success,
                 steps_in_flight=self._steps_in_flight,
                 num_gpu_blocks=self._num_gpu_blocks,
+                grammar_mask_bytes=self._grammar_mask_bytes,
             )
 
     # ---- registration (called by worker_service on the loop) -------------
@@ -479,7 +479,7 @@ class Executor(StepExecutor):
         handle = self._handles.get(self.parallel.output_rank)
         if self._state is GroupState.READY and handle is not None:
             handle.outbox.put_nowait(raw)
-            self.grammar_mask_bytes += len(raw)
+            self._grammar_mask_bytes += len(raw)
 
     def _step_off_the_wire(self, _future) -> None:
         self._steps_in_flight -= 1

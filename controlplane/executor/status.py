@@ -72,6 +72,8 @@ class ExecutorStatus:
     steps_in_flight: int = 0
     # The KV pool of the latest start-up (the minimum over ranks).
     num_gpu_blocks: int = 0
+    # Bytes of GrammarMasks written to the output rank since start (structured outputs).
+    grammar_mask_bytes: int = 0
 
     @property
     def step_in_flight(self) -> bool:

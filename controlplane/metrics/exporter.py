@@ -381,4 +381,8 @@ class _ScrapeCollector:
                                        "reason.", labels=["model_name", "reason"])
         for kind in FailureKind:
             failures.add_metric([m, kind.value], status.failure_counts.get(kind, 0))
-        yield from (up, age, fwd, ready, failures, in_flight, busy)
+        masks = CounterMetricFamily("kvloom_grammar_mask_bytes", "Bytes of grammar masks sent "
+                                    "to the output rank (structured outputs).",
+                                    labels=["model_name"])
+        masks.add_metric([m], status.grammar_mask_bytes)
+        yield from (up, age, fwd, ready, failures, in_flight, busy, masks)

@@ -17,6 +17,8 @@ import numpy as np
 
 # Wire bytes of one id in a packed varint list: ids < 2^14 take 2, larger 3.
 _ID_BYTES = 3
+# Rows of at most this many words (a 2,048-token vocabulary) go raw.
+SMALL_ROW_WORDS = 64
 
 
 class TokenMask(NamedTuple):
@@ -34,10 +36,16 @@ def unconstrained_mask() -> TokenMask:
     return UNCONSTRAINED
 
 
-def encode_mask_row(words: np.ndarray, vocab_size: int) -> TokenMask:
-    """A TokenMask for one filled row (int32 words, at least ceil(vocab/32))."""
+def encode_mask_row(words: np.ndarray, vocab_size: int, *,
+                    small_row_words: int = SMALL_ROW_WORDS) -> TokenMask:
+    """A TokenMask for one filled row (int32 words, at least ceil(vocab/32));
+    rows of at most small_row_words words go raw."""
     num_words = -(-vocab_size // 32)
     words = words[:num_words]
+    if num_words <= small_row_words:
+        # A small vocabulary's raw row is a few hundred bytes at most: not
+        # worth the scan (which costs more than sending it).
+        return TokenMask("bitmask", words.astype("<i4", copy=False).tobytes())
     full = np.flatnonzero(words == -1)
     partial = np.flatnonzero((words != 0) & (words != -1))
     partial_bits = _bits(words[partial])  # [len(partial), 32] bool

@@ -61,6 +61,7 @@ def _series(steps: int, wait_s: float, waits: int, waits_le_1ms: int) -> dict[st
             "cpu:controlplane": 0.002 * steps, "cpu:ranks": 0.001 * steps,
             "cpu:client": 0.0005 * steps, "kvloom_grammar_compiles_total": 0.0,
             "kvloom_grammar_cache_hits_total": float(bool(waits)) * 2,
+            "kvloom_grammar_mask_bytes_total": 150.0 * waits,
             f"{so._WAIT}_sum": wait_s, f"{so._WAIT}_count": float(waits),
             "wait_le_1ms": float(waits_le_1ms)}
 

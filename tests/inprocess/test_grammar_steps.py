@@ -154,7 +154,8 @@ def allowed_at(k: int) -> np.ndarray:
 
 def mask_row(allowed: np.ndarray) -> TokenMask:
     words = np.packbits(np.concatenate([allowed, np.ones(-V % 32, bool)]), bitorder="little")
-    return encode_mask_row(words.view("<i4"), V)
+    # Every encoding, though a vocabulary this small would go raw.
+    return encode_mask_row(words.view("<i4"), V, small_row_words=0)
 
 
 def hf_masked_greedy(model_dir: str, prompt: list[int], n: int):

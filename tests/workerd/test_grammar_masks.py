@@ -95,12 +95,14 @@ DENSITIES = st.sampled_from([0.0, 0.002, 0.03, 0.5, 0.97, 0.998, 1.0])
 
 @settings(max_examples=200, deadline=None)
 @given(vocab=VOCABS, densities=st.lists(DENSITIES, min_size=1, max_size=4),
-       seed=st.integers(0, 2**32 - 1), extra_words=st.integers(0, 2))
+       seed=st.integers(0, 2**32 - 1), extra_words=st.integers(0, 2),
+       small=st.sampled_from([0, 64]))
 def test_what_the_controlplane_encodes_decodes_to_the_same_allowed_set(
-        vocab, densities, seed, extra_words):
+        vocab, densities, seed, extra_words, small):
     rng = np.random.default_rng(seed)
     rows = [allowed_set(vocab, d, rng) for d in densities]
-    masks = [encode_mask_row(words_of(a, rng, extra_words), vocab) for a in rows]
+    masks = [encode_mask_row(words_of(a, rng, extra_words), vocab, small_row_words=small)
+             for a in rows]
     decoded = decode_token_masks(on_the_wire(masks), vocab, "cpu")
     assert decoded.dtype == torch.bool and decoded.shape == (len(rows), vocab)
     assert np.array_equal(decoded.numpy(), np.stack(rows))

@@ -141,7 +141,7 @@ def metrics():
     status = ExecutorStatus(
         state=GroupState.READY, world_size=config.parallel.world_size, ranks=(h0.snapshot(),),
         num_gpu_blocks=64, failure_counts={FailureKind.HEARTBEAT_TIMEOUT: 2},
-        steps_in_flight=2)
+        steps_in_flight=2, grammar_mask_bytes=4096)
     executor = SimpleNamespace(status=lambda: status)
     return ControlPlaneMetrics(config, engine, executor), stats, engine
 
@@ -257,3 +257,4 @@ def test_grammar_gauges_and_counters_read_the_engine_snapshot(metrics):
     assert _get(s, "kvloom_grammar_compiles_total") == 5
     assert _get(s, "kvloom_grammar_cache_hits_total") == 7
     assert _get(s, "kvloom_grammar_cache_bytes") == 1000
+    assert _get(s, "kvloom_grammar_mask_bytes_total") == 4096

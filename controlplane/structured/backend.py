@@ -28,6 +28,7 @@ from controlplane.structured.params import (
     grammar_is_lark,
 )
 from controlplane.structured.request_grammar import RequestGrammar
+from controlplane.structured.validate import WHAT as _WHAT
 from controlplane.structured.validate import xgrammar_message
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,11 @@ logger = logging.getLogger(__name__)
 MAX_COMPILE_THREADS = 8
 # Added to the compile threads' nice value (Linux schedules threads apart).
 COMPILE_NICENESS = 10
+
+
+# The engine knows no API: a compile error names kvloom.v1's field, and the
+# VllmEngine edge renames the prefix (sampling_params.) for its clients.
+KVLOOM_FIELD_PREFIX = "sampling."
 
 
 class GrammarCompileError(ValueError):
@@ -148,7 +154,8 @@ class GrammarBackend:
                 return compiler.compile_structural_tag(params.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarCompileError(
-                f"the {kind.value} constraint is not valid: {xgrammar_message(exc)}") from None
+                f"{KVLOOM_FIELD_PREFIX}{kind.value} is not a valid {_WHAT[kind]}: "
+                f"{xgrammar_message(exc)}") from None
         raise AssertionError(f"unknown structured output kind {kind!r}")
 
     def _settle(self, key: tuple, future: Future) -> None:

@@ -73,10 +73,10 @@ def check_structured_output(params: StructuredOutputsParams, field: str,
         return
     size = len(params.spec.encode("utf-8", "surrogatepass"))
     if size == 0:
-        raise ValueError(f"{field} is empty: send a {_WHAT[kind]}")
+        raise ValueError(f"{field} is empty: send a {WHAT[kind]}")
     if size > limits.max_bytes:
         raise ValueError(f"{field} is {size} bytes, over this server's limit of "
-                         f"{limits.max_bytes} (--max-grammar-bytes): send a smaller {_WHAT[kind]}")
+                         f"{limits.max_bytes} (--max-grammar-bytes): send a smaller {WHAT[kind]}")
     if "\x00" in params.spec:
         raise ValueError(f"{field} contains a NUL character")
     if kind is StructuredOutputKind.JSON_SCHEMA:
@@ -85,7 +85,9 @@ def check_structured_output(params: StructuredOutputsParams, field: str,
         _parse_json(params.spec, field, "a structural tag")
 
 
-_WHAT = {
+WHAT = {
+    StructuredOutputKind.JSON_OBJECT: "JSON object",
+    StructuredOutputKind.CHOICE: "choice",
     StructuredOutputKind.JSON_SCHEMA: "JSON Schema",
     StructuredOutputKind.REGEX: "regular expression",
     StructuredOutputKind.GRAMMAR: "grammar (EBNF or Lark)",

@@ -524,7 +524,8 @@ def test_an_invalid_schema_is_a_400_with_kvlooms_message(client, proxy, stream):
     message, call = _refused(client, proxy, stream=stream, response_format={
         "type": "json_schema", "json_schema": {"name": "bogus", "schema": bogus}})
     assert call.constraint == ("json_schema", bogus)
-    assert "json_schema" in message and 'Unsupported type "bogus"' in message, message
+    assert "sampling_params.json_schema is not a valid JSON Schema" in message, message
+    assert 'Unsupported type "bogus"' in message, message
 
 
 def test_an_invalid_tool_schema_is_a_400_naming_where_in_smgs_schema(client, proxy):

@@ -403,7 +403,8 @@ INVALID_SPECS = [
      {"json_schema": json.dumps({"type": "integer", "multipleOf": 3})}),
     # xgrammar's own refusal comes from the compile (off the API's threads),
     # before the request reaches the scheduler.
-    ("the regex constraint", "is not valid: Regex parsing error", {"regex": "([a-z"}),
+    ("sampling.regex", "is not a valid regular expression: Regex parsing error",
+     {"regex": "([a-z"}),
     ("sampling.json_any_whitespace", "applies only to json_schema and json_object",
      {"regex": "[a-z]+", "json_any_whitespace": False}),
     ("sampling.choice.choices[1]", "is empty", {"choice": ["yes", ""]}),

@@ -33,7 +33,7 @@ def test_a_spec_that_does_not_compile_fails_and_is_not_cached(backend):
     # Passes xgrammar's parse but names a rule that does not exist.
     bad = grammar('root ::= item\nitem ::= missing')
     failed = backend.compile(bad)
-    with pytest.raises(GrammarCompileError, match="grammar constraint is not valid"):
+    with pytest.raises(GrammarCompileError, match="sampling.grammar is not a valid grammar"):
         failed.result(timeout=60)
     retry = backend.compile(bad)
     assert retry is not failed  # a failure is forgotten, never served from the cache
@@ -115,16 +115,17 @@ def test_a_stuck_compile_does_not_hold_up_another_spec(tiny_model_dir):
 
 @pytest.mark.parametrize(("params", "reason"), [
     (StructuredOutputsParams(Kind.JSON_SCHEMA, '{"type": "frobnicate"}'),
-     'the json_schema constraint is not valid: Unsupported type "frobnicate"'),
-    (regex("(ab"), "the regex constraint is not valid: Regex parsing error"),
-    (regex("[z-a]"), "the regex constraint is not valid: "),
-    (grammar('root ::= "a'), "the grammar constraint is not valid: EBNF lexer error"),
-    (grammar("start: ("), "the grammar constraint is not valid: "),
-    (grammar("just some words"), "the grammar constraint is not valid: "),
+     'sampling.json_schema is not a valid JSON Schema: Unsupported type "frobnicate"'),
+    (regex("(ab"), "sampling.regex is not a valid regular expression: Regex parsing error"),
+    (regex("[z-a]"), "sampling.regex is not a valid regular expression: "),
+    (grammar('root ::= "a'),
+     "sampling.grammar is not a valid grammar (EBNF or Lark): EBNF lexer error"),
+    (grammar("start: ("), "sampling.grammar is not a valid grammar (EBNF or Lark): "),
+    (grammar("just some words"), "sampling.grammar is not a valid grammar (EBNF or Lark): "),
     (StructuredOutputsParams(Kind.STRUCTURAL_TAG, "{}"),
-     "the structural_tag constraint is not valid: "),
+     "sampling.structural_tag is not a valid structural tag (JSON): "),
     (StructuredOutputsParams(Kind.STRUCTURAL_TAG, "[]"),
-     "the structural_tag constraint is not valid: "),
+     "sampling.structural_tag is not a valid structural tag (JSON): "),
 ])
 def test_specs_xgrammar_refuses_fail_their_compile_with_its_reason(backend, params, reason):
     """xgrammar parses in the compile, off the API's threads (validate.py

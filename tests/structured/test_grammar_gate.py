@@ -123,7 +123,7 @@ def test_a_failed_compile_is_an_invalid_argument(backend):
             time.sleep(0.01)
         out = gate.compiled(bad)
     assert out.error_code is EngineErrorCode.INVALID_ARGUMENT
-    assert out.error.startswith("the grammar constraint is not valid: ")
+    assert out.error.startswith("sampling.grammar is not a valid grammar (EBNF or Lark): ")
 
 
 def _step(step_id: int, sampling: list[str]) -> ScheduledStep:

@@ -48,6 +48,7 @@ from controlplane.api.vllm_engine.request import GatewayRequest, resolve
 from controlplane.api.vllm_engine.stream import TokenStream
 from controlplane.api.vllm_engine.tokenizer_bundle import BundleError, build_bundle
 from controlplane.core.outputs import EngineCoreOutput
+from controlplane.structured.backend import KVLOOM_FIELD_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
                 yield msg
             if error is not None:
                 details = error.error.replace(repr(error.request_id), repr(request_id))
+                if details.startswith(KVLOOM_FIELD_PREFIX):  # a grammar's compile error
+                    details = "sampling_params." + details.removeprefix(KVLOOM_FIELD_PREFIX)
                 await context.abort(GRPC_STATUS[error.error_code], details)
             live = sum(not s.finished for s in streams.values())
 

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+from controlplane.structured.json_schema import bounded_strings_as_patterns
 from controlplane.structured.params import (
     StructuredOutputKind,
     StructuredOutputsParams,
@@ -28,8 +29,8 @@ from controlplane.structured.params import (
     grammar_is_lark,
 )
 from controlplane.structured.request_grammar import RequestGrammar
+from controlplane.structured.validate import MAX_JSON_SCHEMA_DEPTH, xgrammar_message
 from controlplane.structured.validate import WHAT as _WHAT
-from controlplane.structured.validate import xgrammar_message
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,8 @@ class GrammarBackend:
         kind = params.kind
         try:
             if kind is StructuredOutputKind.JSON_SCHEMA:
-                return compiler.compile_json_schema(params.spec,
-                                                    any_whitespace=params.any_whitespace)
+                spec = bounded_strings_as_patterns(params.spec, MAX_JSON_SCHEMA_DEPTH)
+                return compiler.compile_json_schema(spec, any_whitespace=params.any_whitespace)
             if kind is StructuredOutputKind.JSON_OBJECT:
                 return compiler.compile_json_schema('{"type": "object"}',
                                                     any_whitespace=params.any_whitespace)

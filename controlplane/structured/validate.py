@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from controlplane.structured.json_schema import SchemaTooDeep, schema_nodes
 from controlplane.structured.params import (
     StructuredOutputKind,
     StructuredOutputsParams,
@@ -120,60 +121,17 @@ def _parse_json(spec: str, field: str, what: str):
         raise ValueError(f"{field} is not valid JSON ({what}): {exc}") from None
 
 
-# Where a schema holds schemas (JSON Schema 2020-12 and draft 7): under these
-# keywords, one schema (or a list of them) ...
-_APPLICATORS = frozenset({
-    "items", "prefixItems", "additionalItems", "additionalProperties", "allOf", "anyOf",
-    "oneOf", "not", "if", "then", "else", "contains", "propertyNames", "unevaluatedItems",
-    "unevaluatedProperties",
-})
-# ... and under these, a map from names to schemas. Everything else (enum,
-# const, default, examples, unknown keys) is data, whatever its keys.
-_SCHEMA_MAPS = frozenset({
-    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
-    "dependencies",
-})
-_SCHEMA, _SCHEMAS, _DATA = "schema", "schemas", "data"
-
-
 def _check_json_schema(spec: str, field: str) -> None:
     schema = _parse_json(spec, field, "a JSON Schema")
     if not isinstance(schema, dict | bool):
         raise ValueError(f"{field} must be a JSON object (or true/false), "
                          f"got {type(schema).__name__}")
-    # Iterative: a hostile schema must not overflow the stack here either.
-    # Each node is a schema, a list or map of schemas, or data: keywords are
-    # checked in schemas only, so a property named "not" is no keyword and
-    # {"not": {...}} under "properties" is one.
-    stack: list[tuple[object, int, str, str]] = [(schema, 1, "", _SCHEMA)]
-    while stack:
-        node, depth, path, role = stack.pop()
-        if depth > MAX_JSON_SCHEMA_DEPTH:
-            raise ValueError(f"{field} nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels "
-                             f"(at {path or '/'}): flatten it or use $defs")
-        if isinstance(node, list):
-            member = _SCHEMA if role == _SCHEMAS else _DATA
-            stack.extend((v, depth + 1, f"{path}/{i}", member) for i, v in enumerate(node)
-                         if isinstance(v, dict | list))
-            continue
-        if not isinstance(node, dict):
-            continue
-        if role == _SCHEMA:
+    try:
+        for node, path in schema_nodes(schema, MAX_JSON_SCHEMA_DEPTH):
             _check_schema_node(node, field, path)
-        stack.extend((v, depth + 1, f"{path}/{k}", _member_role(role, k, v))
-                     for k, v in node.items() if isinstance(v, dict | list))
-
-
-def _member_role(role: str, key: str, value: object) -> str:
-    if role == _SCHEMAS:
-        return _SCHEMA
-    if role == _DATA:
-        return _DATA
-    if key in _SCHEMA_MAPS:
-        return _SCHEMAS if isinstance(value, dict) else _DATA
-    if key in _APPLICATORS:
-        return _SCHEMAS if isinstance(value, list) else _SCHEMA
-    return _DATA
+    except SchemaTooDeep as exc:
+        raise ValueError(f"{field} nests deeper than {MAX_JSON_SCHEMA_DEPTH} levels "
+                         f"(at {exc.path or '/'}): flatten it or use $defs") from None
 
 
 def _check_schema_node(node: dict, field: str, path: str) -> None:

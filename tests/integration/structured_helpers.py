@@ -116,23 +116,18 @@ async def status_and_details(stub, request: pb.GenerateRequest,
 def check_text(params: StructuredOutputsParams, text: str) -> None:
     """The text (EOS excluded) matches the constraint it was generated under.
     PERSON_SCHEMA is checked field by field, the others' string properties
-    by their length bounds.
-
-    JSON is parsed with strict=False: xgrammar 0.2.8 compiles a string with
-    minLength/maxLength to a bounded repeat of a class that excludes only
-    the quote, the backslash, CR and LF, so raw control characters
-    (U+0000-U+001F but CR/LF) get through, and the tiny model emits
-    them (mlc-ai/xgrammar#800, fix proposed in #880); a strict parser refuses
-    them. kvloom's output equals the reference's either way."""
+    by their length bounds. JSON is parsed strictly: no raw control
+    character (controlplane/structured/json_schema.py keeps them out of
+    length-bounded strings, which xgrammar 0.2.8 alone lets through)."""
     kind = params.kind
     if kind is StructuredOutputKind.JSON_SCHEMA:
-        value = json.loads(text, strict=False)
+        value = json.loads(text)
         if json.loads(params.spec) == PERSON_SCHEMA:
             check_person(value)
         else:
             check_schema_shape(json.loads(params.spec), value)
     elif kind is StructuredOutputKind.JSON_OBJECT:
-        assert isinstance(json.loads(text, strict=False), dict), text
+        assert isinstance(json.loads(text), dict), text
     elif kind is StructuredOutputKind.REGEX:
         assert re.fullmatch(params.spec, text), (params.spec, text)
     elif kind is StructuredOutputKind.CHOICE:

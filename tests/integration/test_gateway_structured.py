@@ -23,8 +23,9 @@ What smg sends (observed here and pinned by the tests):
 
 Refusals: a schema kvloom refuses is an HTTP 400 (openai.BadRequestError)
 with kvloom's message, streamed or not, sent once and never retried.
-xfail (strict): a length-bounded string may hold a raw control character
-(xgrammar), so a forced tool call can come back as unparsable content.
+A length-bounded string holds no raw control character (kvloom rewrites
+its bounds into a pattern: xgrammar 0.2.8 would let them through, and the
+gateway's strict parser would refuse the forced tool call).
 
 The tiny model is random, so only the grammar can end its output, and any
 whitespace lets it loop on whitespace: with make_tiny_llama's default seed
@@ -469,13 +470,6 @@ class ToolCallsMissing(Exception):
     """The gateway returned no tool_calls for a tool_choice that forces one."""
 
 
-@pytest.mark.xfail(strict=True, raises=ToolCallsMissing, reason=(
-    "xgrammar 0.2.8 compiles a JSON-schema string with minLength/maxLength to "
-    "`root_characters ::= [^\"\\\\\\r\\n]`, which admits raw U+0000-U+001F "
-    "(mlc-ai/xgrammar#800, fix proposed in #880; an unbounded string's rule excludes "
-    "them): the constrained output is not JSON to a strict parser, and smg's serde_json "
-    "refuses it, so a named tool_choice comes back as content with finish_reason "
-    "'stop' and no tool_calls. vLLM with xgrammar does the same."))
 def test_a_length_bounded_string_holds_no_raw_control_character(client, proxy, tok,
                                                                reference):
     messages = [{"role": "user", "content": "Rome"}]  # the city string gets a form feed

@@ -192,6 +192,12 @@ class StructuredOutputConfig:
     grammar_compile_timeout_s: float = option(
         30.0, "seconds a constraint's grammar may take to compile before its request fails "
         "with DEADLINE_EXCEEDED", flag="--grammar-compile-timeout", gt=0, le=3600)
+    # vLLM's disable_any_whitespace, inverted: small models given free
+    # whitespace between JSON tokens can emit blanks until max_tokens.
+    json_any_whitespace: bool = option(
+        True, "JSON constraints that do not say (kvloom.v1's json_any_whitespace unset; every "
+        "VllmEngine request, whose wire has no such field) allow any whitespace between JSON "
+        "tokens; --no-json-any-whitespace makes them compact")
     grammar_cache_bytes: int = option(
         256 * 1024 * 1024, "bytes of compiled grammars kept for reuse by later requests with "
         "the same constraint (least recently used go first); 0 = no cache",

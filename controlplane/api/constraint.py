@@ -51,11 +51,12 @@ def resolve_constraint(sp, limits: structured.GrammarLimits,
             f"{field} is set, but this server has no grammar backend: structured outputs "
             f"need xgrammar on the controlplane ({INSTALL_HINT}); send no constraint")
     params = _params(sp, branch, field)
-    if any_ws is not None:
-        if params.kind not in JSON_KINDS:
-            raise ConstraintError(
-                f"{prefix}.{JSON_ANY_WHITESPACE} is set with {field}, but it applies only to "
-                f"json_schema and json_object: leave it unset")
+    if any_ws is not None and params.kind not in JSON_KINDS:
+        raise ConstraintError(
+            f"{prefix}.{JSON_ANY_WHITESPACE} is set with {field}, but it applies only to "
+            f"json_schema and json_object: leave it unset")
+    if params.kind in JSON_KINDS:
+        any_ws = limits.json_any_whitespace if any_ws is None else any_ws
         params = StructuredOutputsParams(params.kind, params.spec, params.choices, any_ws)
     try:
         structured.check_structured_output(params, field, limits)

@@ -71,6 +71,7 @@ class Limits:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # --max-message-bytes
     max_grammar_bytes: int = structured.DEFAULT_MAX_GRAMMAR_BYTES  # --max-grammar-bytes
     max_grammar_choices: int = structured.DEFAULT_MAX_GRAMMAR_CHOICES  # --max-grammar-choices
+    json_any_whitespace: bool = True  # --[no-]json-any-whitespace: the default of the field
     # Whether xgrammar is installed: without it every constraint is refused.
     # Looked up when built (a test may patch it), not when imported.
     grammar_backend: bool = dataclasses.field(
@@ -90,6 +91,7 @@ class Limits:
             max_message_bytes=config.server.max_message_bytes,
             max_grammar_bytes=config.structured_output.max_grammar_bytes,
             max_grammar_choices=config.structured_output.max_grammar_choices,
+            json_any_whitespace=config.structured_output.json_any_whitespace,
         )
 
     def default(self, name: str, fallback: float) -> float:
@@ -117,7 +119,8 @@ class Limits:
 
     @property
     def grammar_limits(self) -> structured.GrammarLimits:
-        return structured.GrammarLimits(self.max_grammar_bytes, self.max_grammar_choices)
+        return structured.GrammarLimits(self.max_grammar_bytes, self.max_grammar_choices,
+                                        self.json_any_whitespace)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ def grammar_backend_available() -> bool:
 class GrammarLimits:
     max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     max_choices: int = DEFAULT_MAX_GRAMMAR_CHOICES
+    # What a JSON constraint that does not say gets (--[no-]json-any-whitespace).
+    json_any_whitespace: bool = True
 
 
 def check_structured_output(params: StructuredOutputsParams, field: str,

@@ -14,6 +14,7 @@ from controlplane.config import ControlPlaneConfig, ModelConfig, StructuredOutpu
 from controlplane.structured.validate import (
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_GRAMMAR_CHOICES,
+    GrammarLimits,
 )
 from tests.checkpoints import config_only_checkpoint
 
@@ -34,7 +35,7 @@ def test_defaults():
     assert (args.grammar_compile_timeout_s, args.grammar_cache_bytes) == (30.0, 256 * MiB)
     assert ControlPlaneConfig(model=ModelConfig()).structured_output == StructuredOutputConfig(
         max_grammar_bytes=64 * 1024, max_grammar_choices=1024, grammar_compile_timeout_s=30.0,
-        grammar_cache_bytes=256 * MiB)
+        grammar_cache_bytes=256 * MiB, json_any_whitespace=True)
 
 
 @pytest.mark.parametrize("argv", [
@@ -100,11 +101,12 @@ def test_flags_land_in_the_config_and_the_edges_limits(tmp_path):
     model = config_only_checkpoint(tmp_path)
     parser = build_parser()
     argv = ["--model", model, "--max-grammar-bytes", "100", "--max-grammar-choices", "3",
-            "--grammar-compile-timeout", "1.5", "--grammar-cache-bytes", "0"]
+            "--grammar-compile-timeout", "1.5", "--grammar-cache-bytes", "0",
+            "--no-json-any-whitespace"]
     config, info = build_config(parser.parse_args(argv), parser)
     assert config.structured_output == StructuredOutputConfig(
         max_grammar_bytes=100, max_grammar_choices=3, grammar_compile_timeout_s=1.5,
-        grammar_cache_bytes=0)
+        grammar_cache_bytes=0, json_any_whitespace=False)
     limits = Limits.from_config(config, info)
     assert (limits.max_grammar_bytes, limits.max_grammar_choices) == (100, 3)
-    assert (limits.grammar_limits.max_bytes, limits.grammar_limits.max_choices) == (100, 3)
+    assert limits.grammar_limits == GrammarLimits(100, 3, json_any_whitespace=False)

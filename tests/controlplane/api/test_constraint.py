@@ -251,3 +251,16 @@ def test_more_choices_than_allowed_are_refused_inline():
     limits = Limits(vocab_size=100, max_model_len=64, max_grammar_choices=INLINE_MAX_CHOICES,
                     grammar_backend=True)
     assert heavy_constraint(request.sampling, limits) is False
+
+
+def test_the_servers_whitespace_default_applies_to_json_kinds_that_do_not_say():
+    """--no-json-any-whitespace: compact JSON unless a request asks; the
+    VllmEngine wire cannot ask, so the flag is its only say."""
+    compact = Limits(vocab_size=100, max_model_len=64, json_any_whitespace=False,
+                     grammar_backend=True)
+    assert resolved(compact, json_schema="{}").any_whitespace is False
+    assert resolved(compact, json_object=True).any_whitespace is False
+    assert resolved(compact, json_schema="{}", json_any_whitespace=True).any_whitespace is True
+    assert resolved(LIMITS, json_schema="{}").any_whitespace is True
+    # Not a JSON kind: nothing to say about whitespace.
+    assert resolved(compact, regex="a+").any_whitespace is True

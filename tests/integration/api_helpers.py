@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.v1 import generation_pb2 as pb
 from kvloom.v1 import generation_pb2_grpc
@@ -60,3 +63,14 @@ async def assert_no_leaked_blocks(stub, attempts: int = 50) -> None:
         f"{info.num_total_blocks - info.num_free_blocks} KV blocks still held, "
         f"{info.num_requests_running} running"
     )
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """A /metrics page: (sample name, labels but model_name) -> value."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }

@@ -13,16 +13,15 @@ import asyncio
 import json
 import re
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.structured.params import StructuredOutputKind, StructuredOutputsParams
 from kvloom.api import build_request
 from kvloom.testing.structured import PERSON_SCHEMA
 from kvloom.v1 import generation_pb2 as pb
+from tests.integration.api_helpers import scrape
 
 # One Generate call's deadline: far beyond any run here; a hang fails the test.
 CALL_S = 120.0
@@ -154,16 +153,6 @@ def check_schema_shape(schema: dict, value) -> None:
 
 
 # ---- /metrics -------------------------------------------------------------------
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """(sample name, labels but model_name) -> value."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
 def metric(url: str, name: str) -> float:

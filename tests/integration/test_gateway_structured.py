@@ -53,6 +53,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from kvloom.testing.checkpoints import make_tiny_llama  # noqa: E402
 from kvloom.testing.structured import (  # noqa: E402
+    PERSON_SCHEMA,
     backend_for,
     hf_constrained_greedy,
     json_object,
@@ -73,16 +74,7 @@ MAX_TOKENS = 200  # generous: every reference here ends within ~110 tokens
 CALL_S = 120.0  # any one HTTP call or proxied RPC; a hang fails the test
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-    },
-    "required": ["name", "age", "role"],
-    "additionalProperties": False,
-}
+PERSON = PERSON_SCHEMA
 WEATHER = {
     "type": "object",
     "properties": {

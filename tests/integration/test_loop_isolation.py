@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.tokenize_service import MAX_DETOKENIZE_IDS
 from kvloom.client import KvloomClient
 from kvloom.v1 import generation_pb2 as pb
 from tests.integration.api_helpers import collect, greedy_request, read_all, stub_for, tokens_of
+from tests.integration.api_helpers import scrape as _scrape
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy
 
@@ -48,16 +47,6 @@ BIG = [("grpc.max_send_message_length", 128 << 20),
 def _cjk(chars: int) -> str:
     rng = random.Random(0)
     return "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(chars))
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
 async def _status(call) -> tuple[grpc.StatusCode, object]:

@@ -14,14 +14,13 @@ and /metrics counts the preemptions and the accepted priority classes.
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.v1 import generation_pb2 as pb
 from tests.integration.api_helpers import assert_no_leaked_blocks, greedy_request, stub_for
+from tests.integration.api_helpers import scrape as _scrape
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy
 
@@ -94,16 +93,6 @@ async def _scenario(address: str):
         results = {n: await t for n, t in tasks.items()}
         await assert_no_leaked_blocks(stub)
     return results, events
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
 def test_high_priority_overtakes_and_preempts_low_priority(cluster, tiny_model_dir):

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks import structured_outputs as so
+from benchmarks import structured_report as report
 from benchmarks.serving import RequestRecord
 
 
@@ -27,8 +28,8 @@ def test_flags():
 
 def test_the_schema_bounds_its_output_and_the_workloads_pair_lengths():
     longest = json.dumps(so._LONGEST)
-    assert so.json_ok(longest) and len(longest) + 1 == so.LONGEST_TOKENS
-    assert not so.json_ok('{"name": "Ann"}') and not so.json_ok("{")
+    assert report.json_ok(longest) and len(longest) + 1 == so.LONGEST_TOKENS
+    assert not report.json_ok('{"name": "Ann"}') and not report.json_ok("{")
     lengths = list(range(30, 30 + so.NUM_CONSTRAINED))
     mixed = so.workload_jobs("mixed", lengths, 128)
     plain = so.workload_jobs("plain", lengths, 128)
@@ -62,7 +63,7 @@ def _series(steps: int, wait_s: float, waits: int, waits_le_1ms: int) -> dict[st
             "cpu:client": 0.0005 * steps, "kvloom_grammar_compiles_total": 0.0,
             "kvloom_grammar_cache_hits_total": float(bool(waits)) * 2,
             "kvloom_grammar_mask_bytes_total": 150.0 * waits,
-            f"{so._WAIT}_sum": wait_s, f"{so._WAIT}_count": float(waits),
+            f"{report._WAIT}_sum": wait_s, f"{report._WAIT}_count": float(waits),
             "wait_le_1ms": float(waits_le_1ms)}
 
 
@@ -83,7 +84,7 @@ def _fixed_result() -> dict:
 
 
 def test_report_pools_the_repeats_and_compares_the_workloads():
-    rep = so.cluster_report(_fixed_result())
+    rep = report.cluster_report(_fixed_result())
     a, b = rep["metrics"]["plain"], rep["metrics"]["mixed"]
     assert a["output_tokens"] == b["output_tokens"] == 20
     assert a["output_throughput"] == pytest.approx(10.0)  # 20 tokens in 2 s
@@ -102,11 +103,11 @@ def test_report_pools_the_repeats_and_compares_the_workloads():
         [0.5, 1 / 1.5])
     assert [(r["repeat"], r["workload"]) for r in rep["repeats"]] == [
         (1, "plain"), (1, "mixed"), (2, "plain"), (2, "mixed")]
-    table = so.format_cluster("tiny async", rep)
+    table = report.format_cluster("tiny async", rep)
     assert "(b)/(a) wall ms/step per repeat: 2.000, 1.500 (median 1.750)" in table
     assert "first-seen schema 12.0 ms (compiles 2, cache hits 2)" in table
     assert "2/2 of 2" in table
-    summary = so.format_summary({"tiny async": rep})
+    summary = report.format_summary({"tiny async": rep})
     assert "tiny async" in summary and "1.750" in summary
     json.dumps(rep)  # what --out writes
 

@@ -13,6 +13,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvloom.cli.launcher import Cluster, ClusterSpec
+from tests.integration.structured_fixtures import (  # noqa: F401 (fixtures)
+    backend,
+    reference,
+    tokenizer,
+)
 from tests.torch_fixtures import tiny_model_dir  # noqa: F401 (a fixture)
 
 

@@ -1,0 +1,154 @@
+"""Test hosts in network namespaces: N "machines" on one private switch.
+
+Every host is a network namespace with one interface (eth0) and one address
+from a private /24 that exists only inside these namespaces: the switch (a
+bridge) lives in a namespace of its own, each host's veth peer is plugged
+into it, no namespace has a default route and the root namespace gets no
+address at all, so nothing can leave them. A process started on a host
+(run()) sees only that host's interfaces: every connection between hosts
+crosses a real interface with its own address, unlike loopback.
+
+Partitions are links taken down and up again: cut(host) unplugs a host from
+the switch (its own eth0 stays up, so its processes notice nothing but
+silence), heal(host) plugs it back.
+
+NetnsHosts is a context manager: on exit (also after a failure) it kills the
+processes it started and deletes every namespace it made, which removes
+their interfaces too. netns_unavailable() says why hosts cannot be made here
+(not root, no `ip`, namespaces refused), for tests to skip with that reason.
+The first piece of issue 33 (clusters across real network boundaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import random
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+
+# Bound on every `ip` call: they return in milliseconds, a hang is a bug.
+IP_TIMEOUT_S = 10.0
+# 10.213.X.0/24 with X random per instance, so parallel runs do not collide
+# (the namespaces are apart anyway; distinct subnets keep logs unambiguous).
+SUBNET_PREFIX = "10.213"
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    netns: str
+    address: str
+    # The switch-side end of this host's cable (in the switch namespace).
+    port: str
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    probe = f"kvlprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        return f"`ip netns add` failed: {exc}"
+    with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        _ip("netns", "del", probe)
+    return None
+
+
+class NetnsHosts:
+    def __init__(self, num_hosts: int, *, tag: str | None = None) -> None:
+        if not 1 <= num_hosts <= 200:
+            raise ValueError(f"num_hosts must be in 1..200, got {num_hosts}")
+        self.num_hosts = num_hosts
+        # Short: interface names are at most 15 characters.
+        self.tag = tag or f"k{os.getpid() % 100000}{random.randrange(100)}"
+        self.subnet = ipaddress.ip_network(f"{SUBNET_PREFIX}.{random.randrange(1, 255)}.0/24")
+        self.switch = f"{self.tag}sw"
+        self.hosts: list[Host] = []
+        self._made: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> NetnsHosts:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        self._add_netns(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        first = self.subnet.network_address + 1
+        for i in range(self.num_hosts):
+            netns, port = f"{self.tag}h{i}", f"{self.tag}p{i}"
+            address = str(first + i)
+            self._add_netns(netns)
+            _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns)
+            _ip("link", "set", port, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            _ip("-n", netns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0")
+            _ip("-n", netns, "link", "set", "eth0", "up")
+            _ip("-n", netns, "link", "set", "lo", "up")
+            self.hosts.append(Host(i, netns, address, port))
+
+    def _add_netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+
+    # ---- processes ------------------------------------------------------------
+
+    def command(self, host: Host, argv: list[str]) -> list[str]:
+        """argv as run on `host` (ip netns exec)."""
+        return ["ip", "netns", "exec", host.netns, *argv]
+
+    def run(self, host: Host, argv: list[str], **popen) -> subprocess.Popen:
+        """Start argv on `host`; killed on close() if still running."""
+        proc = subprocess.Popen(self.command(host, argv), start_new_session=True, **popen)
+        self._procs.append(proc)
+        return proc
+
+    # ---- partitions -----------------------------------------------------------
+
+    def cut(self, host: Host) -> None:
+        """Unplug `host` from the switch: no packet reaches it or leaves it."""
+        _ip("-n", self.switch, "link", "set", host.port, "down")
+
+    def heal(self, host: Host) -> None:
+        _ip("-n", self.switch, "link", "set", host.port, "up")
+
+    # ---- clean-up ---------------------------------------------------------------
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(IP_TIMEOUT_S)
+        self._procs.clear()
+        # Deleting a namespace deletes its interfaces; their veth peers go too.
+        for name in reversed(self._made):
+            with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
+                _ip("netns", "del", name)
+        self._made.clear()
+
+
+def _ip(*args: str) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S,
+                          check=False)
+    if done.returncode != 0:
+        raise subprocess.CalledProcessError(done.returncode, ["ip", *args], done.stdout,
+                                            done.stderr)
+    return done.stdout

@@ -319,7 +319,7 @@ def _serve(config: WorkerdConfig, metrics) -> int:
                 reply.world_size)
     if metrics is not None:
         metrics.registered(reply.rank)
-    worker = Worker(me.device)
+    worker = Worker(me.device, me.advertise_host)
     conn.on_abort = lambda: _abort_command(worker, link, config.metrics)
     conn.on_grammar_masks = worker.grammar_masks.put
     conn.on_stream_end = lambda: worker.grammar_masks.abort("the stream to the controlplane ended")

@@ -46,8 +46,10 @@ class CommandError(Exception):
 
 
 class Worker:
-    def __init__(self, device_spec: str = "auto"):
+    def __init__(self, device_spec: str = "auto", advertise_host: str = "127.0.0.1"):
         self.device_spec = device_spec
+        # The address peers reach this rank's process group at (what it registered with).
+        self.advertise_host = advertise_host
         self.ps = None
         self.runner = None
         self.last_forward_time_s = 0.0
@@ -84,6 +86,7 @@ class Worker:
     # ---- handlers --------------------------------------------------------
 
     def init_distributed(self, cmd: worker_pb2.InitDistributed) -> worker_pb2.WorkerMessage:
+        from workerd.distributed.gloo_interface import pin_gloo_interface
         from workerd.distributed.parallel_state import init_parallel_state, rebind_parallel_state
 
         try:
@@ -91,6 +94,11 @@ class Worker:
             claim_device(device, cmd.rank)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
+        if cmd.world_size > 1 and device.type != "cuda":
+            try:
+                pin_gloo_interface(self.advertise_host)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
         t0 = time.monotonic()
         ps = init_parallel_state(
             rank=cmd.rank,

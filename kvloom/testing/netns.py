@@ -28,6 +28,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 
 # Bound on every `ip` call: they return in milliseconds, a hang is a bug.
@@ -74,6 +75,7 @@ class NetnsHosts:
         self.hosts: list[Host] = []
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
+        self._logs: list = []
 
     def __enter__(self) -> NetnsHosts:
         try:
@@ -113,11 +115,24 @@ class NetnsHosts:
         """argv as run on `host` (ip netns exec)."""
         return ["ip", "netns", "exec", host.netns, *argv]
 
-    def run(self, host: Host, argv: list[str], **popen) -> subprocess.Popen:
-        """Start argv on `host`; killed on close() if still running."""
+    def run(self, host: Host, argv: list[str], *, log_path=None, **popen) -> subprocess.Popen:
+        """Start argv on `host` (stdout and stderr to log_path, if given);
+        killed on close() if still running."""
+        if log_path is not None:
+            log = open(log_path, "w")  # noqa: SIM115 - closed by close()
+            self._logs.append(log)
+            popen = {**popen, "stdout": log, "stderr": subprocess.STDOUT}
         proc = subprocess.Popen(self.command(host, argv), start_new_session=True, **popen)
         self._procs.append(proc)
         return proc
+
+    def free_port(self, host: Host) -> int:
+        """A TCP port free on `host` now (its kernel picks it)."""
+        probe = ("import socket, sys; s = socket.socket(); s.bind((sys.argv[1], 0)); "
+                 "print(s.getsockname()[1])")
+        done = subprocess.run(self.command(host, [sys.executable, "-c", probe, host.address]),
+                              capture_output=True, text=True, timeout=IP_TIMEOUT_S, check=True)
+        return int(done.stdout)
 
     # ---- partitions -----------------------------------------------------------
 
@@ -138,6 +153,9 @@ class NetnsHosts:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(IP_TIMEOUT_S)
         self._procs.clear()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
         # Deleting a namespace deletes its interfaces; their veth peers go too.
         for name in reversed(self._made):
             with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):

@@ -37,7 +37,7 @@ from workerd.sample.grammar_masks import GrammarMaskBox
 class HeldWorker:
     last_forward_time_s = 0.0
 
-    def __init__(self, device):
+    def __init__(self, device, advertise_host):
         self.grammar_masks = GrammarMaskBox()
 
     def handle(self, msg):

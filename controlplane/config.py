@@ -138,6 +138,12 @@ class WorkerGroupConfig:
         120.0, "seconds in-flight requests are held while the worker group re-forms after a "
         "failure; 0 = fail them at once with UNAVAILABLE (fail-fast)",
         flag="--engine-recovery-timeout", ge=0, le=86400)
+    # A redeploy replaces the controlplane, not the ranks: released workers
+    # re-register with its successor on the same address and keep their
+    # weights (workerd's --reconnect-timeout bounds how long they wait).
+    keep_workers_on_exit: bool = option(
+        False, "on stop, release the workers instead of telling them to shut down: they "
+        "keep their weights and re-register with the next controlplane at this address")
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,10 @@ def grpc_options(config: ControlPlaneConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Workers probe their link this often at most (workerd's
+        # KEEPALIVE_MIN_S is twice it): a partition is silence, and their
+        # keepalive is how they notice it within --link-timeout.
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
         ("grpc.http2.max_pings_without_data", 0),
         # No SO_REUSEPORT: a second controlplane on this port must fail, not
         # silently share the port's connections with this one.

@@ -1,8 +1,14 @@
 """`kvloom-workerd` / `python -m workerd`: dial the controlplane, register, serve commands.
 
+When the stream breaks without a Shutdown (a partition, a controlplane that
+died or restarts), the worker leaves its process group, keeps its weights and
+registers again as the same rank, re-dialing for up to --reconnect-timeout;
+the controlplane's next LoadModel then reuses the weights.
+
 Exit codes: 0 when the controlplane asked the worker to stop, or on SIGTERM
 once the current command (a step, a model load) has finished and its reply is
-sent; 1 when the stream broke, a start-up step failed, or the current command
+sent; 1 when the stream broke and no controlplane took the worker back within
+--reconnect-timeout, a start-up step failed, or the current command
 outlived --shutdown-timeout after SIGTERM; 2 when registration was refused,
 the TLS handshake with the controlplane failed, --metrics-port is held by
 another process, or --controlplane, --device, --cpu-cores, --io-cpu-cores,
@@ -23,6 +29,7 @@ import contextlib
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -155,6 +162,10 @@ def advertise_host(args: argparse.Namespace) -> str:
         return "127.0.0.1"  # a local cluster: everyone meets on loopback
     return socket.gethostname()
 
+
+# This process at every registration: the controlplane tells our own
+# re-registration from another worker's claim on the rank by it.
+INSTANCE_ID = secrets.token_hex(8)
 
 DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
@@ -289,23 +300,102 @@ def _place_threads(placement) -> None:
 
 def _serve(config: WorkerdConfig, metrics) -> int:
     link, me = config.connection, config.registration
-    conn = ControlplaneConnection(link.controlplane, link.credentials)
+    conn = ControlplaneConnection(link.controlplane, link.credentials,
+                                  keepalive_s=link.heartbeat_interval_s,
+                                  link_timeout_s=link.link_timeout_s)
     stop = SigtermStop(conn.commands, config.process.shutdown_timeout_s)
     if threading.current_thread() is threading.main_thread():
         stop.install()
+    reply = _register(conn, _register_request(me, me.rank), link.connect_timeout_s)
+    if isinstance(reply, int):
+        return reply
+    worker = Worker(me.device, me.advertise_host)
+    conn.on_abort = lambda: _abort_command(worker, link, config.metrics)
+    conn.on_grammar_masks = worker.grammar_masks.put
+    conn.on_stream_end = lambda: worker.grammar_masks.abort("the stream to the controlplane ended")
+    busy = threading.Event()
+    conn.start_heartbeat(link.heartbeat_interval_s, worker)
     try:
-        conn.connect(link.connect_timeout_s)
-        request = worker_pb2.RegisterRequest(
-            protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
-            host=me.advertise_host,
-            device=me.device,
-            auth_token=me.auth_token,
-            pid=os.getpid(),
-            dist_port=me.dist_port or free_port(""),
-        )
-        if me.rank >= 0:
-            request.rank = me.rank
-        reply = conn.register(request)
+        while True:
+            logger.info("registered with %s as rank %d of %d", link.controlplane, reply.rank,
+                        reply.world_size)
+            if metrics is not None:
+                metrics.registered(reply.rank)
+            conn.start_reader(busy)
+            _place_threads(config.placement.cores)  # the reader and gRPC's threads are new
+            stop.serving.set()
+            _command_loop(conn, worker, busy, stop, metrics)
+            conn.main_left()
+            if stop.requested.is_set():
+                logger.info("stopped on SIGTERM")
+                return 0
+            if conn.exit_code == 0 or link.reconnect_timeout_s <= 0:
+                return conn.exit_code  # told to shut down, or no re-dialing asked for
+            reply = _rejoin(conn, worker, me, reply.rank, link, stop)
+            if isinstance(reply, int):
+                return reply
+    except KeyboardInterrupt:
+        logger.info("interrupted")
+        return 0
+    finally:
+        worker.close()
+        # Ends our side of the stream and waits (bounded) for the controlplane
+        # to end its side, so the last reply is delivered, not cut off.
+        conn.close()
+
+
+def _command_loop(conn: ControlplaneConnection, worker: Worker, busy: threading.Event,
+                  stop: SigtermStop, metrics) -> None:
+    """Run the stream's commands until it ends (or SIGTERM)."""
+    while (msg := conn.commands.get()) is not None:
+        busy.set()
+        out = worker.handle(msg)
+        busy.clear()
+        if out is not None:
+            conn.send(out)
+        if metrics is not None:
+            metrics.after_command(msg, out, worker)  # after the reply is on its way
+        if stop.requested.is_set():
+            break  # commands queued behind this one are not started
+
+
+def _rejoin(conn: ControlplaneConnection, worker: Worker, me: RegistrationConfig, rank: int,
+            link: ConnectionConfig, stop: SigtermStop) -> worker_pb2.RegisterReply | int:
+    """The stream broke (a partition, a controlplane restart): leave the
+    failed group, keep the weights, and register again as the same rank,
+    re-dialing for at most --reconnect-timeout (gRPC's reconnect back-off is
+    capped at RECONNECT_BACKOFF_MS). The reply, or the exit code."""
+    stop.serving.clear()  # SIGTERM while re-dialing: nothing to finish, exit at once
+    worker.leave_group()
+    conn.drain_commands()
+    logger.warning("the stream to the controlplane ended; weights kept, re-registering as "
+                   "rank %d for up to %g s (--reconnect-timeout)", rank,
+                   link.reconnect_timeout_s)
+    return _register(conn, _register_request(me, rank), link.reconnect_timeout_s,
+                     rejoining=True)
+
+
+def _register_request(me: RegistrationConfig, rank: int) -> worker_pb2.RegisterRequest:
+    request = worker_pb2.RegisterRequest(
+        protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
+        host=me.advertise_host,
+        device=me.device,
+        auth_token=me.auth_token,
+        pid=os.getpid(),
+        dist_port=me.dist_port or free_port(""),
+        instance_id=INSTANCE_ID,
+    )
+    if rank >= 0:
+        request.rank = rank
+    return request
+
+
+def _register(conn: ControlplaneConnection, request: worker_pb2.RegisterRequest,
+              timeout_s: float, *, rejoining: bool = False) -> worker_pb2.RegisterReply | int:
+    """Dial and register within timeout_s: the reply, or the exit code."""
+    try:
+        conn.connect(timeout_s, "--reconnect-timeout" if rejoining else "--connect-timeout")
+        return conn.register(request, rejoining=rejoining)
     except RegistrationError as exc:
         logger.error("registration refused: %s", exc)
         return 2
@@ -315,42 +405,6 @@ def _serve(config: WorkerdConfig, metrics) -> int:
     except ConnectionError as exc:
         logger.error("%s", exc)
         return 1
-    logger.info("registered with %s as rank %d of %d", link.controlplane, reply.rank,
-                reply.world_size)
-    if metrics is not None:
-        metrics.registered(reply.rank)
-    worker = Worker(me.device, me.advertise_host)
-    conn.on_abort = lambda: _abort_command(worker, link, config.metrics)
-    conn.on_grammar_masks = worker.grammar_masks.put
-    conn.on_stream_end = lambda: worker.grammar_masks.abort("the stream to the controlplane ended")
-    busy = threading.Event()
-    conn.start_reader(busy)
-    conn.start_heartbeat(link.heartbeat_interval_s, worker)
-    _place_threads(config.placement.cores)
-    stop.serving.set()
-    try:
-        while (msg := conn.commands.get()) is not None:
-            busy.set()
-            out = worker.handle(msg)
-            busy.clear()
-            if out is not None:
-                conn.send(out)
-            if metrics is not None:
-                metrics.after_command(msg, out, worker)  # after the reply is on its way
-            if stop.requested.is_set():
-                break  # commands queued behind this one are not started
-    except KeyboardInterrupt:
-        logger.info("interrupted")
-        return 0
-    finally:
-        worker.close()
-        # Ends our side of the stream and waits (bounded) for the controlplane
-        # to end its side, so the last reply is delivered, not cut off.
-        conn.close()
-    if stop.requested.is_set():
-        logger.info("stopped on SIGTERM")
-        return 0
-    return getattr(conn, "exit_code", 1)
 
 
 if __name__ == "__main__":

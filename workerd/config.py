@@ -25,6 +25,9 @@ from kvloom.common.config_args import option
 
 # An orchestrator's grace period is minutes at most; an hour is already a bug.
 MAX_SHUTDOWN_TIMEOUT_S = 3600.0
+# Heartbeats and keepalive answers are seconds apart; ten minutes of silence
+# is a dead link under any setting.
+MAX_LINK_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,21 @@ class ConnectionConfig:
         120.0, "seconds to keep dialing and registering before giving up",
         flag="--connect-timeout")
     heartbeat_interval_s: float = option(
-        5.0, "seconds between heartbeats to the controlplane", flag="--heartbeat-interval")
+        5.0, "seconds between heartbeats to the controlplane; also how often the "
+        "connection is probed (gRPC keepalive) when nothing else arrives",
+        flag="--heartbeat-interval", gt=0, le=MAX_LINK_S)
+    # A partitioned link looks like silence, not an error: TCP would retry for
+    # many minutes. The keepalive ping's answer is what proves the link alive.
+    link_timeout_s: float = option(
+        10.0, "seconds a keepalive ping may go unanswered before the stream to the "
+        "controlplane counts as broken (then the worker re-registers)",
+        flag="--link-timeout", ge=1, le=MAX_LINK_S)
+    # The weights are the expensive part of a rank: a partition or a
+    # controlplane restart should cost a re-registration, not a reload.
+    reconnect_timeout_s: float = option(
+        600.0, "after the stream breaks (not a Shutdown), seconds to keep re-dialing the "
+        "controlplane with the weights kept before exiting; 0 = exit at once",
+        flag="--reconnect-timeout", ge=0, le=86400)
     # Resolved from the --ssl-* files; None = plaintext.
     credentials: grpc.ChannelCredentials | None = None
 

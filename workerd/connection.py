@@ -3,10 +3,17 @@
 A reader thread takes commands off the stream and queues them for the main
 thread, which runs them one at a time; only GrammarMasks skips the queue
 (on_grammar_masks), because the running step may be waiting for it. The
-reader also watches for the end:
-when the controlplane says Shutdown or the stream breaks while the main
-thread is stuck (e.g. in a collective with a dead peer), it gives the main
-thread a grace period and then ends the process, so no rank is left hanging.
+reader also watches for the end: when the controlplane says Shutdown or the
+stream breaks while a command runs, it releases that command (its
+collectives' sockets are shut: the peers are in the same failed group) and
+gives the main thread a grace period to leave it, then ends the process, so
+no rank is left hanging. Whether the worker then exits or dials again
+(keeping its weights) is __main__'s choice; connect() and register() may be
+called again for that, with the same commands queue.
+
+A partition is silence, not an error: gRPC keepalive pings (every
+--heartbeat-interval, answered within --link-timeout) are what turn it into
+a broken stream on this side.
 
 With TLS (channel_credentials: workerd's --ssl-ca-certs, --ssl-certfile,
 --ssl-keyfile) a failed handshake is not an unreachable controlplane: gRPC
@@ -45,6 +52,10 @@ DIAL_ATTEMPT_S = 2.0
 # Log every this many dial attempts after the first two, so a long wait for
 # the controlplane shows in the log without a line per attempt.
 DIAL_LOG_EVERY = 5
+# The controlplane's ports take a keepalive ping every second at most
+# (controlplane/server.py); twice that leaves room for timer jitter, which
+# would otherwise count as ping abuse and close the connection.
+KEEPALIVE_MIN_S = 2.0
 # The controlplane answers a RegisterRequest at once; one that does not within
 # this long is stuck (or is not a controlplane) and the attempt is retried.
 REGISTER_ATTEMPT_S = 10.0
@@ -62,6 +73,11 @@ class RegistrationError(RuntimeError):
 # Codes after which a registration attempt is retried: the controlplane went
 # away (restarting) or did not answer in time. Any other code is a refusal.
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A worker re-registering after its stream broke may arrive before the
+# controlplane has noticed the old stream is dead: its rank still looks
+# taken until the heartbeat timeout lets it go, so these are retried too.
+_REJOIN_RETRY_CODES = (*_RETRY_CODES, grpc.StatusCode.ALREADY_EXISTS,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class _DeadlineExceeded(grpc.RpcError):
@@ -120,12 +136,16 @@ def _last_error(details: str) -> str:
     return details.split("last error: ", 1)[-1]
 
 
-def channel_options() -> list[tuple[str, int]]:
+def channel_options(keepalive_s: float = 20.0, link_timeout_s: float = 10.0
+                    ) -> list[tuple[str, int]]:
+    """keepalive_s: how often the link is probed (at least KEEPALIVE_MIN_S, which
+    the controlplane's port permits); link_timeout_s: how long a probe may go
+    unanswered before the transport, and the stream on it, count as broken."""
     return [
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", int(1000 * max(KEEPALIVE_MIN_S, keepalive_s))),
+        ("grpc.keepalive_timeout_ms", int(1000 * link_timeout_s)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC's default reconnect back-off grows to 120 s: a worker started
@@ -139,8 +159,15 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 class ControlplaneConnection:
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None, *,
+                 keepalive_s: float = 20.0, link_timeout_s: float = 10.0):
         self.target = target
+        self._options = channel_options(keepalive_s, link_timeout_s)
+        # 0 once the controlplane said Shutdown; 1 when the stream broke.
+        self.exit_code = 1
+        # Set by the main thread once it has left the command loop of the
+        # stream that ended: the reader stops waiting to end a stuck process.
+        self._main_left = threading.Event()
         # None = plaintext (the controlplane without --worker-ssl-certfile).
         self._credentials = credentials
         self._closed_handshakes = 0
@@ -163,18 +190,23 @@ class ControlplaneConnection:
         self.on_stream_end = None
         self._deadline = 0.0
         self._timeout_s = 0.0
+        self._timeout_flag = "--connect-timeout"
 
-    def connect(self, timeout_s: float) -> None:
+    def connect(self, timeout_s: float, flag: str = "--connect-timeout") -> None:
         """Wait until the controlplane answers (it may still be starting).
 
-        Sets the deadline register() retries within as well."""
+        Sets the deadline register() retries within as well; flag names the
+        setting timeout_s came from, for the error past it."""
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
+        self._timeout_flag = flag
+        if self._channel is not None:
+            self._channel.close()  # a re-dial: the old transport is dead or dying
         if self._credentials is None:
-            self._channel = grpc.insecure_channel(self.target, options=channel_options())
+            self._channel = grpc.insecure_channel(self.target, options=self._options)
         else:
             self._channel = grpc.secure_channel(
-                self.target, self._credentials, options=channel_options())
+                self.target, self._credentials, options=self._options)
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -195,7 +227,7 @@ class ControlplaneConnection:
                         "--ssl-ca-certs (and --ssl-certfile/--ssl-keyfile for mTLS)")
                 raise ConnectionError(
                     f"could not reach the controlplane at {self.target} within "
-                    f"{self._timeout_s:.0f} s (--connect-timeout){hint}"
+                    f"{self._timeout_s:.0f} s ({self._timeout_flag}){hint}"
                 ) from None
             n = self.dial_attempts
             if n <= 2 or n % DIAL_LOG_EVERY == 0:
@@ -244,11 +276,16 @@ class ControlplaneConnection:
                 f"worker's certificate (none given, signed by a CA other than its "
                 f"--worker-ssl-ca-certs, or expired); check --ssl-certfile and --ssl-keyfile")
 
-    def register(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterReply:
+    def register(self, request: worker_pb2.RegisterRequest, *, rejoining: bool = False
+                 ) -> worker_pb2.RegisterReply:
         """Open the stream and register; retried while the controlplane is
-        unreachable or silent, until connect()'s deadline. A refusal, or a
-        peer that is not a kvloom controlplane, raises RegistrationError."""
+        unreachable or silent, until connect()'s deadline (rejoining: also
+        while the controlplane still holds our rank's old stream). A refusal,
+        or a peer that is not a kvloom controlplane, raises RegistrationError."""
         assert self._channel is not None
+        retry_codes = _REJOIN_RETRY_CODES if rejoining else _RETRY_CODES
+        self.exit_code = 1
+        self._main_left.clear()
         while True:
             try:
                 return self._register_once(request)
@@ -261,15 +298,17 @@ class ControlplaneConnection:
                     "(it does not implement WorkerControl.Connect); point --controlplane "
                     "at the controlplane's worker port",
                 )
-            if code not in _RETRY_CODES:
+            if code not in retry_codes:
                 raise RegistrationError(code, details)
             if time.monotonic() >= self._deadline:
                 raise ConnectionError(
                     f"could not register with the controlplane at {self.target} within "
-                    f"{self._timeout_s:.0f} s (--connect-timeout): {code.name} {details}"
+                    f"{self._timeout_s:.0f} s ({self._timeout_flag}): {code.name} {details}"
                 )
             logger.warning("registration with %s failed (%s %s); retrying",
                            self.target, code.name, details)
+            if code not in _RETRY_CODES:
+                time.sleep(DIAL_ATTEMPT_S)  # the channel is up: pace the attempts
             self._wait_ready()
 
     def _register_once(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterReply:
@@ -349,15 +388,31 @@ class ControlplaneConnection:
         # Set before the end-of-stream marker: the main thread reads exit_code
         # as soon as it sees the marker.
         self.exit_code = code
+        if busy.is_set() and self.on_abort is not None:
+            # The running command may wait on peers of a group that is gone
+            # (a partition cuts them off as well): release it.
+            self.on_abort()
         if self.on_stream_end is not None:
             self.on_stream_end()
         self.commands.put(None)
-        if busy.is_set():
-            # The main thread may be blocked in a collective whose peer is gone.
-            time.sleep(EXIT_GRACE_S)
+        if busy.is_set() and not self._main_left.wait(EXIT_GRACE_S):
+            # The main thread is still blocked (a collective the abort missed).
             logger.error("main thread still busy %.0f s after the stream ended; exiting",
                          EXIT_GRACE_S)
             os._exit(code)
+
+    def main_left(self) -> None:
+        """The main thread has left the ended stream's command loop."""
+        self._main_left.set()
+
+    def drain_commands(self) -> None:
+        """Drop what the ended stream left queued (its end marker included):
+        none of it belongs to the next registration."""
+        while True:
+            try:
+                self.commands.get_nowait()
+            except queue.Empty:
+                return
 
     def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
         """End our side of the stream, then the channel. Closing the channel

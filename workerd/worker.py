@@ -206,6 +206,16 @@ class Worker:
 
     def reset(self, cmd: worker_pb2.Reset) -> worker_pb2.WorkerMessage:
         """Leave the failed group; keep the weights for the next one."""
+        self.leave_group()
+        port = free_port("")  # every interface: peers on other hosts dial it
+        logger.info("left the worker group (%s); weights kept, rendezvous port %d next",
+                    cmd.reason or "no reason given", port)
+        return worker_pb2.WorkerMessage(reset_done=worker_pb2.ResetDone(dist_port=port))
+
+    def leave_group(self) -> None:
+        """Leave the process groups and drop every request's state and the KV
+        cache; the weights (and the ParallelState the layers hold) stay for
+        the next group, which a Reset or a re-registration leads to."""
         from workerd.distributed.parallel_state import destroy_parallel_state
 
         if self.ps is not None:
@@ -213,10 +223,6 @@ class Worker:
         if self.runner is not None:
             self.runner.reset_state()
         self.grammar_masks.clear()  # the failed group's; the next group's steps count afresh
-        port = free_port("")  # every interface: peers on other hosts dial it
-        logger.info("left the worker group (%s); weights kept, rendezvous port %d next",
-                    cmd.reason or "no reason given", port)
-        return worker_pb2.WorkerMessage(reset_done=worker_pb2.ResetDone(dist_port=port))
 
     def _require_runner(self):
         if self.runner is None:

@@ -13,23 +13,23 @@ registration. A malformed reply never reaches the scheduler.
 
 Survivors (with --engine-recovery-timeout > 0) are not let go: they stay
 attached and are sent Reset, which makes them leave their process groups and
-drop all request state but keep their weights; the rank that failed (its
-stream closed, it went silent or broke the protocol) is let go and its
-supervisor restarts it. Once every rank is attached again the handshake runs
-anew, rendezvous on the port rank 0 named in its ResetDone, and LoadModel is
-answered from the weights already loaded. A survivor that cannot answer Reset
-within the heartbeat timeout (stuck in a collective with the dead peer) is let
-go too. Replies to calls of a failed group are dropped by call id. With
-recovery off (timeout 0) every rank is told to shut down, as before.
-docs/recovery.md has the whole sequence.
+drop all request state but keep their weights; the rank that failed is let
+go: released (its stream ended without a Shutdown) when it was lost or went
+silent, since it may be alive behind a partition and re-register with its
+weights, told to shut down when it broke the protocol. A registration from
+the same process for a rank still attached proves that rank's stream dead
+at once. Once every rank is attached again the handshake runs anew,
+rendezvous on the port rank 0 named in its ResetDone, and LoadModel reuses
+the loaded weights. A survivor that cannot answer Reset within the heartbeat
+timeout (stuck in a collective) is released too. Replies to calls of a
+failed group are dropped by call id. With recovery off (timeout 0) every
+rank is told to shut down. docs/recovery.md has the whole sequence.
 
 Threading: registration, replies and start-up run on the worker plane's
-asyncio loop (worker_plane.py: a thread of its own, apart from the client
-API's loop); the engine thread calls submit() (the StepExecutor interface),
-which hands bytes to that loop and returns a BroadcastStep whose wait()
-blocks on a concurrent future (step_broadcast.py; bounded by the step
-deadline). Each failure is reported once, to on_failed. Readers on any thread
-(readiness, the metrics scrape, the API) take one immutable status() snapshot.
+asyncio loop (worker_plane.py); the engine thread calls submit(), which
+hands bytes to that loop and returns a BroadcastStep to wait on
+(step_broadcast.py). Each failure is reported once, to on_failed; other
+threads read one immutable status() snapshot.
 """
 
 from __future__ import annotations
@@ -52,11 +52,15 @@ from controlplane.core.outputs import ExpectedReply, SchedulerOutput
 from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.registration import (
     WorkerHandle,
+    check_identity,
     check_registration,
     claim_differs,
+    first_silent,
     new_handle,
     pick_rank,
+    release_workers,
     shutdown_workers,
+    stale_handle,
 )
 from controlplane.executor.reply_check import ProtocolViolation, reply_payload_problem
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
@@ -67,6 +71,7 @@ from controlplane.executor.worker_calls import (
     CallTable,
     PendingCall,
     WorkerGroupFailed,
+    replies_and_missing,
     replies_within,
 )
 from controlplane.structured.mask_codec import TokenMask
@@ -78,6 +83,9 @@ logger = logging.getLogger(__name__)
 RESTART_BACKOFF_S = 0.5
 MAX_RESTART_BACKOFF_S = 30.0
 MAX_PORT = 65535
+# Failures a live worker may be behind (a partition, a lost stream): the rank
+# at fault is released, not shut down, so it re-registers with its weights.
+RELEASED = frozenset({FailureKind.DISCONNECTED, FailureKind.HEARTBEAT_TIMEOUT})
 
 
 class Executor(StepExecutor):
@@ -142,7 +150,10 @@ class Executor(StepExecutor):
             handles = self._detach_all()
         # A step the engine thread waits on ends now, not at its deadline.
         self._calls.fail_all(WorkerGroupFailed("controlplane is shutting down"))
-        shutdown_workers(handles, "controlplane is shutting down")
+        if self.cfg.keep_workers_on_exit:
+            release_workers(handles)
+        else:
+            shutdown_workers(handles, "controlplane is shutting down")
 
     def status(self) -> ExecutorStatus:
         """One consistent, immutable view of the group (any thread)."""
@@ -164,6 +175,11 @@ class Executor(StepExecutor):
     def register(self, req: worker_pb2.RegisterRequest, peer: str) -> WorkerHandle:
         """peer: the stream's grpc context.peer(), where the worker was seen."""
         world = self.parallel.world_size
+        check_identity(req, self.cfg)
+        stale = stale_handle(req, peer, self._handles)
+        if stale is not None:  # it lost the stream before we noticed: no need to wait
+            self.fail_group(f"worker {stale.describe()} registered again: the stream it had "
+                            f"is dead", FailureKind.DISCONNECTED, stale.rank)
         check_registration(req, self.cfg, self._state, world)
         handle = new_handle(req, peer, pick_rank(req, self.parallel, self._handles))
         if claim_differs(req.host, handle.peer_host):
@@ -305,7 +321,7 @@ class Executor(StepExecutor):
                 with self._lock:
                     self._failure_counts[kind] = self._failure_counts.get(kind, 0) + 1
                     self._failure_reason = reason
-                self._let_go(rank, reason)
+                self._let_go(rank, reason, shutdown=kind not in RELEASED)
             return
         starting = self._state is GroupState.STARTING
         self._failed_starts = self._failed_starts + 1 if starting else 0
@@ -327,19 +343,26 @@ class Executor(StepExecutor):
         self._calls.fail_all(WorkerGroupFailed(reason))
         if self._startup_task is not None and not self._startup_task.done():
             self._startup_task.cancel()
-        shutdown_workers(gone, reason)
+        if self._keep_survivors and kind in RELEASED:
+            release_workers(gone)
+        else:
+            shutdown_workers(gone, reason)
         if self._handles:
             self._reset_survivors(reason)
         self._on_failed(reason, kind)
 
-    def _let_go(self, rank: int, reason: str) -> None:
-        """Detach one rank of a forming group and tell it to shut down; its
-        supervisor restarts it and it registers again."""
+    def _let_go(self, rank: int, reason: str, *, shutdown: bool) -> None:
+        """Detach one rank of a forming group: told to shut down (its
+        supervisor restarts it) or only released (it keeps its weights); either
+        way it registers again."""
         with self._lock:
             handle = self._handles.pop(rank)
         self._calls.forget_rank(rank)
         logger.warning("rank %d let go while the group re-forms: %s", rank, reason)
-        shutdown_workers([handle], reason)
+        if shutdown:
+            shutdown_workers([handle], reason)
+        else:
+            release_workers([handle])
 
     def _reset_survivors(self, reason: str) -> None:
         """Tell every attached rank to leave the failed group, keeping its
@@ -354,18 +377,15 @@ class Executor(StepExecutor):
     async def _await_resets(self, call: PendingCall) -> None:
         timeout = self.cfg.heartbeat_timeout_s
         try:
-            replies = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)),
-                                             timeout)
-        except TimeoutError:
-            replies = dict(call.replies)
-            for rank in sorted(call.expected - set(replies)):
-                if rank in self._handles:
-                    self._let_go(rank, f"did not answer Reset within {timeout:g} s "
-                                       f"(--heartbeat-timeout); it may be stuck in a collective")
+            replies, missing = await replies_and_missing(call, timeout)
         except WorkerGroupFailed:
             return  # the group failed again; a new Reset round is under way
         finally:
             self._calls.discard(call)
+        for rank in (r for r in missing if r in self._handles):
+            self._let_go(rank, f"did not answer Reset within {timeout:g} s "
+                               f"(--heartbeat-timeout); it may be stuck in a collective",
+                         shutdown=False)
         for rank, msg in replies.items():
             handle = self._handles.get(rank)
             port = msg.reset_done.dist_port
@@ -386,19 +406,15 @@ class Executor(StepExecutor):
         return handles
 
     async def _watch_heartbeats(self) -> None:
-        period = max(0.2, self.cfg.heartbeat_timeout_s / 4)
+        timeout = self.cfg.heartbeat_timeout_s
         while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for handle in list(self._handles.values()):
-                silent = now - handle.last_seen
-                if silent > self.cfg.heartbeat_timeout_s:
-                    self.fail_group(
-                        f"worker {handle.describe()} sent nothing for {silent:.1f} s "
-                        f"(heartbeat timeout {self.cfg.heartbeat_timeout_s:g} s)",
-                        FailureKind.HEARTBEAT_TIMEOUT, handle.rank,
-                    )
-                    break
+            await asyncio.sleep(max(0.2, timeout / 4))
+            silent = first_silent(self._handles.values(), timeout)
+            if silent is not None:
+                handle, seconds = silent
+                self.fail_group(f"worker {handle.describe()} sent nothing for {seconds:.1f} s "
+                                f"(heartbeat timeout {timeout:g} s)",
+                                FailureKind.HEARTBEAT_TIMEOUT, handle.rank)
 
     # ---- calls -----------------------------------------------------------
 

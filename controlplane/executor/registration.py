@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import ipaddress
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,6 +30,8 @@ from controlplane.executor.status import GroupState, RankStatus
 from kvloom.worker.v1 import worker_pb2
 
 PROTOCOL_VERSION = worker_pb2.PROTOCOL_VERSION_CURRENT
+# A worker's instance id is a short random token (workerd sends 16 hex digits).
+MAX_INSTANCE_ID = 64
 
 
 class RegistrationRefused(Exception):
@@ -46,6 +48,8 @@ class WorkerHandle:
     device: str
     dist_port: int
     pid: int
+    # Random per worker process, kept across its re-registrations.
+    instance_id: str = ""
     # Where its stream came from (observed_host): rank 0's is the rendezvous
     # address. `host` is what the worker claims, for display.
     peer_host: str = ""
@@ -74,6 +78,17 @@ def check_registration(
 ) -> None:
     """Refuse a worker that speaks another protocol, lacks the token, or
     arrives when every rank is attached."""
+    check_identity(req, cfg)
+    if state is not GroupState.FORMING:
+        raise RegistrationRefused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"all {world} ranks are already attached (group is {state.value})",
+        )
+
+
+def check_identity(req: worker_pb2.RegisterRequest, cfg: WorkerGroupConfig) -> None:
+    """Refuse a worker that speaks another protocol, lacks the token or sends
+    an instance id over its bound."""
     if req.protocol_version != PROTOCOL_VERSION:
         raise RegistrationRefused(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -89,10 +104,10 @@ def check_registration(
             "wrong or missing worker auth token (give the worker the controlplane's: "
             "--auth-token-file, or KVLOOM_AUTH_TOKEN)",
         )
-    if state is not GroupState.FORMING:
+    if len(req.instance_id) > MAX_INSTANCE_ID:
         raise RegistrationRefused(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"all {world} ranks are already attached (group is {state.value})",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"instance_id has {len(req.instance_id)} characters; at most {MAX_INSTANCE_ID}",
         )
 
 
@@ -147,7 +162,8 @@ def new_handle(req: worker_pb2.RegisterRequest, peer: str, rank: int) -> WorkerH
     """The handle of a registration accepted as `rank`; peer is the stream's
     grpc context.peer(), where the worker was seen (peer_host)."""
     return WorkerHandle(rank=rank, host=req.host, device=req.device, dist_port=req.dist_port,
-                        pid=req.pid, peer_host=observed_host(peer))
+                        pid=req.pid, instance_id=req.instance_id,
+                        peer_host=observed_host(peer))
 
 
 def claim_differs(claimed: str, observed: str) -> bool:
@@ -163,6 +179,38 @@ def claim_differs(claimed: str, observed: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return str(ip) != observed
+
+
+def stale_handle(req: worker_pb2.RegisterRequest, peer: str,
+                 handles: Mapping[int, WorkerHandle]) -> WorkerHandle | None:
+    """The attached handle a registration shows to be dead: the same process
+    (its instance id, from the same address) asks for its own rank again,
+    so it has lost the stream we still hold (a partition: it noticed first).
+    Called only after the registration passed check_identity (the token)."""
+    if not req.HasField("rank") or not req.instance_id:
+        return None
+    old = handles.get(req.rank)
+    if old is None or old.instance_id != req.instance_id:
+        return None
+    return old if old.peer_host == observed_host(peer) else None
+
+
+def first_silent(handles: Iterable[WorkerHandle], timeout_s: float
+                 ) -> tuple[WorkerHandle, float] | None:
+    """The first handle silent for more than timeout_s, and for how long."""
+    now = time.monotonic()
+    for handle in handles:
+        if now - handle.last_seen > timeout_s:
+            return handle, now - handle.last_seen
+    return None
+
+
+def release_workers(handles: list[WorkerHandle]) -> None:
+    """End each worker's stream without a Shutdown: a live worker (cut off by
+    a partition, or slow to answer Reset) leaves its group, keeps its weights
+    and registers again, instead of exiting for its supervisor to restart."""
+    for handle in handles:
+        handle.outbox.put_nowait(None)
 
 
 def shutdown_workers(handles: list[WorkerHandle], reason: str) -> None:

@@ -69,6 +69,21 @@ async def replies_within(
         ) from None
 
 
+async def replies_and_missing(
+    call: PendingCall, timeout: float
+) -> tuple[dict[int, worker_pb2.WorkerMessage], list[int]]:
+    """The replies within `timeout` and the ranks that sent none. Shielded:
+    a timeout leaves the call open for the caller to settle. Raises
+    WorkerGroupFailed when the group failed meanwhile."""
+    try:
+        replies = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)),
+                                         timeout)
+        return replies, []
+    except TimeoutError:
+        replies = dict(call.replies)
+        return replies, sorted(call.expected - set(replies))
+
+
 class CallTable:
     """The calls pending on the worker group, by call id (loop thread).
 

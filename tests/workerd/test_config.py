@@ -67,6 +67,8 @@ GIVEN = {
     "--ssl-ca-certs": ("", ""), "--ssl-certfile": ("", ""), "--ssl-keyfile": ("", ""),
     "--connect-timeout": ("7.5", 7.5),
     "--heartbeat-interval": ("0.25", 0.25),
+    "--link-timeout": ("4", 4.0),
+    "--reconnect-timeout": ("30", 30.0),
     "--rank": ("3", 3),
     "--device": ("cuda:1", "cuda:1"),
     "--auth-token": ("tok", "tok"),
@@ -160,6 +162,8 @@ HOSTILE = {
     "--ssl-keyfile": ("/nonexistent.pem", "--ssl-keyfile needs --ssl-certfile"),
     "--connect-timeout": ("soon", "argument --connect-timeout: invalid float value"),
     "--heartbeat-interval": ("often", "argument --heartbeat-interval: invalid float value"),
+    "--link-timeout": ("0.5", "argument --link-timeout: must be >= 1"),
+    "--reconnect-timeout": ("-5", "argument --reconnect-timeout: must be >= 0"),
     "--rank": ("first", "argument --rank: invalid int value"),
     "--device": ("gpu", "--device gpu: expected auto, cpu"),
     "--auth-token-file": ("/nonexistent", "--auth-token-file /nonexistent"),
@@ -203,11 +207,29 @@ def test_the_shutdown_timeout_bound_holds_at_its_edges(value, capsys):
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
-def test_unbounded_timeouts_are_taken_as_they_always_were(value):
-    """No bound was ever set on these two: the tree adds none."""
-    config = _config("--connect-timeout", value, "--heartbeat-interval", value)
+def test_the_unbounded_connect_timeout_is_taken_as_it_always_was(value):
+    """No bound was ever set on it: the tree adds none."""
+    config = _config("--connect-timeout", value)
     assert repr(config.connection.connect_timeout_s) == repr(float(value))
-    assert repr(config.connection.heartbeat_interval_s) == repr(float(value))
+
+
+# The heartbeat interval also paces the keepalive probe, so it gained bounds
+# (with the link and reconnect timeouts that came with it).
+LINK_FLAGS = {
+    "--heartbeat-interval": (["0", "-1", "nan", "inf", "600.5"], "600"),
+    "--link-timeout": (["0", "0.5", "nan", "inf", "601"], "600"),
+    "--reconnect-timeout": (["-1", "nan", "inf", "86401"], "0"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(LINK_FLAGS))
+def test_the_link_flags_refuse_hostile_values(flag, capsys):
+    bad, edge = LINK_FLAGS[flag]
+    for value in bad:
+        with pytest.raises(SystemExit):
+            _config(flag, value)
+        assert f"argument {flag}" in capsys.readouterr().err, value
+    _config(flag, edge)  # the edge itself is taken
 
 
 # ---- static: the parsed namespace is read, never written ----

@@ -78,6 +78,10 @@ class ScriptedWorker:
     # Never answer Reset (a rank whose main thread is stuck).
     ignore_reset: bool = False
     stream_error: grpc.StatusCode | None = None
+    # Sent in RegisterRequest (workerd: random per process, kept across re-registrations).
+    instance_id: str = ""
+    # Heartbeats stop while set: the stream stays open but silent (a partition).
+    muted: bool = False
 
     def __post_init__(self) -> None:
         self._outbox: asyncio.Queue = asyncio.Queue()
@@ -113,6 +117,7 @@ class ScriptedWorker:
         register = worker_pb2.RegisterRequest(
             protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
             host="127.0.0.1", device="fake", dist_port=1, pid=os.getpid(),
+            instance_id=self.instance_id,
         )
         if self.rank is not None:
             register.rank = self.rank
@@ -126,7 +131,9 @@ class ScriptedWorker:
         except grpc.aio.AioRpcError:
             return  # refused: run() reports it
         while True:
-            await self._outbox.put(worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat()))
+            if not self.muted:
+                await self._outbox.put(
+                    worker_pb2.WorkerMessage(heartbeat=worker_pb2.Heartbeat()))
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _on(self, msg: worker_pb2.ControlMessage) -> None:

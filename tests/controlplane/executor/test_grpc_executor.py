@@ -152,6 +152,12 @@ def test_registration_refusals():
             await asyncio.wait_for(first.registered, 5)
             code, details = await _refused(h, rank=0, auth_token="s3cret")
             assert code == grpc.StatusCode.ALREADY_EXISTS and "rank 0" in details
+            # Another process (its own instance id) cannot take a live rank over.
+            code, details = await _refused(h, rank=0, auth_token="s3cret", instance_id="other")
+            assert code == grpc.StatusCode.ALREADY_EXISTS and "rank 0" in details
+            code, details = await _refused(h, rank=1, auth_token="s3cret",
+                                           instance_id="i" * 65)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 64" in details
             await first.close()
             await task
 

@@ -42,7 +42,8 @@ class Harness:
     """An Executor and its worker port on a loopback gRPC server (this loop)."""
 
     def __init__(self, pp: int = 1, step_timeout_s: float = 30.0, *,
-                 recovery_timeout_s: float = 0.0, heartbeat_timeout_s: float = 3600):
+                 recovery_timeout_s: float = 0.0, heartbeat_timeout_s: float = 3600,
+                 keep_workers_on_exit: bool = False):
         # Recovery off by default: these tests look at how a group fails, and
         # then let a fresh worker in; test_survivors.py keeps the survivors.
         loop = asyncio.get_running_loop()
@@ -53,7 +54,8 @@ class Harness:
             self.parallel,
             WorkerGroupConfig(step_timeout_s=step_timeout_s,
                               heartbeat_timeout_s=heartbeat_timeout_s,
-                              engine_recovery_timeout_s=recovery_timeout_s),
+                              engine_recovery_timeout_s=recovery_timeout_s,
+                              keep_workers_on_exit=keep_workers_on_exit),
             MODEL,
             CacheConfig(block_size=4),
             on_ready=lambda n: loop.call_soon_threadsafe(self.ready.put_nowait, n),

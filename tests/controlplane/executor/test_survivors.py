@@ -111,7 +111,7 @@ def test_answers_to_the_failed_groups_calls_are_dropped():
     asyncio.run(scenario())
 
 
-def test_a_survivor_that_cannot_answer_reset_is_let_go():
+def test_a_survivor_that_cannot_answer_reset_is_let_go(caplog):
     async def scenario():
         # The Reset round is bounded by the heartbeat timeout.
         async with _harness(heartbeat_timeout_s=1.5) as h:
@@ -120,7 +120,10 @@ def test_a_survivor_that_cannot_answer_reset_is_let_go():
             _kill(h, victim)
             await asyncio.wait_for(h.failed.get(), WAIT_S)
             await asyncio.wait_for(stuck.ended.wait(), WAIT_S)
-            assert "did not answer Reset within 1.5 s" in stuck.shutdown_reason
+            # Released, not shut down: a live worker comes back with its weights.
+            assert stuck.shutdown_reason is None
+            assert "rank 0 let go while the group re-forms: did not answer Reset within " \
+                   "1.5 s" in caplog.text
             assert h.executor.status().num_attached == 0
             # Both come back (their supervisor restarted them) and serve.
             await _group(h, _worker(h, 0), _worker(h, 1))

@@ -127,7 +127,10 @@ def channel_credentials(ca_certs: str, certfile: str, keyfile: str) -> grpc.Chan
 
 
 def _handshake_failure(details: str) -> bool:
-    lowered = details.lower()
+    """Whether a failed dial's error is the TLS handshake's. gRPC's TCP
+    connect reports "tcp handshaker shutdown" when it times out (a host cut
+    off): that is an unreachable peer, not TLS."""
+    lowered = details.lower().replace("tcp handshaker", "")
     return "handshake" in lowered or "ssl_error" in lowered or "certificate" in lowered
 
 
@@ -250,7 +253,7 @@ class ControlplaneConnection:
                 self._closed_handshakes = 0
                 return  # the transport is up (UNIMPLEMENTED): not a TLS problem
             details = exc.details() or ""
-        if _handshake_failure(details):
+        if self._credentials is not None and _handshake_failure(details):
             ready.cancel()
             raise TlsRefused(
                 f"TLS handshake with the controlplane at {self.target} failed: "
@@ -394,6 +397,9 @@ class ControlplaneConnection:
             self.on_abort()
         if self.on_stream_end is not None:
             self.on_stream_end()
+        # What the dead stream queued would run against state the group no
+        # longer has, and its replies could go nowhere: only the end is left.
+        self.drain_commands()
         self.commands.put(None)
         if busy.is_set() and not self._main_left.wait(EXIT_GRACE_S):
             # The main thread is still blocked (a collective the abort missed).

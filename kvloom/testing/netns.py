@@ -10,7 +10,8 @@ crosses a real interface with its own address, unlike loopback.
 
 Partitions are links taken down and up again: cut(host) unplugs a host from
 the switch (its own eth0 stays up, so its processes notice nothing but
-silence), heal(host) plugs it back.
+silence), heal(host) plugs it back; cut_link(a, b) / heal_link(a, b) do the
+same to the path between two hosts only.
 
 NetnsHosts is a context manager: on exit (also after a failure) it kills the
 processes it started and deletes every namespace it made, which removes
@@ -36,6 +37,9 @@ IP_TIMEOUT_S = 10.0
 # 10.213.X.0/24 with X random per instance, so parallel runs do not collide
 # (the namespaces are apart anyway; distinct subnets keep logs unambiguous).
 SUBNET_PREFIX = "10.213"
+# A locally administered unicast MAC that no interface here has: frames sent
+# to it reach no host (cut_link).
+NOWHERE_MAC = "02:6b:76:6c:00:00"
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,24 @@ class NetnsHosts:
 
     def heal(self, host: Host) -> None:
         _ip("-n", self.switch, "link", "set", host.port, "up")
+
+    def cut_link(self, a: Host, b: Host) -> None:
+        """Cut only the path between `a` and `b`; each still reaches every
+        other host. Silent both ways, as a real partition: each side's
+        neighbour entry for the other is pinned to a MAC no host has, so
+        frames leave, the switch floods them, and nobody takes them in
+        (sends succeed locally, connections time out, nothing is refused).
+        Neighbour entries rather than tc filters: they need no kernel module
+        beyond what namespaces already use."""
+        for here, there in ((a, b), (b, a)):
+            _ip("-n", here.netns, "neigh", "replace", there.address, "lladdr", NOWHERE_MAC,
+                "nud", "permanent", "dev", "eth0")
+
+    def heal_link(self, a: Host, b: Host) -> None:
+        """Undo cut_link (safe to call again): the hosts resolve each other anew."""
+        for here, there in ((a, b), (b, a)):
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _ip("-n", here.netns, "neigh", "del", there.address, "dev", "eth0")
 
     # ---- clean-up ---------------------------------------------------------------
 

@@ -413,3 +413,20 @@ def test_workerd_with_the_right_token_file_registers(pki, tls_plane, tmp_path):
         conn.register(_register_request(auth_token=config.registration.auth_token))
     finally:
         conn.close(grace_s=1.0)
+
+
+def test_a_timed_out_tcp_connect_is_no_tls_verdict():
+    """A host cut off makes gRPC report "tcp handshaker shutdown": an
+    unreachable peer to keep dialing, not a refused certificate."""
+    assert not connection._handshake_failure(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.1:5: "
+        "tcp handshaker shutdown")
+    assert connection._handshake_failure("Ssl handshake failed: SSL_ERROR_SSL")
+
+
+def test_keepalive_probes_follow_the_heartbeat_and_link_timeout():
+    opts = dict(connection.channel_options(keepalive_s=5.0, link_timeout_s=3.0))
+    assert (opts["grpc.keepalive_time_ms"], opts["grpc.keepalive_timeout_ms"]) == (5000, 3000)
+    # Never more often than the controlplane's port accepts pings.
+    opts = dict(connection.channel_options(keepalive_s=0.25, link_timeout_s=1.0))
+    assert opts["grpc.keepalive_time_ms"] == 1000 * connection.KEEPALIVE_MIN_S

@@ -1,0 +1,120 @@
+"""A client for partition tests, run inside a namespace host (Streams starts
+and reads it):
+`python -m tests.integration.netns_stream_client API PROMPTS_JSON MAX_TOKENS TIMEOUT_S`.
+
+It streams one greedy request per prompt, concurrently, and reports as it
+goes so the test can act mid-generation: a line `progress I N` each time
+stream I has N tokens, then one final JSON line with every stream's tokens,
+its error (gRPC status name and message, or null) and its longest pause
+between two tokens (what a partition cost that stream). Every wait is
+bounded by TIMEOUT_S (the gRPC deadline of each stream).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvloom.api import KvloomError
+from kvloom.client import KvloomClient
+
+if TYPE_CHECKING:
+    from kvloom.testing.netns_cluster import NetnsCluster
+
+PROGRESS = "progress "
+RESULT = "result "
+
+
+def main(argv: list[str]) -> int:
+    api, prompts, max_tokens, timeout_s = argv[0], json.loads(argv[1]), int(argv[2]), float(
+        argv[3])
+    results = [{"tokens": [], "error": None, "max_gap_s": 0.0} for _ in prompts]
+    lock = threading.Lock()
+
+    def one(i: int, client: KvloomClient) -> None:
+        out = results[i]
+        last = None
+        try:
+            for chunk in client.stream(prompts[i], max_tokens=max_tokens, temperature=0,
+                                       ignore_eos=True, timeout=timeout_s):
+                now = time.monotonic()
+                if last is not None and chunk.token_ids:
+                    out["max_gap_s"] = max(out["max_gap_s"], now - last)
+                last = now
+                out["tokens"] += chunk.token_ids
+                with lock:
+                    print(f"{PROGRESS}{i} {len(out['tokens'])}", flush=True)
+        except KvloomError as exc:  # reported, the test judges it
+            out["error"] = f"{exc.code.name if exc.code else 'UNKNOWN'}: {exc.details}"
+
+    with KvloomClient(api) as client:
+        _wait_serving(client, timeout_s)
+        threads = [threading.Thread(target=one, args=(i, client)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 5)
+    print(RESULT + json.dumps(results), flush=True)
+    return 0
+
+
+def _wait_serving(client: KvloomClient, timeout_s: float) -> None:
+    """The cluster may still be forming: wait (bounded) for a first answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.generate_text([1, 2], max_tokens=1, temperature=0, timeout=5)
+            return
+        except KvloomError:  # not serving yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+class Streams:
+    """The test's side: this client started on the controlplane's host (so a
+    cut elsewhere never reaches it), its lines read as they come."""
+
+    def __init__(self, cluster: NetnsCluster, prompts: list[list[int]], max_tokens: int,
+                 timeout_s: float = 120.0):
+        self.timeout_s = timeout_s
+        self.num_streams = len(prompts)
+        argv = [sys.executable, "-m", "tests.integration.netns_stream_client", cluster.api,
+                json.dumps(prompts), str(max_tokens), str(timeout_s)]
+        self.proc = cluster.hosts.run(cluster.controlplane_host, argv, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+
+    def wait_tokens(self, count: int) -> None:
+        """Until every stream has `count` tokens."""
+        seen = [0] * self.num_streams
+        deadline = time.monotonic() + self.timeout_s
+        while min(seen) < count:
+            line = self._line(deadline)
+            if line.startswith(PROGRESS):
+                _, i, n = line.split()
+                seen[int(i)] = int(n)
+
+    def result(self) -> list[dict]:
+        deadline = time.monotonic() + self.timeout_s + 10
+        while not (line := self._line(deadline)).startswith(RESULT):
+            pass
+        self.proc.wait(10)
+        return json.loads(line[len(RESULT):])
+
+    def _line(self, deadline: float) -> str:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"stream client timed out; last lines: {self.lines[-5:]}")
+        line = self.proc.stdout.readline()  # the client's own deadline bounds this
+        if not line:
+            raise AssertionError(f"stream client ended early: {self.lines[-10:]}")
+        self.lines.append(line.strip())
+        return line.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

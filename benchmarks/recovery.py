@@ -15,6 +15,11 @@ stream must match token for token (the benchmark fails otherwise).
 
 The default model is the embedded default (SmolLM2-135M-Instruct). Victims:
 the output rank for PP (rank P-1 of TP=1), rank 0 (the rendezvous host) for TP.
+
+--netns CASES (root) adds partitions and controlplane restarts on a TP=2
+cluster across network-namespace hosts (benchmarks/recovery_netns.py):
+
+    python benchmarks/recovery.py --layouts "" --netns host-cut,link-cut,cp-kill,cp-redeploy
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvloom.cli import launcher
-from kvloom.client import AsyncKvloomClient
-from kvloom.common.default_model import default_model_dir
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as a script: benchmarks.recovery_netns
+
+from kvloom.cli import launcher  # noqa: E402
+from kvloom.client import AsyncKvloomClient  # noqa: E402
+from kvloom.common.default_model import default_model_dir  # noqa: E402
 
 PROGRESS = 8
 
@@ -132,6 +141,23 @@ def run_layout(model: str, tp: int, pp: int, args) -> dict:
         supervisor.join(10)
 
 
+def cut_seconds(raw: str) -> float:
+    value = float(raw)
+    if not 0.5 <= value <= 120:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be in 0.5..120 seconds, got {raw}")
+    return value
+
+
+def print_kills(rows: list[dict]) -> None:
+    print(f"{'layout':>7} {'model':>24} {'victim':>6} {'kill':>4} "
+          f"{'kill->next token median s':>26} {'max s':>7} {'re-form mean s':>15}")
+    for row in rows:
+        for n, g in enumerate(row["kill_to_next_token_s"], 1):
+            print(f"{row['layout']:>7} {row['model'][:24]:>24} {row['victim_rank']:>6} {n:>4} "
+                  f"{g['median']:>26.2f} {g['max']:>7.2f} "
+                  f"{row['recovery_duration_mean_s']:>15.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint dir; default: the embedded model")
@@ -142,22 +168,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=2)
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--netns", default="",
+                   help="namespace-host cases, comma-separated: host-cut, link-cut, cp-kill, "
+                        "cp-redeploy (needs root); empty = none")
+    p.add_argument("--repeats", type=int, default=3, choices=range(1, 21),
+                   help="--netns: times each case runs")
+    p.add_argument("--cut-s", type=cut_seconds, default=5.0,
+                   help="--netns: seconds a link stays cut (0.5 to 120)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     model = args.model or default_model_dir()
     rows = []
-    for layout in args.layouts.split(","):
+    for layout in filter(None, args.layouts.split(",")):
         tp, pp = (int(x) for x in layout.lower().split("x"))
         rows.append(run_layout(model, tp, pp, args))
-    print(f"{'layout':>7} {'model':>24} {'victim':>6} {'kill':>4} "
-          f"{'kill->next token median s':>26} {'max s':>7} {'re-form mean s':>15}")
-    for row in rows:
-        for n, g in enumerate(row["kill_to_next_token_s"], 1):
-            print(f"{row['layout']:>7} {row['model'][:24]:>24} {row['victim_rank']:>6} {n:>4} "
-                  f"{g['median']:>26.2f} {g['max']:>7.2f} "
-                  f"{row['recovery_duration_mean_s']:>15.2f}")
+    netns_rows = []
+    if args.netns:
+        from benchmarks.recovery_netns import print_table, run_cases
+
+        netns_rows = run_cases(model, args.netns.split(","), args)
+    if rows:
+        print_kills(rows)
+    if netns_rows:
+        print_table(netns_rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        args.json.write_text(json.dumps({"kill": rows, "netns": netns_rows}, indent=2) + "\n")
     return 0
 
 

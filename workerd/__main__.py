@@ -347,7 +347,7 @@ def _serve(config: WorkerdConfig, metrics) -> int:
 def _command_loop(conn: ControlplaneConnection, worker: Worker, busy: threading.Event,
                   stop: SigtermStop, metrics) -> None:
     """Run the stream's commands until it ends (or SIGTERM)."""
-    while (msg := conn.commands.get()) is not None:
+    while (msg := conn.commands.get()) is not None and not conn.ended.is_set():
         busy.set()
         out = worker.handle(msg)
         busy.clear()

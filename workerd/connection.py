@@ -26,6 +26,7 @@ to fix, instead of retrying until --connect-timeout.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -171,6 +172,8 @@ class ControlplaneConnection:
         # Set by the main thread once it has left the command loop of the
         # stream that ended: the reader stops waiting to end a stuck process.
         self._main_left = threading.Event()
+        # Set by the reader when the stream has ended; cleared at register().
+        self.ended = threading.Event()
         # None = plaintext (the controlplane without --worker-ssl-certfile).
         self._credentials = credentials
         self._closed_handshakes = 0
@@ -289,6 +292,7 @@ class ControlplaneConnection:
         retry_codes = _REJOIN_RETRY_CODES if rejoining else _RETRY_CODES
         self.exit_code = 1
         self._main_left.clear()
+        self.ended.clear()
         while True:
             try:
                 return self._register_once(request)
@@ -391,6 +395,10 @@ class ControlplaneConnection:
         # Set before the end-of-stream marker: the main thread reads exit_code
         # as soon as it sees the marker.
         self.exit_code = code
+        # First stop the main thread from starting what is queued: a step
+        # taken after the abort below would block on sockets already shut.
+        self.ended.set()
+        self.drain_commands()
         if busy.is_set() and self.on_abort is not None:
             # The running command may wait on peers of a group that is gone
             # (a partition cuts them off as well): release it.
@@ -403,8 +411,9 @@ class ControlplaneConnection:
         self.commands.put(None)
         if busy.is_set() and not self._main_left.wait(EXIT_GRACE_S):
             # The main thread is still blocked (a collective the abort missed).
-            logger.error("main thread still busy %.0f s after the stream ended; exiting",
-                         EXIT_GRACE_S)
+            logger.error("main thread still busy %.0f s after the stream ended; exiting "
+                         "(its stack follows)", EXIT_GRACE_S)
+            faulthandler.dump_traceback(all_threads=True)  # where it was stuck, for the log
             os._exit(code)
 
     def main_left(self) -> None:

@@ -11,33 +11,93 @@ The ports are picked once, so start_controlplane() again (after a kill or a
 stop) comes back on the same address, as a redeployed controlplane would.
 Each process logs to LOG_DIR/controlplane.log or rank{r}.log (a restart
 appends to its predecessor's log).
+
+With a ClusterTls both controlplane ports speak TLS with per-host
+certificates (each names only its host's namespace address), the worker port
+asks every worker for a certificate of the same CA (mTLS), and generate()'s
+client verifies the API's certificate against that CA.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvloom.common.certs import CertAuthority, CertFiles
 from kvloom.testing.netns import Host, NetnsHosts
 
 # Bound on waiting for a process to exit once signalled.
 EXIT_WAIT_S = 30.0
+# generate()'s client, run on a host: retries (the cluster may still be
+# forming) until its deadline, then prints the last error and exits 1.
+# argv: API, PROMPT_JSON, MAX_TOKENS, TIMEOUT_S, CA_CERTS ("" = plaintext).
+CLIENT = """
+import json, sys, time
+from kvloom.client import KvloomClient
+api, prompt, max_tokens, timeout_s, ca = sys.argv[1:6]
+deadline = time.monotonic() + float(timeout_s)
+while True:
+    left = deadline - time.monotonic()
+    try:
+        with KvloomClient(api, ssl_ca_certs=ca or None) as client:
+            out = client.generate_text(json.loads(prompt), max_tokens=int(max_tokens),
+                                       temperature=0, ignore_eos=True, timeout=max(1.0, left))
+        print(json.dumps(out.token_ids)); break
+    except Exception as exc:
+        if time.monotonic() > deadline:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr); sys.exit(1)
+        time.sleep(0.5)
+"""
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """PEM files of a cluster that speaks TLS on every connection: the
+    controlplane's leaf serves the client API and the worker port, rank r
+    presents ranks[r] to the worker port, which requires one signed by
+    ca_certs (mTLS)."""
+
+    ca_certs: Path
+    controlplane: CertFiles
+    ranks: tuple[CertFiles, ...]
+
+    @classmethod
+    def create(cls, directory: Path, hosts: NetnsHosts, num_ranks: int, *,
+               controlplane_names: Sequence[str] | None = None) -> ClusterTls:
+        """One CA; the controlplane's leaf names hosts[0]'s address, rank r's
+        names hosts[r + 1]'s. None names loopback, so a peer dialled by a name
+        its certificate lacks fails verification, as across real machines.
+        controlplane_names replaces the controlplane's names (to make a
+        certificate that does not fit its host)."""
+        if len(hosts.hosts) < num_ranks + 1:
+            raise ValueError(f"{num_ranks} ranks and a controlplane need {num_ranks + 1} "
+                             f"hosts, got {len(hosts.hosts)}")
+        directory = Path(directory)
+        ca = CertAuthority.create(directory, name="netns-ca")
+        names = tuple(controlplane_names or (hosts.hosts[0].address,))
+        ranks = tuple(ca.issue(directory, f"rank{r}", (hosts.hosts[r + 1].address,))
+                      for r in range(num_ranks))
+        return cls(ca.ca_path, ca.issue(directory, "controlplane", names), ranks)
 
 
 class NetnsCluster:
     def __init__(self, hosts: NetnsHosts, model: str, log_dir: Path, *, tp: int = 1,
                  pp: int = 1, controlplane_args: Sequence[str] = (),
-                 worker_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), tls: ClusterTls | None = None):
         if len(hosts.hosts) < tp * pp + 1:
             raise ValueError(f"{tp * pp} ranks and a controlplane need {tp * pp + 1} hosts, "
                              f"got {len(hosts.hosts)}")
+        if tls is not None and len(tls.ranks) < tp * pp:
+            raise ValueError(f"{tp * pp} ranks need as many certificates, got {len(tls.ranks)}")
         self.hosts, self.model, self.log_dir = hosts, model, Path(log_dir)
-        self.tp, self.pp = tp, pp
+        self.tp, self.pp, self.tls = tp, pp, tls
         self.controlplane_args, self.worker_args = list(controlplane_args), list(worker_args)
         self.controlplane_host: Host = hosts.hosts[0]
         api_port = hosts.free_port(self.controlplane_host)
@@ -63,18 +123,71 @@ class NetnsCluster:
         argv = [sys.executable, "-m", "controlplane", "--model", self.model, "--host", host,
                 "--port", port, "--worker-port", self.worker_address.rsplit(":", 1)[1],
                 "--tensor-parallel-size", str(self.tp),
-                "--pipeline-parallel-size", str(self.pp), *self.controlplane_args]
+                "--pipeline-parallel-size", str(self.pp)]
+        if self.tls is not None:
+            leaf = self.tls.controlplane
+            argv += ["--ssl-certfile", str(leaf.certfile), "--ssl-keyfile", str(leaf.keyfile),
+                     "--worker-ssl-certfile", str(leaf.certfile),
+                     "--worker-ssl-keyfile", str(leaf.keyfile),
+                     "--worker-ssl-ca-certs", str(self.tls.ca_certs)]
+        argv += self.controlplane_args
         self.controlplane = self._run(self.controlplane_host, argv, "controlplane.log")
         return self.controlplane
 
     def start_rank(self, rank: int, advertise: str | None = None,
                    extra: Sequence[str] = ()) -> subprocess.Popen:
         host = self.rank_host(rank)
-        argv = [sys.executable, "-m", "workerd", "--controlplane", self.worker_address,
-                "--rank", str(rank), "--num-threads", "1", "--device", "cpu",
-                "--advertise-host", advertise or host.address, *self.worker_args, *extra]
+        argv = self.worker_command(rank, host, advertise=advertise, extra=extra)
         self.ranks[rank] = self._run(host, argv, f"rank{rank}.log")
         return self.ranks[rank]
+
+    def worker_command(self, rank: int | None, host: Host, *, advertise: str | None = None,
+                       certs: CertFiles | None = None, extra: Sequence[str] = ()) -> list[str]:
+        """workerd's argv for `rank` (None: the controlplane assigns one) on
+        `host`; with TLS it presents `certs` (default: the rank's own) and
+        trusts certs.ca_certs. For workers the cluster does not own, started
+        with hosts.run()."""
+        argv = [sys.executable, "-m", "workerd", "--controlplane", self.worker_address,
+                "--num-threads", "1", "--device", "cpu",
+                "--advertise-host", advertise or host.address]
+        if rank is not None:
+            argv += ["--rank", str(rank)]
+        if certs is None and self.tls is not None and rank is not None:
+            certs = self.tls.ranks[rank]
+        if certs is not None:
+            argv += ["--ssl-ca-certs", str(certs.ca_certs), "--ssl-certfile",
+                     str(certs.certfile), "--ssl-keyfile", str(certs.keyfile)]
+        return [*argv, *self.worker_args, *extra]
+
+    def generate(self, prompt: list[int], max_tokens: int, timeout_s: float,
+                 host: Host | None = None) -> list[int]:
+        """Greedy token ids from a client on `host` (default: the last rank's,
+        so the request crosses the network), retried until timeout_s while
+        the cluster forms. AssertionError with the client's error and the
+        logs if none came."""
+        host = host or self.rank_host(self.tp * self.pp - 1)
+        ca = str(self.tls.ca_certs) if self.tls is not None else ""
+        argv = [sys.executable, "-c", CLIENT, self.api, json.dumps(prompt), str(max_tokens),
+                str(timeout_s), ca]
+        try:
+            done = subprocess.run(self.hosts.command(host, argv), capture_output=True,
+                                  text=True, timeout=timeout_s + 30)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"client on {host.netns} still running after {timeout_s:g} "
+                                 f"s + 30 s: {self.logs()}") from exc
+        if done.returncode != 0:
+            raise AssertionError(f"no tokens within {timeout_s:g} s: {done.stderr[-2000:]} "
+                                 f"{self.logs()}")
+        return json.loads(done.stdout)
+
+    def wait_exit(self, proc: subprocess.Popen, timeout_s: float) -> int:
+        """proc's exit code; AssertionError with the logs if it still runs
+        after timeout_s."""
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"pid {proc.pid} still running after {timeout_s:g} s: "
+                                 f"{self.logs()}") from exc
 
     def stop_controlplane(self, sig: int) -> int:
         """Signal the controlplane (SIGKILL, SIGTERM); its exit code."""

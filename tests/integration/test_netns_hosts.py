@@ -1,8 +1,10 @@
 """kvloom.testing.netns: test hosts in network namespaces (issue 33's
 fixture). Two hosts reach each other at their own addresses across a real
 interface and nothing else: not each other's loopback, no route out of the
-namespaces; a cut host is unreachable until healed; and every namespace and
-interface is gone afterwards, also when the body raised."""
+namespaces; a cut host is unreachable until healed; a cut link silences only
+the path between its two hosts (a connect times out, nothing is refused)
+until healed; and every namespace and interface is gone afterwards, also
+when the body raised."""
 
 from __future__ import annotations
 
@@ -29,6 +31,20 @@ import socket, sys
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
 c.sendall(b"ping"); print(c.recv(64).decode())
 """
+# What a bounded TCP connect ends in: connected, timeout (silence), refused
+# (an RST came back) or another error's name.
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("connected")
+except TimeoutError:
+    print("timeout")
+except ConnectionRefusedError:
+    print("refused")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
 
 
 def _echo(hosts: NetnsHosts, client, address: str, port: int,
@@ -38,6 +54,13 @@ def _echo(hosts: NetnsHosts, client, address: str, port: int,
                                                  str(port), str(timeout_s)]),
                           capture_output=True, text=True, timeout=timeout_s + 20)
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _connect(hosts: NetnsHosts, client, address: str, port: int, timeout_s: float = 2.0) -> str:
+    done = subprocess.run(hosts.command(client, [sys.executable, "-c", CONNECT, address,
+                                                 str(port), str(timeout_s)]),
+                          capture_output=True, text=True, timeout=timeout_s + 20, check=True)
+    return done.stdout.strip()
 
 
 def _ours(tag: str) -> list[str]:
@@ -76,6 +99,42 @@ def test_hosts_reach_each_other_only_across_their_interfaces():
         tag = hosts.tag
     assert server.poll() is not None  # killed by close()
     assert _ours(tag) == []
+
+
+def test_a_cut_link_silences_only_the_path_between_its_hosts():
+    with NetnsHosts(3) as hosts:
+        h0, h1, h2 = hosts.hosts
+        ports = {}
+        for h in hosts.hosts:
+            server = hosts.run(h, [sys.executable, "-c", ECHO_SERVER, h.address],
+                               stdout=subprocess.PIPE, text=True)
+            ports[h] = int(server.stdout.readline())
+        closed = hosts.free_port(h1)  # nothing listens on it
+        assert _connect(hosts, h0, h1.address, closed) == "refused"
+
+        hosts.cut_link(h0, h1)
+        hosts.cut_link(h0, h1)  # again: still one cut
+        # Silence both ways: the connect times out, even to a closed port
+        # (nothing comes back to refuse it), and within its own bound.
+        t0 = time.monotonic()
+        assert _connect(hosts, h0, h1.address, ports[h1], timeout_s=1.0) == "timeout"
+        assert _connect(hosts, h1, h0.address, ports[h0], timeout_s=1.0) == "timeout"
+        assert _connect(hosts, h0, h1.address, closed, timeout_s=1.0) == "timeout"
+        assert time.monotonic() - t0 < 30
+        # Every other path still works, both ways.
+        for a, b in ((h0, h2), (h2, h0), (h1, h2), (h2, h1)):
+            assert _echo(hosts, a, b.address, ports[b]) == "ping", (a, b)
+
+        hosts.heal_link(h0, h1)
+        hosts.heal_link(h0, h1)  # safe to call again
+        for a, b in ((h0, h1), (h1, h0)):
+            deadline = time.monotonic() + 10
+            while (got := _echo(hosts, a, b.address, ports[b])) is None and \
+                    time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert got == "ping", (a, b)
+        assert _connect(hosts, h0, h1.address, closed) == "refused"
+        assert _echo(hosts, h0, h2.address, ports[h2]) == "ping"
 
 
 def test_everything_is_removed_when_the_body_raises():

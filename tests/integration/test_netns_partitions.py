@@ -27,7 +27,7 @@ import pytest
 
 from kvloom.testing.netns import NetnsHosts, netns_unavailable
 from kvloom.testing.netns_cluster import NetnsCluster
-from tests.integration.netns_stream_client import Streams
+from kvloom.testing.netns_streams import Streams
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

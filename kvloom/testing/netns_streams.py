@@ -1,13 +1,15 @@
-"""A client for partition tests, run inside a namespace host (Streams starts
-and reads it):
-`python -m tests.integration.netns_stream_client API PROMPTS_JSON MAX_TOKENS TIMEOUT_S`.
+"""Streams across a partition, for the namespace-host tests and the
+recovery benchmark: Streams starts this module's client on a host,
+`python -m kvloom.testing.netns_streams API PROMPTS_JSON MAX_TOKENS TIMEOUT_S`,
+and reads it line by line.
 
-It streams one greedy request per prompt, concurrently, and reports as it
-goes so the test can act mid-generation: a line `progress I N` each time
-stream I has N tokens, then one final JSON line with every stream's tokens,
-its error (gRPC status name and message, or null) and its longest pause
-between two tokens (what a partition cost that stream). Every wait is
-bounded by TIMEOUT_S (the gRPC deadline of each stream).
+The client streams one greedy request per prompt, concurrently, and reports
+as it goes so the caller can act mid-generation: a line `progress I N T`
+each time stream I has N tokens (T: its arrival, time.monotonic(), which
+namespaces share), then one final JSON line with every stream's tokens, its
+error (gRPC status name and message, or null) and its longest pause between
+two tokens (what a partition cost that stream). Every wait is bounded by
+TIMEOUT_S (the gRPC deadline of each stream).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from kvloom.client import KvloomClient
 if TYPE_CHECKING:
     from kvloom.testing.netns_cluster import NetnsCluster
 
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100),
+                  ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200))
 PROGRESS = "progress "
 RESULT = "result "
 
@@ -47,11 +51,13 @@ def main(argv: list[str]) -> int:
                 last = now
                 out["tokens"] += chunk.token_ids
                 with lock:
-                    print(f"{PROGRESS}{i} {len(out['tokens'])}", flush=True)
+                    print(f"{PROGRESS}{i} {len(out['tokens'])} {now:.6f}", flush=True)
         except KvloomError as exc:  # reported, the test judges it
             out["error"] = f"{exc.code.name if exc.code else 'UNKNOWN'}: {exc.details}"
 
-    with KvloomClient(api) as client:
+    # Retry a controlplane that is (re)starting promptly: gRPC's own reconnect
+    # back-off would add up to seconds to a measured restart.
+    with KvloomClient(api, options=FAST_RECONNECT) as client:
         _wait_serving(client, timeout_s)
         threads = [threading.Thread(target=one, args=(i, client)) for i in range(len(prompts))]
         for t in threads:
@@ -72,7 +78,7 @@ def _wait_serving(client: KvloomClient, timeout_s: float) -> None:
         except KvloomError:  # not serving yet
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.3)
+            time.sleep(0.1)
 
 
 class Streams:
@@ -83,21 +89,21 @@ class Streams:
                  timeout_s: float = 120.0):
         self.timeout_s = timeout_s
         self.num_streams = len(prompts)
-        argv = [sys.executable, "-m", "tests.integration.netns_stream_client", cluster.api,
+        argv = [sys.executable, "-m", "kvloom.testing.netns_streams", cluster.api,
                 json.dumps(prompts), str(max_tokens), str(timeout_s)]
         self.proc = cluster.hosts.run(cluster.controlplane_host, argv, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
+        # Per stream: (arrival time, tokens so far) of each message.
+        self.arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
 
     def wait_tokens(self, count: int) -> None:
         """Until every stream has `count` tokens."""
         seen = [0] * self.num_streams
         deadline = time.monotonic() + self.timeout_s
         while min(seen) < count:
-            line = self._line(deadline)
-            if line.startswith(PROGRESS):
-                _, i, n = line.split()
-                seen[int(i)] = int(n)
+            self._line(deadline)
+            seen = [a[-1][1] if a else 0 for a in self.arrivals]
 
     def result(self) -> list[dict]:
         deadline = time.monotonic() + self.timeout_s + 10
@@ -112,8 +118,12 @@ class Streams:
         line = self.proc.stdout.readline()  # the client's own deadline bounds this
         if not line:
             raise AssertionError(f"stream client ended early: {self.lines[-10:]}")
-        self.lines.append(line.strip())
-        return line.strip()
+        line = line.strip()
+        self.lines.append(line)
+        if line.startswith(PROGRESS):
+            _, i, n, t = line.split()
+            self.arrivals[int(i)].append((float(t), int(n)))
+        return line
 
 
 if __name__ == "__main__":

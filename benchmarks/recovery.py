@@ -148,6 +148,16 @@ def cut_seconds(raw: str) -> float:
     return value
 
 
+def netns_layout(raw: str) -> tuple[int, int]:
+    try:
+        tp, pp = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TPxPP, e.g. 2x1, got {raw!r}") from None
+    if tp < 1 or pp < 1 or not 2 <= tp * pp <= 4:
+        raise argparse.ArgumentTypeError(f"2 to 4 ranks (a cut needs two), got {raw!r}")
+    return tp, pp
+
+
 def print_kills(rows: list[dict]) -> None:
     print(f"{'layout':>7} {'model':>24} {'victim':>6} {'kill':>4} "
           f"{'kill->next token median s':>26} {'max s':>7} {'re-form mean s':>15}")
@@ -173,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
                         "cp-redeploy (needs root); empty = none")
     p.add_argument("--repeats", type=int, default=3, choices=range(1, 21),
                    help="--netns: times each case runs")
+    p.add_argument("--netns-layout", type=netns_layout, default=(2, 1),
+                   help="--netns: TPxPP of the cluster (2 to 4 ranks), e.g. 2x1 or 1x2")
+    p.add_argument("--ready-timeout-s", type=float, default=600.0,
+                   help="--netns: seconds the cluster may take to start")
     p.add_argument("--cut-s", type=cut_seconds, default=5.0,
                    help="--netns: seconds a link stays cut (0.5 to 120)")
     p.add_argument("--json", type=Path, default=None)

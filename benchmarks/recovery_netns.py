@@ -1,13 +1,14 @@
 """Recovery across namespace hosts (needs root): what a partition and a
-controlplane restart cost the streams of a TP=2 cluster whose controlplane
-and two ranks each have a host (kvloom.testing.netns_cluster). Run through
+controlplane restart cost the streams of a cluster whose controlplane and
+ranks each have a host (kvloom.testing.netns_cluster; --netns-layout, TP=2
+by default, PP=2 for a model whose heads TP=2 cannot split). Run through
 `benchmarks/recovery.py --netns CASES`.
 
 Cases, each repeated --repeats times on one cluster, every stream checked
 token for token against an undisturbed run of the same prompts:
 
   host-cut       rank 1's host unplugged for --cut-s, then plugged back
-  link-cut       only the path between the two ranks cut for --cut-s
+  link-cut       only the path between ranks 0 and 1 cut for --cut-s
   cp-kill        the controlplane SIGKILLed mid-generation, started again at once
   cp-redeploy    the controlplane stopped with SIGTERM (--keep-workers-on-exit),
                  its successor started at once
@@ -52,18 +53,21 @@ def run_cases(model: str, cases: list[str], args) -> list[dict]:
         raise SystemExit(f"--netns: unknown case(s) {unknown}; choose from {list(CASES)}")
     prompts = [[100 + 7 * i + j for j in range(args.prompt_len)]
                for i in range(args.num_requests)]
+    tp, pp = args.netns_layout
     log_dir = Path(tempfile.mkdtemp(prefix="kvloom-recovery-netns-"))
     rows = []
-    with NetnsHosts(3) as hosts:
-        cluster = NetnsCluster(hosts, model, log_dir, tp=2,
+    with NetnsHosts(tp * pp + 1) as hosts:
+        cluster = NetnsCluster(hosts, model, log_dir, tp=tp, pp=pp,
                                controlplane_args=CONTROLPLANE_FLAGS,
                                worker_args=WORKER_FLAGS).start()
-        expected = _tokens(Streams(cluster, prompts, args.max_tokens, timeout_s=600).result())
+        _wait_ready(cluster, args.ready_timeout_s)
+        expected = _tokens(Streams(cluster, prompts, args.max_tokens).result())
         for case in cases:
             for repeat in range(1, args.repeats + 1):
                 run = _cut if case in ("host-cut", "link-cut") else _restart
                 row = run(cluster, case, prompts, expected, args)
-                rows.append({"case": case, "repeat": repeat, "model": Path(model).name, **row})
+                rows.append({"case": case, "repeat": repeat, "model": Path(model).name,
+                             "layout": f"{tp}x{pp}", **row})
                 print(f"== {case} {repeat}/{args.repeats}: {row}", flush=True)
     return rows
 
@@ -117,6 +121,18 @@ def _restart(cluster: NetnsCluster, case: str, prompts, expected, args) -> dict:
         "restart_to_first_token_s": first - t_start,
         "weights_reused": "kept their weights" in cluster.logs()["controlplane.log"],
     }
+
+
+def _wait_ready(cluster: NetnsCluster, timeout_s: float) -> None:
+    """Until the group is ready; a controlplane that exits (a layout the
+    model cannot take) ends the run with its last words."""
+    log = cluster.log_dir / "controlplane.log"
+    deadline = time.monotonic() + timeout_s
+    while "worker group ready" not in log.read_text(errors="replace"):
+        assert cluster.controlplane is not None
+        if cluster.controlplane.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the cluster did not start: {cluster.logs()['controlplane.log']}")
+        time.sleep(0.2)
 
 
 def _first_after(arrivals: list[tuple[float, int]], t: float) -> float:

@@ -30,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 
 # Bound on every `ip` call: they return in milliseconds, a hang is a bug.
@@ -80,14 +81,27 @@ class NetnsHosts:
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
+        self._old_sigterm = None
 
     def __enter__(self) -> NetnsHosts:
+        self._catch_sigterm()
         try:
             self._build()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _catch_sigterm(self) -> None:
+        """A SIGTERM (a benchmark or the manual script stopped with kill)
+        would end the process without __exit__, leaving namespaces and their
+        processes behind: while the hosts exist it raises SystemExit instead,
+        which runs close(). Only from the main thread, and only over the
+        default disposition (a handler someone installed stays theirs)."""
+        self._old_sigterm = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -168,6 +182,9 @@ class NetnsHosts:
     # ---- clean-up ---------------------------------------------------------------
 
     def close(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
         for proc in self._procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -183,6 +200,10 @@ class NetnsHosts:
             with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
                 _ip("netns", "del", name)
         self._made.clear()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _ip(*args: str) -> str:

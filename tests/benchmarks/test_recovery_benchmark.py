@@ -36,6 +36,9 @@ def test_the_netns_cases_measure_a_cut_and_a_restart(tiny_model_dir, tmp_path, c
     (["--cut-s", "-1"], "must be in 0.5..120"),
     (["--cut-s", "1000"], "must be in 0.5..120"),
     (["--repeats", "0"], "invalid choice"),
+    (["--netns-layout", "1x1"], "2 to 4 ranks"),
+    (["--netns-layout", "8x8"], "2 to 4 ranks"),
+    (["--netns-layout", "two"], "expected TPxPP"),
 ])
 def test_hostile_flags_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit):

@@ -61,6 +61,7 @@ from controlplane.executor.registration import (
     release_workers,
     shutdown_workers,
     stale_handle,
+    take_rendezvous_ports,
 )
 from controlplane.executor.reply_check import ProtocolViolation, reply_payload_problem
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
@@ -82,7 +83,6 @@ logger = logging.getLogger(__name__)
 # First and largest pause before re-forming a group whose start-up failed.
 RESTART_BACKOFF_S = 0.5
 MAX_RESTART_BACKOFF_S = 30.0
-MAX_PORT = 65535
 # Failures a live worker may be behind (a partition, a lost stream): the rank
 # at fault is released, not shut down, so it re-registers with its weights.
 RELEASED = frozenset({FailureKind.DISCONNECTED, FailureKind.HEARTBEAT_TIMEOUT})
@@ -386,15 +386,8 @@ class Executor(StepExecutor):
             self._let_go(rank, f"did not answer Reset within {timeout:g} s "
                                f"(--heartbeat-timeout); it may be stuck in a collective",
                          shutdown=False)
-        for rank, msg in replies.items():
-            handle = self._handles.get(rank)
-            port = msg.reset_done.dist_port
-            if handle is None or not port:
-                continue
-            if port > MAX_PORT:  # it would be every rank's rendezvous address
-                self._protocol_violation(rank, f"named rendezvous port {port} in ResetDone")
-                continue
-            handle.dist_port = port
+        for rank, port in take_rendezvous_ports(replies, self._handles):
+            self._protocol_violation(rank, f"named rendezvous port {port} in ResetDone")
         # Nobody died (a worker error, a missed deadline): nobody will
         # register, so the survivors alone form the next group.
         self._start_if_complete()

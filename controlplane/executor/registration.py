@@ -30,6 +30,7 @@ from controlplane.executor.status import GroupState, RankStatus
 from kvloom.worker.v1 import worker_pb2
 
 PROTOCOL_VERSION = worker_pb2.PROTOCOL_VERSION_CURRENT
+MAX_PORT = 65535
 # A worker's instance id is a short random token (workerd sends 16 hex digits).
 MAX_INSTANCE_ID = 64
 
@@ -203,6 +204,23 @@ def first_silent(handles: Iterable[WorkerHandle], timeout_s: float
         if now - handle.last_seen > timeout_s:
             return handle, now - handle.last_seen
     return None
+
+
+def take_rendezvous_ports(replies: Mapping[int, worker_pb2.WorkerMessage],
+                          handles: Mapping[int, WorkerHandle]) -> list[tuple[int, int]]:
+    """Each attached rank's next rendezvous port from its ResetDone; the
+    (rank, port) of those past 65535, which are not taken (a port there would
+    be every rank's rendezvous address: a protocol violation)."""
+    bad = []
+    for rank, msg in replies.items():
+        handle, port = handles.get(rank), msg.reset_done.dist_port
+        if handle is None or not port:
+            continue
+        if port > MAX_PORT:
+            bad.append((rank, port))
+        else:
+            handle.dist_port = port
+    return bad
 
 
 def release_workers(handles: list[WorkerHandle]) -> None:

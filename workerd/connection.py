@@ -132,7 +132,10 @@ def _handshake_failure(details: str) -> bool:
     connect reports "tcp handshaker shutdown" when it times out (a host cut
     off): that is an unreachable peer, not TLS."""
     lowered = details.lower().replace("tcp handshaker", "")
-    return "handshake" in lowered or "ssl_error" in lowered or "certificate" in lowered
+    # gRPC 1.85 words a certificate that does not name the dialed host as
+    # "Custom verification check failed ... Hostname Verification Check failed".
+    return ("handshake" in lowered or "ssl_error" in lowered or "certificate" in lowered
+            or "verification check failed" in lowered)
 
 
 def _last_error(details: str) -> str:

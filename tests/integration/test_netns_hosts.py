@@ -8,6 +8,8 @@ when the body raised."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,3 +151,23 @@ def test_a_hostile_host_count_is_refused():
     for n in (0, -1, 201):
         with pytest.raises(ValueError, match="num_hosts"):
             NetnsHosts(n)
+
+
+def test_a_sigterm_still_deletes_the_namespaces():
+    """A benchmark or the manual script stopped with kill: SIGTERM becomes
+    SystemExit while the hosts exist, so close() runs."""
+    tag = f"kst{os.getpid() % 10000}"
+    code = (f"from kvloom.testing.netns import NetnsHosts\nimport time\n"
+            f"with NetnsHosts(2, tag={tag!r}) as hosts:\n"
+            f"    hosts.run(hosts.hosts[0], ['sleep', '60'])\n"
+            f"    print('up', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=10).stdout
+    assert tag not in listed, listed

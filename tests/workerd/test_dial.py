@@ -422,6 +422,11 @@ def test_a_timed_out_tcp_connect_is_no_tls_verdict():
         "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.1:5: "
         "tcp handshaker shutdown")
     assert connection._handshake_failure("Ssl handshake failed: SSL_ERROR_SSL")
+    # A certificate that does not name the address dialed (gRPC 1.85's words).
+    assert connection._handshake_failure(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.1:5: Custom "
+        "verification check failed with error: UNAUTHENTICATED: Hostname Verification Check "
+        "failed.")
 
 
 def test_keepalive_probes_follow_the_heartbeat_and_link_timeout():

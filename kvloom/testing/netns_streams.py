@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100),
                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200))
+BLOCKS = "blocks "
 PROGRESS = "progress "
 RESULT = "result "
 
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> int:
             t.start()
         for t in threads:
             t.join(timeout_s + 5)
+        print(BLOCKS + _settled_blocks(client), flush=True)
     print(RESULT + json.dumps(results), flush=True)
     return 0
 
@@ -81,6 +83,22 @@ def _wait_serving(client: KvloomClient, timeout_s: float) -> None:
             time.sleep(0.1)
 
 
+def _settled_blocks(client: KvloomClient, wait_s: float = 5.0) -> str:
+    """"FREE TOTAL RUNNING" of the KV pool once every block is free again
+    (the streams' blocks return within a step), or as it is after wait_s;
+    "unknown" when the controlplane does not answer (it was killed)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = client.server_info(timeout=5)
+        except KvloomError:
+            return "unknown"
+        settled = info.num_free_blocks == info.num_total_blocks and not info.num_requests_running
+        if settled or time.monotonic() > deadline:
+            return f"{info.num_free_blocks} {info.num_total_blocks} {info.num_requests_running}"
+        time.sleep(0.1)
+
+
 class Streams:
     """The test's side: this client started on the controlplane's host (so a
     cut elsewhere never reaches it), its lines read as they come."""
@@ -94,6 +112,8 @@ class Streams:
         self.proc = cluster.hosts.run(cluster.controlplane_host, argv, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
+        # (free, total, running) of the KV pool after the streams; None: unknown.
+        self.blocks: tuple[int, int, int] | None = None
         # Per stream: (arrival time, tokens so far) of each message.
         self.arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
 
@@ -123,6 +143,9 @@ class Streams:
         if line.startswith(PROGRESS):
             _, i, n, t = line.split()
             self.arrivals[int(i)].append((float(t), int(n)))
+        elif line.startswith(BLOCKS) and line != BLOCKS + "unknown":
+            free, total, running = (int(x) for x in line[len(BLOCKS):].split())
+            self.blocks = (free, total, running)
         return line
 
 

@@ -59,29 +59,38 @@ def _alive(cluster: NetnsCluster) -> list[int]:
     return [p.pid for p in procs]
 
 
+def _ride_out(cluster: NetnsCluster, cut, heal, expected) -> dict[str, str]:
+    """Streams in flight across cut() ... CUT_S ... heal(): every one ends
+    token-exact, no block is left held, no process restarted; the logs."""
+    streams = Streams(cluster, PROMPTS, MAX_TOKENS)
+    streams.wait_tokens(3)
+    pids = _alive(cluster)
+    cut()
+    time.sleep(CUT_S)
+    heal()
+    results = streams.result()
+    logs = cluster.logs()
+    assert [r["error"] for r in results] == [None] * len(PROMPTS), (results, logs)
+    assert [r["tokens"] for r in results] == expected
+    assert streams.blocks is not None and streams.blocks[0] == streams.blocks[1], streams.blocks
+    assert _alive(cluster) == pids  # nobody restarted
+    print(f"\n{CUT_S:g} s cut: longest pause per stream "
+          f"{[round(r['max_gap_s'], 2) for r in results]} s")
+    return logs
+
+
 def test_a_rank_host_cut_off_rejoins_with_its_weights(tiny_model_dir, tmp_path):
     expected = _expected(tiny_model_dir)
     with NetnsHosts(3) as hosts:
         cluster = _cluster(hosts, tiny_model_dir, tmp_path, recovery_s=60)
-        streams = Streams(cluster, PROMPTS, MAX_TOKENS)
-        streams.wait_tokens(3)
-        pids = _alive(cluster)
-        rank1_host = hosts.hosts[2]
-        hosts.cut(rank1_host)
-        time.sleep(CUT_S)
-        hosts.heal(rank1_host)
-        results = streams.result()
-        logs = cluster.logs()
-        assert [r["error"] for r in results] == [None] * len(PROMPTS), (results, logs)
-        assert [r["tokens"] for r in results] == expected
-        assert _alive(cluster) == pids  # nobody restarted
+        rank1_host = cluster.rank_host(1)
+        logs = _ride_out(cluster, lambda: hosts.cut(rank1_host),
+                         lambda: hosts.heal(rank1_host), expected)
         cp, rank1 = logs["controlplane.log"], logs["rank1.log"]
         assert re.search(r"worker rank 1 .* sent nothing for .* \(heartbeat timeout 2 s\)", cp), cp
         held = re.search(r"resuming (\d+) held request\(s\)", cp)
         assert held and int(held.group(1)) >= 1, cp
         assert "re-registering as rank 1" in rank1 and "reusing the weights" in rank1, rank1
-        print(f"\nhost cut {CUT_S:g} s: longest pause per stream "
-              f"{[round(r['max_gap_s'], 2) for r in results]} s")
 
 
 def test_the_link_between_two_ranks_cut_is_caught_by_the_step_timeout(tiny_model_dir,
@@ -89,17 +98,9 @@ def test_the_link_between_two_ranks_cut_is_caught_by_the_step_timeout(tiny_model
     expected = _expected(tiny_model_dir)
     with NetnsHosts(3) as hosts:
         cluster = _cluster(hosts, tiny_model_dir, tmp_path, recovery_s=60)
-        streams = Streams(cluster, PROMPTS, MAX_TOKENS)
-        streams.wait_tokens(3)
-        pids = _alive(cluster)
-        hosts.cut_link(hosts.hosts[1], hosts.hosts[2])
-        time.sleep(CUT_S)
-        hosts.heal_link(hosts.hosts[1], hosts.hosts[2])
-        results = streams.result()
-        logs = cluster.logs()
-        assert [r["error"] for r in results] == [None] * len(PROMPTS), (results, logs)
-        assert [r["tokens"] for r in results] == expected
-        assert _alive(cluster) == pids
+        ranks = cluster.rank_host(0), cluster.rank_host(1)
+        logs = _ride_out(cluster, lambda: hosts.cut_link(*ranks),
+                         lambda: hosts.heal_link(*ranks), expected)
         cp = logs["controlplane.log"]
         assert "missed the step deadline (3 s)" in cp, cp
         # The controlplane's streams never broke: nobody had to re-register.
@@ -114,10 +115,12 @@ def test_a_cut_longer_than_the_recovery_timeout_fails_cleanly_then_serves(tiny_m
         cluster = _cluster(hosts, tiny_model_dir, tmp_path, recovery_s=3)
         streams = Streams(cluster, PROMPTS, MAX_TOKENS)
         streams.wait_tokens(3)
-        rank1_host = hosts.hosts[2]
+        rank1_host = cluster.rank_host(1)
         hosts.cut(rank1_host)
         results = streams.result()  # they end while the link is still down
         hosts.heal(rank1_host)
+        # Nothing leaked: every block is free, nothing left running.
+        assert streams.blocks == (64, 64, 0), streams.blocks
         for r in results:
             assert r["error"] is not None and r["error"].startswith("UNAVAILABLE"), results
             assert "rank 1" in r["error"] and "--engine-recovery-timeout" in r["error"], r

@@ -54,6 +54,7 @@ from workerd.config import (
     WorkerdConfig,
 )
 from workerd.connection import (
+    EXIT_GRACE_S,
     ControlplaneConnection,
     RegistrationError,
     TlsRefused,
@@ -150,8 +151,9 @@ def _abort_collectives(connection: ConnectionConfig, metrics: MetricsConfig) -> 
     local = {metrics.metrics_port} if metrics.metrics_port else set()
     count = abort_collectives(keep_remote_ports={connection.controlplane_port},
                               keep_local_ports=local)
-    logger.warning("Reset while a command runs: shut %d socket(s) of the failed group so the "
-                   "command returns", count)
+    if count:  # repeated while the command is stuck: only what it did
+        logger.warning("the group failed while a command runs: shut %d socket(s) of it so "
+                       "the command returns", count)
 
 
 def advertise_host(args: argparse.Namespace) -> str:
@@ -313,6 +315,7 @@ def _serve(config: WorkerdConfig, metrics) -> int:
     conn.on_abort = lambda: _abort_command(worker, link, config.metrics)
     conn.on_grammar_masks = worker.grammar_masks.put
     conn.on_stream_end = lambda: worker.grammar_masks.abort("the stream to the controlplane ended")
+    conn.grace_s = lambda: max(EXIT_GRACE_S, worker.collective_timeout_s + EXIT_GRACE_S)
     busy = threading.Event()
     conn.start_heartbeat(link.heartbeat_interval_s, worker)
     try:
@@ -348,6 +351,7 @@ def _command_loop(conn: ControlplaneConnection, worker: Worker, busy: threading.
                   stop: SigtermStop, metrics) -> None:
     """Run the stream's commands until it ends (or SIGTERM)."""
     while (msg := conn.commands.get()) is not None and not conn.ended.is_set():
+        conn.command_seq += 1
         busy.set()
         out = worker.handle(msg)
         busy.clear()

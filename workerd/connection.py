@@ -32,6 +32,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -40,8 +41,14 @@ from kvloom.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# How long the main thread gets to finish cleanly after the stream ends.
+# How long the main thread gets to finish cleanly after the stream ends, at
+# least; a command in a collective gets until that collective's timeout.
 EXIT_GRACE_S = 5.0
+# How long a running command of a failed group gets to finish by itself
+# before its collective sockets are shut (a healthy step takes milliseconds).
+ABORT_DELAY_S = 0.5
+# How often a still-busy main thread's collective sockets are shut again.
+ABORT_REPEAT_S = 1.0
 # How long close() waits for the controlplane to end its side of the stream
 # after ours has ended, so what we sent last (a step's reply) is delivered.
 CLOSE_GRACE_S = 5.0
@@ -177,6 +184,11 @@ class ControlplaneConnection:
         self._main_left = threading.Event()
         # Set by the reader when the stream has ended; cleared at register().
         self.ended = threading.Event()
+        # Seconds a busy main thread gets after the stream ended: __main__
+        # makes it outlast the group's collective timeout.
+        self.grace_s: Callable[[], float] = lambda: EXIT_GRACE_S
+        # Counts the commands the main thread has started (it increments it).
+        self.command_seq = 0
         # None = plaintext (the controlplane without --worker-ssl-certfile).
         self._credentials = credentials
         self._closed_handshakes = 0
@@ -386,10 +398,11 @@ class ControlplaneConnection:
                 if kind == "grammar_masks" and self.on_grammar_masks is not None:
                     self.on_grammar_masks(msg.grammar_masks)
                     continue
-                if kind == "reset" and busy.is_set() and self.on_abort is not None:
+                if kind == "reset" and busy.is_set():
                     # The running command belongs to the failed group and may
                     # wait forever on a peer that will not answer.
-                    self.on_abort()
+                    threading.Thread(target=self._release_command, name="release-command",
+                                     args=(busy, self.command_seq), daemon=True).start()
                 self.commands.put(msg)
             else:
                 logger.error("controlplane closed the stream")
@@ -398,26 +411,50 @@ class ControlplaneConnection:
         # Set before the end-of-stream marker: the main thread reads exit_code
         # as soon as it sees the marker.
         self.exit_code = code
-        # First stop the main thread from starting what is queued: a step
-        # taken after the abort below would block on sockets already shut.
+        # Stop the main thread from starting what the dead stream queued: it
+        # would run against state the group no longer has, its replies could
+        # go nowhere, and its collectives would meet peers that have left.
         self.ended.set()
         self.drain_commands()
-        if busy.is_set() and self.on_abort is not None:
-            # The running command may wait on peers of a group that is gone
-            # (a partition cuts them off as well): release it.
-            self.on_abort()
         if self.on_stream_end is not None:
             self.on_stream_end()
-        # What the dead stream queued would run against state the group no
-        # longer has, and its replies could go nowhere: only the end is left.
-        self.drain_commands()
         self.commands.put(None)
-        if busy.is_set() and not self._main_left.wait(EXIT_GRACE_S):
-            # The main thread is still blocked (a collective the abort missed).
+        if busy.is_set() and not self._release_command(busy, self.command_seq,
+                                                       left=self._main_left):
+            # Still blocked past the collective's own timeout: nothing will return.
             logger.error("main thread still busy %.0f s after the stream ended; exiting "
-                         "(its stack follows)", EXIT_GRACE_S)
+                         "(its stack follows)", self.grace_s())
             faulthandler.dump_traceback(all_threads=True)  # where it was stuck, for the log
             os._exit(code)
+
+    def _release_command(self, busy: threading.Event, seq: int,
+                         left: threading.Event | None = None) -> bool:
+        """The group failed while command `seq` runs: release it if it is
+        stuck. True once it has finished (or the main thread has `left` the
+        command loop); False if it still runs after grace_s().
+
+        It first gets ABORT_DELAY_S to finish by itself: when the group fails
+        with every rank alive (a controlplane restart, a missed deadline),
+        the ranks all finish their step, and no socket needs shutting. That
+        matters: a gloo all-reduce whose sockets are shut while the peer is
+        shutting its own does not always return, nor time out. Only a
+        command still running then is aborted (on_abort: its collective
+        sockets shut), again every ABORT_REPEAT_S; never once the main thread
+        has moved on, when the sockets may already be the next group's."""
+        def finished() -> bool:
+            return (not busy.is_set() or self.command_seq != seq
+                    or (left is not None and left.is_set()))
+
+        t0 = time.monotonic()
+        while not finished() and time.monotonic() - t0 < ABORT_DELAY_S:
+            time.sleep(0.01)
+        while not finished():
+            if time.monotonic() - t0 >= self.grace_s():
+                return False
+            if self.on_abort is not None:
+                self.on_abort()
+            time.sleep(ABORT_REPEAT_S)
+        return True
 
     def main_left(self) -> None:
         """The main thread has left the ended stream's command loop."""

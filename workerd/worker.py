@@ -53,6 +53,8 @@ class Worker:
         self.ps = None
         self.runner = None
         self.last_forward_time_s = 0.0
+        # The process group's timeout: a blocked collective raises by then.
+        self.collective_timeout_s = 0.0
         # What the runner's weights were loaded from (LoadModel's arguments).
         self._loaded: tuple | None = None
         # Each constrained step's masks, for whichever runner samples it.
@@ -100,6 +102,7 @@ class Worker:
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
         t0 = time.monotonic()
+        self.collective_timeout_s = cmd.timeout_s
         ps = init_parallel_state(
             rank=cmd.rank,
             world_size=cmd.world_size,

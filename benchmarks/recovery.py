@@ -141,11 +141,17 @@ def run_layout(model: str, tp: int, pp: int, args) -> dict:
         supervisor.join(10)
 
 
-def cut_seconds(raw: str) -> float:
-    value = float(raw)
-    if not 0.5 <= value <= 120:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be in 0.5..120 seconds, got {raw}")
-    return value
+def _seconds_in(low: float, high: float):
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not low <= value <= high:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"must be in {low:g}..{high:g} seconds, got {raw}")
+        return value
+    return parse
+
+
+cut_seconds = _seconds_in(0.5, 120)
+ready_seconds = _seconds_in(1, 3600)
 
 
 def netns_layout(raw: str) -> tuple[int, int]:
@@ -185,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="--netns: times each case runs")
     p.add_argument("--netns-layout", type=netns_layout, default=(2, 1),
                    help="--netns: TPxPP of the cluster (2 to 4 ranks), e.g. 2x1 or 1x2")
-    p.add_argument("--ready-timeout-s", type=float, default=600.0,
-                   help="--netns: seconds the cluster may take to start")
+    p.add_argument("--ready-timeout-s", type=ready_seconds, default=600.0,
+                   help="--netns: seconds the cluster may take to start (1 to 3600)")
     p.add_argument("--cut-s", type=cut_seconds, default=5.0,
                    help="--netns: seconds a link stays cut (0.5 to 120)")
     p.add_argument("--json", type=Path, default=None)

@@ -21,7 +21,6 @@ client verifies the API's certificate against that CA.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -32,29 +31,10 @@ from pathlib import Path
 
 from kvloom.common.certs import CertAuthority, CertFiles
 from kvloom.testing.netns import Host, NetnsHosts
+from kvloom.testing.netns_streams import Streams
 
 # Bound on waiting for a process to exit once signalled.
 EXIT_WAIT_S = 30.0
-# generate()'s client, run on a host: retries (the cluster may still be
-# forming) until its deadline, then prints the last error and exits 1.
-# argv: API, PROMPT_JSON, MAX_TOKENS, TIMEOUT_S, CA_CERTS ("" = plaintext).
-CLIENT = """
-import json, sys, time
-from kvloom.client import KvloomClient
-api, prompt, max_tokens, timeout_s, ca = sys.argv[1:6]
-deadline = time.monotonic() + float(timeout_s)
-while True:
-    left = deadline - time.monotonic()
-    try:
-        with KvloomClient(api, ssl_ca_certs=ca or None) as client:
-            out = client.generate_text(json.loads(prompt), max_tokens=int(max_tokens),
-                                       temperature=0, ignore_eos=True, timeout=max(1.0, left))
-        print(json.dumps(out.token_ids)); break
-    except Exception as exc:
-        if time.monotonic() > deadline:
-            print(f"{type(exc).__name__}: {exc}", file=sys.stderr); sys.exit(1)
-        time.sleep(0.5)
-"""
 
 
 @dataclass(frozen=True)
@@ -162,23 +142,18 @@ class NetnsCluster:
     def generate(self, prompt: list[int], max_tokens: int, timeout_s: float,
                  host: Host | None = None) -> list[int]:
         """Greedy token ids from a client on `host` (default: the last rank's,
-        so the request crosses the network), retried until timeout_s while
-        the cluster forms. AssertionError with the client's error and the
-        logs if none came."""
+        so the request crosses the network), waiting up to timeout_s for the
+        cluster to form. AssertionError with the client's error and the logs
+        if none came."""
         host = host or self.rank_host(self.tp * self.pp - 1)
-        ca = str(self.tls.ca_certs) if self.tls is not None else ""
-        argv = [sys.executable, "-c", CLIENT, self.api, json.dumps(prompt), str(max_tokens),
-                str(timeout_s), ca]
         try:
-            done = subprocess.run(self.hosts.command(host, argv), capture_output=True,
-                                  text=True, timeout=timeout_s + 30)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"client on {host.netns} still running after {timeout_s:g} "
-                                 f"s + 30 s: {self.logs()}") from exc
-        if done.returncode != 0:
-            raise AssertionError(f"no tokens within {timeout_s:g} s: {done.stderr[-2000:]} "
-                                 f"{self.logs()}")
-        return json.loads(done.stdout)
+            (result,) = Streams(self, [prompt], max_tokens, timeout_s, host).result()
+        except AssertionError as exc:
+            raise AssertionError(f"no tokens within {timeout_s:g} s: {exc} "
+                                 f"{self.logs()}") from None
+        if result["error"] is not None:
+            raise AssertionError(f"{result['error']} {self.logs()}")
+        return result["tokens"]
 
     def wait_exit(self, proc: subprocess.Popen, timeout_s: float) -> int:
         """proc's exit code; AssertionError with the logs if it still runs

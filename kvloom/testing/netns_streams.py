@@ -1,6 +1,7 @@
 """Streams across a partition, for the namespace-host tests and the
 recovery benchmark: Streams starts this module's client on a host,
-`python -m kvloom.testing.netns_streams API PROMPTS_JSON MAX_TOKENS TIMEOUT_S`,
+`python -m kvloom.testing.netns_streams API PROMPTS_JSON MAX_TOKENS TIMEOUT_S [CA]`
+(CA: the TLS client port's CA),
 and reads it line by line.
 
 The client streams one greedy request per prompt, concurrently, and reports
@@ -25,6 +26,7 @@ from kvloom.api import KvloomError
 from kvloom.client import KvloomClient
 
 if TYPE_CHECKING:
+    from kvloom.testing.netns import Host
     from kvloom.testing.netns_cluster import NetnsCluster
 
 FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100),
@@ -37,6 +39,7 @@ RESULT = "result "
 def main(argv: list[str]) -> int:
     api, prompts, max_tokens, timeout_s = argv[0], json.loads(argv[1]), int(argv[2]), float(
         argv[3])
+    ca = argv[4] if len(argv) > 4 else None  # the CA of a TLS client port
     results = [{"tokens": [], "error": None, "max_gap_s": 0.0} for _ in prompts]
     lock = threading.Lock()
 
@@ -58,7 +61,7 @@ def main(argv: list[str]) -> int:
 
     # Retry a controlplane that is (re)starting promptly: gRPC's own reconnect
     # back-off would add up to seconds to a measured restart.
-    with KvloomClient(api, options=FAST_RECONNECT) as client:
+    with KvloomClient(api, options=FAST_RECONNECT, ssl_ca_certs=ca) as client:
         _wait_serving(client, timeout_s)
         threads = [threading.Thread(target=one, args=(i, client)) for i in range(len(prompts))]
         for t in threads:
@@ -100,17 +103,20 @@ def _settled_blocks(client: KvloomClient, wait_s: float = 5.0) -> str:
 
 
 class Streams:
-    """The test's side: this client started on the controlplane's host (so a
-    cut elsewhere never reaches it), its lines read as they come."""
+    """The caller's side: this client started on `host` (default: the
+    controlplane's, so a cut elsewhere never reaches it), its lines read as
+    they come."""
 
     def __init__(self, cluster: NetnsCluster, prompts: list[list[int]], max_tokens: int,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, host: Host | None = None):
         self.timeout_s = timeout_s
         self.num_streams = len(prompts)
+        ca = [str(cluster.tls.ca_certs)] if cluster.tls is not None else []
         argv = [sys.executable, "-m", "kvloom.testing.netns_streams", cluster.api,
-                json.dumps(prompts), str(max_tokens), str(timeout_s)]
-        self.proc = cluster.hosts.run(cluster.controlplane_host, argv, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
+                json.dumps(prompts), str(max_tokens), str(timeout_s), *ca]
+        self.proc = cluster.hosts.run(host or cluster.controlplane_host, argv,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
         self.lines: list[str] = []
         # (free, total, running) of the KV pool after the streams; None: unknown.
         self.blocks: tuple[int, int, int] | None = None

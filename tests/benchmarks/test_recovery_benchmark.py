@@ -36,6 +36,8 @@ def test_the_netns_cases_measure_a_cut_and_a_restart(tiny_model_dir, tmp_path, c
     (["--cut-s", "-1"], "must be in 0.5..120"),
     (["--cut-s", "1000"], "must be in 0.5..120"),
     (["--repeats", "0"], "invalid choice"),
+    (["--ready-timeout-s", "inf"], "must be in 1..3600"),
+    (["--ready-timeout-s", "0"], "must be in 1..3600"),
     (["--netns-layout", "1x1"], "2 to 4 ranks"),
     (["--netns-layout", "8x8"], "2 to 4 ranks"),
     (["--netns-layout", "two"], "expected TPxPP"),

@@ -78,7 +78,9 @@ class Harness:
 
     async def __aexit__(self, *exc) -> None:
         await self.executor.stop()
-        await self.server.stop(0)
+        # As the worker plane does: a grace lets each stream write what the
+        # executor's stop put in its outbox (a Shutdown) before it ends.
+        await self.server.stop(1.0)
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

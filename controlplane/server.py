@@ -239,7 +239,7 @@ class ControlPlane:
             self.engine,
             self.router,
             readiness=self.not_ready_reason,
-            num_ranks_attached=lambda: self.executor.status().num_attached,
+            attached_ranks=lambda: self.executor.status().ranks,
             metrics=self.metrics,
             offload=offload,
         )

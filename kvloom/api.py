@@ -182,6 +182,22 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """One attached rank: where it runs."""
+
+    rank: int
+    host: str
+    device: str
+    pid: int
+    # Where an orchestrator placed it (a Ray node id, a Kubernetes node name); "" if none said.
+    node_id: str = ""
+
+    def describe(self) -> str:
+        node = f", node {self.node_id}" if self.node_id else ""
+        return f"{self.host}, {self.device}, pid {self.pid}{node}"
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     version: str
     tensor_parallel_size: int
@@ -197,6 +213,8 @@ class ServerInfo:
     max_waiting_requests: int = 0
     # "first_token" when the server takes structured-output constraints, else "".
     constrained_decoding_start: str = ""
+    # The ranks attached now, by rank.
+    ranks: tuple[RankInfo, ...] = ()
 
 
 # --- requests ----------------------------------------------------------------
@@ -450,4 +468,8 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
 
 
 def server_info_from_pb(msg: pb.ServerInfo) -> ServerInfo:
-    return ServerInfo(**{name: getattr(msg, name) for name in ServerInfo.__dataclass_fields__})
+    scalars = {name: getattr(msg, name) for name in ServerInfo.__dataclass_fields__
+               if name != "ranks"}
+    ranks = tuple(RankInfo(rank=r.rank, host=r.host, device=r.device, pid=r.pid,
+                           node_id=r.node_id) for r in msg.ranks)
+    return ServerInfo(**scalars, ranks=ranks)

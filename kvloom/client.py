@@ -52,6 +52,7 @@ from kvloom.api import (
     ModelInfo,
     Prompt,
     PromptInfo,
+    RankInfo,
     ServerInfo,
     Tokenized,
     TopLogprob,
@@ -68,7 +69,7 @@ from kvloom.v1 import generation_pb2_grpc as pb_grpc
 __all__ = [
     "DEFAULT_SERVER", "READY_SERVICE", "AsyncKvloomClient", "ChatTurn", "Collector", "Finish",
     "GenerateChunk", "GenerateResult", "InvalidArgument", "KvloomClient", "KvloomError",
-    "Logprob", "ModelInfo", "PromptInfo", "ServerInfo", "Tokenized", "TopLogprob",
+    "Logprob", "ModelInfo", "PromptInfo", "RankInfo", "ServerInfo", "Tokenized", "TopLogprob",
     "build_request", "chat_turns", "chunk_from_pb", "default_server",
 ]
 

@@ -40,6 +40,7 @@ import grpc
 
 from kvloom.common.config_args import add_config_group, config_from_args
 from kvloom.common.logs import flush_log_handlers, setup_logging
+from kvloom.common.node_id import node_id_problem
 from kvloom.common.ports import PortInUse, free_port
 from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
@@ -182,6 +183,8 @@ def build_config(args: argparse.Namespace) -> WorkerdConfig:
                          f"controlplane's worker port (its --worker-port), e.g. 127.0.0.1:50052")
     if not DEVICE_RE.fullmatch(args.device):
         raise ValueError(f"--device {args.device}: expected auto, cpu, mps, cuda or cuda:N")
+    if (problem := node_id_problem(args.node_id)) is not None:
+        raise ValueError(f"--node-id {args.node_id[:40]!r} {problem}")
     token = auth_token(args)
     creds = credentials(args)
     cores = cpu_placement(args)
@@ -234,6 +237,24 @@ def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    code = serve(argv)
+    # Leave without Python's finalization: tearing down torch's modules is
+    # slow, paid at every stop after the work is done (docs/benchmarks.md,
+    # "Start-up").
+    # run() has closed what must be closed (the stream, the process group,
+    # the metrics port); only buffered output is left to flush.
+    flush_log_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """Parse the flags, set the process up and serve until told to stop: the
+    exit code (SystemExit(2) for a flag it cannot start with, before
+    anything runs). main() runs it as the process; a Ray rank actor
+    (workerd/ray_actor.py) runs it on a thread of its own process."""
     args = build_parser().parse_args(argv)
     try:
         config = build_config(args)
@@ -249,17 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvloom.common.gil import shorten_gil_switch_interval
 
     shorten_gil_switch_interval()
-    code = run(config)
-    # Leave without Python's finalization: tearing down torch's modules is
-    # slow, paid at every stop after the work is done (docs/benchmarks.md,
-    # "Start-up").
-    # run() has closed what must be closed (the stream, the process group,
-    # the metrics port); only buffered output is left to flush.
-    flush_log_handlers()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
+    return run(config)
 
 
 def run(config: WorkerdConfig) -> int:
@@ -388,6 +399,7 @@ def _register_request(me: RegistrationConfig, rank: int) -> worker_pb2.RegisterR
         pid=os.getpid(),
         dist_port=me.dist_port or free_port(""),
         instance_id=INSTANCE_ID,
+        node_id=me.node_id,
     )
     if rank >= 0:
         request.rank = rank

@@ -90,6 +90,10 @@ class RegistrationConfig:
     # 0 stays 0: a free port is picked at each registration, not once here.
     dist_port: int = option(
         0, "port for the torch.distributed store if this is rank 0; 0 = free port")
+    node_id: str = option(
+        "", "where an orchestrator placed this worker (a Ray node id, a Kubernetes node "
+        "name), shown in the controlplane's logs and GetServerInfo; at most 128 printable "
+        "ASCII characters, no spaces")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -45,6 +45,7 @@ from controlplane.core.kv_cache_utils import blocks_needed, max_step_tokens
 from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import Request, SamplingParams
 from controlplane.engine.core import EngineCore
+from controlplane.executor.status import RankStatus
 from controlplane.model_info import ModelInfo
 from kvloom import __version__
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
@@ -70,7 +71,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         engine: EngineCore,
         router: OutputRouter,
         readiness: Callable[[], str | None],
-        num_ranks_attached: Callable[[], int],
+        attached_ranks: Callable[[], Sequence[RankStatus]],
         metrics=None,
         offload: Offload | None = None,
         in_flight: InFlight | None = None,
@@ -82,7 +83,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.router = router
         # Returns None when ready, else why not (for UNAVAILABLE messages).
         self._not_ready_reason = readiness
-        self._num_ranks_attached = num_ranks_attached
+        # The executor's ranks attached now (an immutable snapshot, any thread).
+        self._attached_ranks = attached_ranks
         self.metrics = metrics
         # Without a pool (unit tests) everything runs inline.
         self.offload = offload if offload is not None else Offload()
@@ -289,6 +291,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GetServerInfo(self, request, context):
         cfg = self.config
         stats = self.engine.last_stats
+        ranks = self._attached_ranks()
         return generation_pb2.ServerInfo(
             version=__version__,
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
@@ -298,11 +301,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             num_free_blocks=stats.num_free_blocks if stats else 0,
             max_num_seqs=cfg.scheduler.max_num_seqs,
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-            num_ranks_attached=self._num_ranks_attached(),
+            num_ranks_attached=len(ranks),
             num_requests_running=stats.num_running_reqs if stats else 0,
             num_requests_waiting=stats.num_waiting_reqs if stats else 0,
             max_waiting_requests=cfg.server.max_waiting_requests,
             constrained_decoding_start=constrained_decoding_start(self.limits),
+            ranks=[generation_pb2.RankInfo(rank=r.rank, host=r.host, device=r.device, pid=r.pid,
+                                           node_id=r.node_id) for r in ranks],
         )
 
 

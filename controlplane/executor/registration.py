@@ -27,6 +27,7 @@ import grpc
 
 from controlplane.config import ParallelConfig, WorkerGroupConfig
 from controlplane.executor.status import GroupState, RankStatus
+from kvloom.common.node_id import node_id_problem
 from kvloom.worker.v1 import worker_pb2
 
 PROTOCOL_VERSION = worker_pb2.PROTOCOL_VERSION_CURRENT
@@ -51,6 +52,8 @@ class WorkerHandle:
     pid: int
     # Random per worker process, kept across its re-registrations.
     instance_id: str = ""
+    # Where an orchestrator placed it (a Ray node id, a Kubernetes node name).
+    node_id: str = ""
     # Where its stream came from (observed_host): rank 0's is the rendezvous
     # address. `host` is what the worker claims, for display.
     peer_host: str = ""
@@ -69,6 +72,7 @@ class WorkerHandle:
             host=self.host,
             device=self.device,
             pid=self.pid,
+            node_id=self.node_id,
             last_seen=self.last_seen,
             last_forward_time_s=self.last_forward_time_s,
         )
@@ -110,6 +114,9 @@ def check_identity(req: worker_pb2.RegisterRequest, cfg: WorkerGroupConfig) -> N
             grpc.StatusCode.INVALID_ARGUMENT,
             f"instance_id has {len(req.instance_id)} characters; at most {MAX_INSTANCE_ID}",
         )
+    if (problem := node_id_problem(req.node_id)) is not None:
+        raise RegistrationRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"node_id {problem} (workerd --node-id)")
 
 
 def pick_rank(
@@ -163,7 +170,7 @@ def new_handle(req: worker_pb2.RegisterRequest, peer: str, rank: int) -> WorkerH
     """The handle of a registration accepted as `rank`; peer is the stream's
     grpc context.peer(), where the worker was seen (peer_host)."""
     return WorkerHandle(rank=rank, host=req.host, device=req.device, dist_port=req.dist_port,
-                        pid=req.pid, instance_id=req.instance_id,
+                        pid=req.pid, instance_id=req.instance_id, node_id=req.node_id,
                         peer_host=observed_host(peer))
 
 

@@ -48,9 +48,12 @@ class RankStatus:
     last_seen: float
     # From the rank's heartbeats.
     last_forward_time_s: float
+    # Where an orchestrator placed it; "" when none said.
+    node_id: str = ""
 
     def describe(self) -> str:
-        return f"rank {self.rank} ({self.host}, pid {self.pid})"
+        node = f", node {self.node_id}" if self.node_id else ""
+        return f"rank {self.rank} ({self.host}, pid {self.pid}{node})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,6 +193,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name, value in {**vars(model), **vars(server)}.items():
         if name == "special_tokens":
             value = ", ".join(f"{text}={tid}" for text, tid in value.items()) or "(none)"
+        elif name == "ranks":
+            for rank in value:
+                print(f"{f'rank {rank.rank}':<24} {rank.describe()}")
+            continue
         elif value is None:
             value = "(none)"
         print(f"{name:<24} {value}")

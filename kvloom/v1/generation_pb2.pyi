@@ -275,7 +275,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "tensor_parallel_size", "pipeline_parallel_size", "block_size", "num_total_blocks", "num_free_blocks", "max_num_seqs", "max_num_batched_tokens", "num_ranks_attached", "num_requests_running", "num_requests_waiting", "max_waiting_requests", "constrained_decoding_start")
+    __slots__ = ("version", "tensor_parallel_size", "pipeline_parallel_size", "block_size", "num_total_blocks", "num_free_blocks", "max_num_seqs", "max_num_batched_tokens", "num_ranks_attached", "num_requests_running", "num_requests_waiting", "max_waiting_requests", "constrained_decoding_start", "ranks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class ServerInfo(_message.Message):
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINED_DECODING_START_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     version: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -302,4 +303,19 @@ class ServerInfo(_message.Message):
     num_requests_waiting: int
     max_waiting_requests: int
     constrained_decoding_start: str
-    def __init__(self, version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_ranks_attached: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., constrained_decoding_start: _Optional[str] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    def __init__(self, version: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_ranks_attached: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., constrained_decoding_start: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "host", "device", "pid", "node_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    host: str
+    device: str
+    pid: int
+    node_id: str
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...

@@ -171,11 +171,12 @@ def grpc_health_serving(address: str, service: str) -> bool:
 
 def check_greedy_completion(
     address: str, model_dir: str, layout: tuple[int, int], max_tokens: int = 12,
-    **client_kwargs,
+    node_id: str = "", **client_kwargs,
 ) -> None:
-    """The cluster serves model_dir with layout (tp, pp), and one request through
-    the client API matches transformers' greedy output token for token
-    (client_kwargs: KvloomClient's TLS files and API key)."""
+    """The cluster serves model_dir with layout (tp, pp), each rank reporting
+    node_id, and one request through the client API matches transformers'
+    greedy output token for token (client_kwargs: KvloomClient's TLS files
+    and API key)."""
     from transformers import AutoConfig
 
     from tests.integration.reference import hf_greedy
@@ -188,6 +189,8 @@ def check_greedy_completion(
         info = client.server_info()
         assert (info.tensor_parallel_size, info.pipeline_parallel_size) == layout
         assert info.num_ranks_attached == layout[0] * layout[1]
+        assert [r.rank for r in info.ranks] == list(range(layout[0] * layout[1]))
+        assert {r.node_id for r in info.ranks} == {node_id}
         assert client.model_info().model_path == model_dir
         result = client.generate_text(
             prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=120

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.slow
 
 CHART = ROOT / "helm" / "kvloom"
 NAMESPACE = "kvloom-test"
+# The node every local "pod" reports (spec.nodeName through the downward API).
+NODE_NAME = "node-a"
 READY_TIMEOUT = 240.0
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
@@ -204,6 +206,7 @@ class LocalCluster:
                 "metadata.name": pod.name,
                 "metadata.namespace": NAMESPACE,
                 "status.podIP": LOOPBACK,
+                "spec.nodeName": NODE_NAME,
             }[path]
         if "secretKeyRef" in source:
             ref = source["secretKeyRef"]
@@ -279,7 +282,7 @@ def run_chart_locally(tmp_path, model_dir: str, layout: tuple[int, int], *values
                 )
         service, port = _client_service(cluster)
         address = f"{LOOPBACK}:{cluster.service_port(service, port)}"
-        check_greedy_completion(address, model_dir, layout, **(client or {}))
+        check_greedy_completion(address, model_dir, layout, node_id=NODE_NAME, **(client or {}))
         procs.check_alive()
 
 

@@ -79,6 +79,12 @@ def test_one_worker_pod_per_rank(tp, pp):
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
 
 
+def test_each_rank_reports_its_kubernetes_node():
+    (sts,) = by_kind(render(), "StatefulSet")
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KVLOOM_NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
 def test_services_route_before_readiness():
     docs = render()
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}

@@ -120,7 +120,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         return pb.ServerInfo(version="0.1.0", tensor_parallel_size=1,
                              pipeline_parallel_size=2, num_ranks_attached=2,
                              num_requests_running=3, num_requests_waiting=1,
-                             max_waiting_requests=64)
+                             max_waiting_requests=64,
+                             ranks=[pb.RankInfo(rank=0, host="10.0.0.1", device="cpu", pid=11,
+                                                node_id="ray-node-a"),
+                                    pb.RankInfo(rank=1, host="10.0.0.2", device="cuda:0",
+                                                pid=12)])
 
 
 def _logprob(token_id: int, token: str, rank: int, top: int) -> pb.Logprob:

@@ -227,9 +227,13 @@ def test_cli_info_shows_new_fields(fake_server, capsys):
                      "num_requests_waiting     1", "max_waiting_requests     64"):
         assert expected in out, expected
     assert cli.main(["info", "--json", "--server", address]) == 0
+    assert "rank 0                   10.0.0.1, cpu, pid 11, node ray-node-a" in out
+    assert "rank 1                   10.0.0.2, cuda:0, pid 12\n" in out  # no node: none said
     doc = json.loads(capsys.readouterr().out)
     assert doc["model"]["special_tokens"] == {"<s>": 0, "</s>": 1}
     assert doc["server_info"]["num_requests_waiting"] == 1
+    assert doc["server_info"]["ranks"][0] == {"rank": 0, "host": "10.0.0.1", "device": "cpu",
+                                              "pid": 11, "node_id": "ray-node-a"}
 
 
 def test_cli_health(fake_server, capsys):

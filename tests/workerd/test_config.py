@@ -75,6 +75,7 @@ GIVEN = {
     "--auth-token-file": ("", ""),
     "--advertise-host": ("worker-3.example", "worker-3.example"),
     "--dist-port": ("29511", 29511),
+    "--node-id": ("ray-node-3f2a", "ray-node-3f2a"),
     "--num-threads": ("2", 2),
     "--cpu-cores": ("", ""), "--io-cpu-cores": ("", ""),
     "--metrics-port": ("9464", 9464),
@@ -168,6 +169,7 @@ HOSTILE = {
     "--device": ("gpu", "--device gpu: expected auto, cpu"),
     "--auth-token-file": ("/nonexistent", "--auth-token-file /nonexistent"),
     "--dist-port": ("any", "argument --dist-port: invalid int value"),
+    "--node-id": ("n" * 129, "has 129 characters; at most 128"),
     "--num-threads": ("all", "argument --num-threads: invalid int value"),
     "--cpu-cores": ("0-x", "--cpu-cores '0-x': expected core"),
     "--io-cpu-cores": ("0", "--io-cpu-cores needs --cpu-cores"),
@@ -196,6 +198,19 @@ def test_a_hostile_value_gets_its_bounds_error(flag, capsys, monkeypatch):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert words in err, err
+
+
+@pytest.mark.parametrize("node_id, words", [
+    ("node a", "printable ASCII without spaces"),
+    ("node\nforged log line", "printable ASCII without spaces"),
+    ("nöde", "printable ASCII without spaces"),
+])
+def test_a_node_id_that_could_forge_a_log_line_is_refused(node_id, words, capsys):
+    from workerd.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--controlplane", "127.0.0.1:1", "--node-id", node_id])
+    assert info.value.code == 2 and words in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

@@ -21,7 +21,7 @@ PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "rank", "host", "device", "auth_token", "pid", "dist_port", "instance_id")
+    __slots__ = ("protocol_version", "rank", "host", "device", "auth_token", "pid", "dist_port", "instance_id", "node_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RegisterRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DIST_PORT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     rank: int
     host: str
@@ -38,7 +39,8 @@ class RegisterRequest(_message.Message):
     pid: int
     dist_port: int
     instance_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., auth_token: _Optional[str] = ..., pid: _Optional[int] = ..., dist_port: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., auth_token: _Optional[str] = ..., pid: _Optional[int] = ..., dist_port: _Optional[int] = ..., instance_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("rank", "world_size")

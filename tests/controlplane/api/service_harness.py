@@ -51,6 +51,7 @@ from controlplane.core.outputs import (
 from controlplane.core.request import Request
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.engine.core import EngineCore
+from controlplane.executor.status import RankStatus
 from controlplane.executor.step_executor import DoneStep, PendingStep, StepExecutor
 from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import WorkerGroupFailed
@@ -62,6 +63,9 @@ WAIT_S = 20.0  # bound on waiting for something that must happen
 PROMPT = "The quick brown fox"
 OUTPUT = " jumps over the lazy dog."
 BLOCK_SIZE = 4
+# The one rank GetServerInfo reports: placed, as by Ray, on a node.
+ATTACHED_RANK = RankStatus(rank=0, host="10.0.0.7", device="cpu", pid=4242, last_seen=0.0,
+                           last_forward_time_s=0.0, node_id="node-a")
 
 
 class ScriptedModel(StepExecutor):
@@ -222,7 +226,7 @@ class Api:
             self.engine,
             self.router,
             readiness=lambda: None,
-            num_ranks_attached=lambda: 1,
+            attached_ranks=lambda: (ATTACHED_RANK,),
         )
         interceptors = [] if self.api_keys is None else [ApiKeyInterceptor(
             self.api_keys,

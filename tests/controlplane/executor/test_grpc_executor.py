@@ -158,6 +158,13 @@ def test_registration_refusals():
             code, details = await _refused(h, rank=1, auth_token="s3cret",
                                            instance_id="i" * 65)
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 64" in details
+            for node_id, words in (("n" * 129, "at most 128"),
+                                   ("a\nforged", "printable ASCII without spaces"),
+                                   ("nœud", "printable ASCII without spaces")):
+                code, details = await _refused(h, rank=1, auth_token="s3cret", node_id=node_id)
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+                assert details.startswith("node_id "), details
+                assert words in details and "--node-id" in details
             await first.close()
             await task
 

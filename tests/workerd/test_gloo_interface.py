@@ -15,6 +15,8 @@ from workerd.worker import CommandError, Worker
 def test_loopback_is_lo_and_each_interface_address_is_its_own():
     assert interface_for("127.0.0.1") == "lo"
     assert interface_for("localhost") == "lo"
+    # All of 127.0.0.0/8 arrives on lo, which lists 127.0.0.1 only.
+    assert interface_for("127.0.0.2") == "lo"
 
 
 @pytest.mark.parametrize("host", ["192.0.2.77", "203.0.113.9"])  # TEST-NET: on no interface

@@ -51,6 +51,13 @@ def interface_for(host: str) -> str:
     for name, addr in held.items():
         if addr == address:
             return name
+    if ipaddress.ip_address(address).is_loopback:
+        # The kernel delivers all of 127.0.0.0/8 on the loopback interface,
+        # whichever one address of it the interface lists (a Ray node on
+        # 127.0.0.2 advertises that).
+        for name, addr in held.items():
+            if ipaddress.ip_address(addr).is_loopback:
+                return name
     listed = ", ".join(f"{n} {a}" for n, a in sorted(held.items())) or "none"
     raise ValueError(f"no interface of this machine holds the advertised address {address}"
                      f"{f' ({host})' if host != address else ''}, so peers could not reach this "

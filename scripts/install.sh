@@ -28,9 +28,9 @@ if ! have torch 2.13.0; then
 fi
 # The gateway extra: the SMG gateway (`kvloom up --openai-port`) and, with dev,
 # the openai client its tests use.
-extras="server,default-model,dev,gateway,structured"
+extras="server,default-model,dev,gateway,structured,ray"
 if have kvloom "$(python -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')" \
-    && python -c "import transformers, grpc, gguf, smg, openai, tvm_ffi, pydantic" 2>/dev/null; then
+    && python -c "import transformers, grpc, gguf, smg, openai, tvm_ffi, pydantic, ray" 2>/dev/null; then
   pip_q -e ".[$extras]"  # already there: a quick, quiet check
 else
   echo "== pip: kvloom and its dependencies (transformers, grpcio, the SMG gateway, ...; about a minute)"

@@ -38,6 +38,7 @@ from pathlib import Path
 from kvloom.cli import gateway, launcher, openai_http
 from kvloom.cli.gateway import GatewaySpec
 from kvloom.cli.generate import EXIT_FAILURE, chat_turns, complete
+from kvloom.cli.ray_placement import PlacementError, add_ray_args, placement_from_args
 from kvloom.client import KvloomError
 from kvloom.common.config_args import BadValue
 
@@ -94,6 +95,25 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="also serve the OpenAI API (http://HOST:PORT/v1) through the SMG "
                              "gateway, on --host (needs kvloom[gateway]; not with --tls); "
                              "unset: no gateway")
+    add_ray_args(parser)
+
+
+def make_cluster(args: argparse.Namespace, spec: launcher.ClusterSpec, *,
+                 log_sink=None, log_dir: Path | None = None) -> launcher.Cluster:
+    """A local cluster, or one whose ranks Ray places (--placement ray)."""
+    try:
+        placement = placement_from_args(args)
+    except PlacementError as exc:
+        raise launcher.ClusterError(str(exc)) from None
+    if placement is None:
+        return launcher.Cluster(spec, log_sink=log_sink, log_dir=log_dir)
+    detached = log_dir is not None
+    if detached and not placement.address:
+        raise launcher.ClusterError("--detach with --placement ray needs --ray-address: a "
+                                    "local Ray started by `kvloom up` ends with it")
+    from kvloom.cli.ray_cluster import RayCluster
+
+    return RayCluster(spec, placement, log_sink=log_sink, log_dir=log_dir, detached=detached)
 
 
 def gateway_spec(args: argparse.Namespace) -> GatewaySpec | None:
@@ -168,7 +188,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     spec = cluster_spec_for_launch(args)
     if args.tls:
         spec = with_tls(spec, tls_dir(state_file))
-    cluster = launcher.Cluster(spec, log_dir=log_dir)
+    cluster = make_cluster(args, spec, log_dir=log_dir)
     front = start_and_wait(cluster, args.ready_timeout, front)
     if not args.detach:
         return serve_foreground(cluster, state_file, front)
@@ -261,6 +281,12 @@ def cmd_down(args: argparse.Namespace) -> int:
     state.stopping = True  # a foreground `up` then reports a clean stop, not a crash
     state.save(state_file)
     killed = launcher.stop_detached(state, grace=args.grace)
+    if state.ray_address and state.ray_actors:
+        from kvloom.cli.ray_session import down_ray
+
+        removed = down_ray(state.ray_address, state.ray_actors, state.ray_placement_group)
+        print(f"kvloom: removed from Ray: {', '.join(removed) or 'nothing left'}",
+              file=sys.stderr)
     state_file.unlink(missing_ok=True)
     note = f" (SIGKILLed: {', '.join(killed)})" if killed else ""
     print(f"kvloom: stopped the cluster at {state.api}{note}", file=sys.stderr)
@@ -278,7 +304,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if scratch is not None:
         spec = with_tls(spec, scratch)
     sink = sys.stderr if args.logs else open(os.devnull, "w")  # noqa: SIM115
-    cluster = launcher.Cluster(spec, log_sink=sink)
+    cluster = make_cluster(args, spec, log_sink=sink)
     supervisor = launcher.SupervisorThread(cluster)  # restarts a dead worker meanwhile
     try:
         front = start_and_wait(cluster, args.ready_timeout, front)

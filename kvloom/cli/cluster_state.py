@@ -30,6 +30,11 @@ class ClusterState:
     front: list[str] = field(default_factory=list)
     # Set by `kvloom down` before it stops the processes.
     stopping: bool = False
+    # A cluster placed by Ray (`kvloom up --placement ray`): where Ray runs
+    # ("" = a local Ray owned by the `up` process) and what to remove there.
+    ray_address: str = ""
+    ray_actors: list[str] = field(default_factory=list)
+    ray_placement_group: str = ""
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,10 +33,18 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 class RankActor:
     """argv: workerd's flags without the node's own (node id, addresses,
-    metrics port), which the actor adds from where Ray put it."""
+    metrics port), which the actor adds from where Ray put it; env: what
+    the daemon reads from its environment."""
 
-    def __init__(self, argv: list[str], controlplane_host: str, metrics: bool):
+    def __init__(self, argv: list[str], controlplane_host: str, metrics: bool,
+                 env: dict[str, str]):
         import ray
+
+        # The daemon's environment (the auth token, the ranks sharing this
+        # node), set here rather than as a Ray runtime_env: one of those
+        # would need a worker process of its own, never one of the idle
+        # ones Ray keeps started, and a restart would wait for it.
+        os.environ.update(env)
 
         context = ray.get_runtime_context()
         self.node_id = context.get_node_id()

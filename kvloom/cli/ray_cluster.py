@@ -151,8 +151,7 @@ class RayCluster(launcher.Cluster):
         # The ports the user named, else free ones on the actor's node.
         ports = (spec.port, spec.worker_port, spec.metrics_port)
         options = dict(name=self.actor_names[-1], namespace=NAMESPACE,
-                       num_cpus=CONTROLPLANE_CPUS, max_restarts=0, max_concurrency=4,
-                       runtime_env={"env_vars": self._daemon_env()})
+                       num_cpus=CONTROLPLANE_CPUS, max_restarts=0, max_concurrency=4)
         if self.detached:
             options["lifetime"] = "detached"
         actor = self._ray.remote(ControlplaneActor).options(**options).remote(
@@ -197,8 +196,8 @@ class RayCluster(launcher.Cluster):
 
     def _daemon_env(self) -> dict[str, str]:
         """What a local cluster's daemons get beyond their environment: the
-        auth token (here in Ray's actor spec: who can reach the Ray cluster
-        can run any code on its nodes anyway)."""
+        auth token (here in the actor's arguments, which Ray keeps: who can
+        reach the Ray cluster can run any code on its nodes anyway)."""
         env = {"PYTHONUNBUFFERED": "1"}
         token = launcher.child_env(self.spec).get("KVLOOM_AUTH_TOKEN")
         if token:
@@ -227,11 +226,11 @@ class RayCluster(launcher.Cluster):
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=rank),
-                runtime_env={"env_vars": self._actor_env(rank)},
             )
             if self.detached:
                 options["lifetime"] = "detached"
-            actor = remote.options(**options).remote(self._rank_argv(rank, host), host, True)
+            actor = remote.options(**options).remote(self._rank_argv(rank, host), host, True,
+                                                     self._actor_env(rank))
             self.ranks.append(RankActorState(rank, actor))
         wheres = self._ray.get([r.actor.where.remote() for r in self.ranks],
                                timeout=WHERE_TIMEOUT_S)

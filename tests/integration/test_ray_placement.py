@@ -13,6 +13,7 @@ placement group behind, and no rank process.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import subprocess
@@ -21,7 +22,10 @@ import time
 import grpc
 import pytest
 
-pytest.importorskip("ray")
+# Found, not imported: the drivers are the kvloom processes the tests start, and
+# Ray in this process would fix its authentication settings at import.
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("needs kvloom[ray]", allow_module_level=True)
 
 from kvloom.client import KvloomClient  # noqa: E402
 from kvloom.testing.ray_head import RayHead  # noqa: E402
@@ -179,3 +183,29 @@ def test_detached_up_then_down_leaves_nothing_on_ray(ray_head, tiny_model_dir, t
     assert [a for a in holds["actors"] if a.startswith("kvloom-")] == []
     assert live_kvloom_groups(holds) == []
     assert wait_gone(pids) == []
+
+
+def test_run_without_an_address_starts_and_stops_a_local_ray(tmp_path):
+    from kvloom.testing.ray_head import session_pids
+
+    # The default model: `run` chats, and the tiny checkpoint has no template.
+    argv = [KVLOOM, "run", "--placement", "ray", "--pp", "2", "--worker-threads", "1",
+            "--logs", "--max-tokens", "8", "--temperature", "0", "What is the capital of France?",
+            "--", "--kv-cache-memory-bytes", str(64 << 20)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**env, "RAY_DEDUP_LOGS": "0"}, start_new_session=True)
+    try:
+        out, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(10)
+    assert run.returncode == 0, err[-3000:]
+    assert "Paris" in out, err[-3000:]
+    assert "rank 1 on Ray node" in err
+    # The local Ray (GCS, raylet, the actors) went with it.
+    deadline = time.monotonic() + 30
+    while session_pids(run.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert session_pids(run.pid) == []

@@ -16,6 +16,11 @@ stream must match token for token (the benchmark fails otherwise).
 The default model is the embedded default (SmolLM2-135M-Instruct). Victims:
 the output rank for PP (rank P-1 of TP=1), rank 0 (the rendezvous host) for TP.
 
+--placement local,ray runs each layout both ways, side by side: the local
+launcher's supervisor restarts the victim, or (ray) Ray restarts its actor
+(`kvloom up --placement ray` against a Ray head this benchmark starts on
+loopback). Both report kill -> next token and the start-up time to ready.
+
 --netns CASES (root) adds partitions and controlplane restarts on a TP=2
 cluster across network-namespace hosts (benchmarks/recovery_netns.py):
 
@@ -26,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import re
 import signal
 import statistics
@@ -85,17 +92,39 @@ def _metric_sum(url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
-def run_layout(model: str, tp: int, pp: int, args) -> dict:
+def _cluster(model: str, tp: int, pp: int, args, placement: str, ray_address: str):
     spec = launcher.ClusterSpec(
         model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
         worker_threads=args.worker_threads,
         controlplane_args=("--kv-cache-memory-bytes", str(args.kv_cache_mib << 20)),
     )
-    cluster = launcher.Cluster(spec, log_sink=open("/dev/null", "w"))  # noqa: SIM115
+    sink = open("/dev/null", "w")  # noqa: SIM115
+    if placement == "local":
+        return launcher.Cluster(spec, log_sink=sink)
+    from kvloom.cli.ray_cluster import RayCluster
+    from kvloom.cli.ray_placement import RayPlacementSpec
+
+    return RayCluster(spec, RayPlacementSpec(address=ray_address), log_sink=sink)
+
+
+def _rank_pid(client_address: str, rank: int) -> int:
+    """The victim's pid now, as GetServerInfo reports it (Ray restarts it
+    in a process of Ray's choosing)."""
+    from kvloom.client import KvloomClient
+
+    with KvloomClient(client_address) as client:
+        return next(r.pid for r in client.server_info().ranks if r.rank == rank)
+
+
+def run_layout(model: str, tp: int, pp: int, args, placement: str = "local",
+               ray_address: str = "") -> dict:
+    cluster = _cluster(model, tp, pp, args, placement, ray_address)
+    started = time.monotonic()
     cluster.start()
     supervisor = launcher.SupervisorThread(cluster, poll_interval=0.1)
     try:
         cluster.wait_ready(600)
+        ready_s = time.monotonic() - started
         supervisor.start()
         victim = victim_of(tp, pp)
         prompts = [[100 + 7 * i + j for j in range(args.prompt_len)]
@@ -107,9 +136,9 @@ def run_layout(model: str, tp: int, pp: int, args) -> dict:
                 marks = [len(a) for a in arrivals]
                 while any(len(a) < m + PROGRESS for a, m in zip(arrivals, marks, strict=True)):
                     await asyncio.sleep(0.005)
-                proc = next(p for p in cluster.processes if p.name == f"rank {victim}")
+                pid = await asyncio.to_thread(_rank_pid, cluster.api_address, victim)
                 kills.append(time.monotonic())
-                proc.popen.send_signal(signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 await asyncio.sleep(0.5)
 
         t0 = time.monotonic()
@@ -128,12 +157,13 @@ def run_layout(model: str, tp: int, pp: int, args) -> dict:
         if not same:
             raise SystemExit(f"{tp}x{pp}: tokens after recovery differ from an undisturbed run")
         return {
-            "layout": f"{tp}x{pp}", "model": Path(model).name, "victim_rank": victim,
+            "layout": f"{tp}x{pp}", "placement": placement, "model": Path(model).name,
+            "victim_rank": victim, "ready_s": ready_s,
             "kills": len(kills), "recoveries": recoveries, "wall_s": wall,
             "kill_to_next_token_s": [
                 {"median": statistics.median(g), "max": max(g)} for g in gaps],
             "recovery_duration_mean_s": recovery_s / max(recoveries, 1),
-            "restarts": [r.rank for r in cluster.restarts],
+            "restarts": cluster.restart_counts,
             "tokens_match_undisturbed": same,
         }
     finally:
@@ -154,6 +184,23 @@ cut_seconds = _seconds_in(0.5, 120)
 ready_seconds = _seconds_in(1, 3600)
 
 
+def placements(raw: str) -> tuple[str, ...]:
+    names = tuple(filter(None, raw.split(",")))
+    if not names or any(n not in ("local", "ray") for n in names):
+        raise argparse.ArgumentTypeError(f"expected local and/or ray, got {raw[:40]!r}")
+    return names
+
+
+def ray_head(stack: contextlib.ExitStack, num_cpus: int) -> str:
+    """A Ray head on loopback for --placement ray, stopped with the stack;
+    this process joins it as a driver. Its address."""
+    from kvloom.testing.ray_head import RayHead
+
+    head = stack.enter_context(RayHead(num_cpus=max(2, num_cpus)))
+    os.environ.update(head.client_env)
+    return head.address
+
+
 def netns_layout(raw: str) -> tuple[int, int]:
     try:
         tp, pp = (int(x) for x in raw.lower().split("x"))
@@ -165,11 +212,12 @@ def netns_layout(raw: str) -> tuple[int, int]:
 
 
 def print_kills(rows: list[dict]) -> None:
-    print(f"{'layout':>7} {'model':>24} {'victim':>6} {'kill':>4} "
-          f"{'kill->next token median s':>26} {'max s':>7} {'re-form mean s':>15}")
+    print(f"{'layout':>7} {'placement':>9} {'model':>24} {'ready s':>8} {'victim':>6} "
+          f"{'kill':>4} {'kill->next token median s':>26} {'max s':>7} {'re-form mean s':>15}")
     for row in rows:
         for n, g in enumerate(row["kill_to_next_token_s"], 1):
-            print(f"{row['layout']:>7} {row['model'][:24]:>24} {row['victim_rank']:>6} {n:>4} "
+            print(f"{row['layout']:>7} {row['placement']:>9} {row['model'][:24]:>24} "
+                  f"{row['ready_s']:>8.1f} {row['victim_rank']:>6} {n:>4} "
                   f"{g['median']:>26.2f} {g['max']:>7.2f} "
                   f"{row['recovery_duration_mean_s']:>15.2f}")
 
@@ -195,13 +243,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="--netns: seconds the cluster may take to start (1 to 3600)")
     p.add_argument("--cut-s", type=cut_seconds, default=5.0,
                    help="--netns: seconds a link stays cut (0.5 to 120)")
+    p.add_argument("--placement", type=placements, default=("local",),
+                   help="who restarts the victim, comma-separated: local (the launcher's "
+                        "supervisor), ray (Ray, its actor; needs kvloom[ray])")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     model = args.model or default_model_dir()
     rows = []
-    for layout in filter(None, args.layouts.split(",")):
-        tp, pp = (int(x) for x in layout.lower().split("x"))
-        rows.append(run_layout(model, tp, pp, args))
+    layouts = [tuple(int(x) for x in layout.lower().split("x"))
+               for layout in filter(None, args.layouts.split(","))]
+    with contextlib.ExitStack() as stack:
+        address = ray_head(stack, max((tp * pp for tp, pp in layouts), default=1)) \
+            if "ray" in args.placement else ""
+        for tp, pp in layouts:
+            for placement in args.placement:  # side by side, layout by layout
+                rows.append(run_layout(model, tp, pp, args, placement, address))
     netns_rows = []
     if args.netns:
         from benchmarks.recovery_netns import print_table, run_cases

@@ -5,7 +5,11 @@ otherwise). Its flags refuse hostile values before anything starts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +45,9 @@ def test_the_netns_cases_measure_a_cut_and_a_restart(tiny_model_dir, tmp_path, c
     (["--netns-layout", "1x1"], "2 to 4 ranks"),
     (["--netns-layout", "8x8"], "2 to 4 ranks"),
     (["--netns-layout", "two"], "expected TPxPP"),
+    (["--placement", ""], "expected local and/or ray"),
+    (["--placement", "kubernetes"], "expected local and/or ray"),
+    (["--placement", "ray;ls"], "expected local and/or ray"),
 ])
 def test_hostile_flags_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit):
@@ -53,3 +60,24 @@ def test_an_unknown_case_is_named(tiny_model_dir):
         pytest.skip(netns_unavailable())
     with pytest.raises(SystemExit, match=r"unknown case\(s\) \['partition'\]"):
         recovery.main(["--model", tiny_model_dir, "--layouts", "", "--netns", "partition"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs kvloom[ray]")
+def test_local_and_ray_restarts_are_measured_side_by_side(tiny_model_dir, tmp_path):
+    # A process of its own: Ray reads its authentication settings (the test
+    # head's token) once, when it is first imported.
+    out = tmp_path / "recovery.json"
+    done = subprocess.run(
+        [sys.executable, str(Path(recovery.__file__)), "--model", tiny_model_dir, "--layouts",
+         "2x1", "--placement", "local,ray", "--kills", "1", "--num-requests", "2",
+         "--prompt-len", "6", "--max-tokens", "40", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["kill"]
+    assert [r["placement"] for r in rows] == ["local", "ray"]
+    for row in rows:  # the benchmark itself exits when tokens differ
+        assert row["tokens_match_undisturbed"] and row["recoveries"] == 1
+        assert row["restarts"] == {"0": 1}  # rank 0, once (JSON keys are strings)
+        assert 0 < row["kill_to_next_token_s"][0]["median"] < 60 and row["ready_s"] > 0
+    assert "placement" in done.stdout and " ray " in done.stdout and " local " in done.stdout

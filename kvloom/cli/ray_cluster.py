@@ -76,7 +76,6 @@ class RayCluster(launcher.Cluster):
         self.node_of_rank: dict[int, str] = {}
         self._ray = None
         self._pg = None
-        self._started_ray = False
         # --ray-controlplane: its actor (a rank-less RankActorState) and where it is.
         self.controlplane: RankActorState | None = None
 
@@ -110,8 +109,9 @@ class RayCluster(launcher.Cluster):
             raise launcher.ClusterError("--pin-cpus pins local cores; with --placement ray, "
                                         "Ray's bundles decide where ranks run")
         super().check()
-        self._ray, self._started_ray = connect_ray(self.placement.address, self.spec.host,
-                                                   log_to_driver=not self.detached)
+        # A local Ray (no address) ends with ray.shutdown() in _disconnect.
+        self._ray, _ = connect_ray(self.placement.address, self.spec.host,
+                                   log_to_driver=not self.detached)
         nodes = nodes_from_ray(self._ray.nodes())
         self.bundle = rank_bundle(self.placement, nodes, self.threads_per_rank)
         extra = CONTROLPLANE_CPUS if self.placement.controlplane_in_ray else 0.0

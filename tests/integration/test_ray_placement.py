@@ -174,6 +174,18 @@ def test_detached_up_then_down_leaves_nothing_on_ray(ray_head, tiny_model_dir, t
         holds = ray_holds(ray_head)
         assert len([a for a in holds["actors"] if a.startswith("kvloom-")]) == 2
         assert len(live_kvloom_groups(holds)) == 1
+        # The cluster holds 2 of the head's 3 CPUs: a second one of 2 ranks
+        # exists on paper but waits, bounded, and leaves nothing behind.
+        busy = subprocess.run(
+            [KVLOOM, "up", "--placement", "ray", "--ray-address", ray_head.address, "--model",
+             tiny_model_dir, "--tp", "2", "--ray-placement-timeout", "3", "--state-file",
+             str(tmp_path / "busy.json")],
+            capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert busy.returncode != 0
+        assert "did not place 2 rank(s) of 1 CPU each (PACK) within 3 s " \
+            "(--ray-placement-timeout): the cluster has the resources, but other work holds " \
+            "them" in busy.stderr, busy.stderr[-3000:]
+        assert len(live_kvloom_groups(ray_holds(ray_head))) == 1
     finally:
         down = subprocess.run([KVLOOM, "down", "--state-file", str(state)], capture_output=True,
                               text=True, timeout=120, env=env, check=False)

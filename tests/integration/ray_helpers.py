@@ -44,10 +44,18 @@ class RayUp:
         self.api = ""
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> RayUp:
+        """Start `kvloom up` and wait until it is ready; stopped again if not."""
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, env=kvloom_env(self.head),
                                          start_new_session=True)
+        try:
+            return self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> RayUp:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.text()
@@ -75,11 +83,7 @@ class RayUp:
             raise AssertionError(f"kvloom up outlived SIGTERM:\n{self.text()[-4000:]}") from None
 
     def __enter__(self) -> RayUp:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -210,7 +210,20 @@ def test_a_node_id_that_could_forge_a_log_line_is_refused(node_id, words, capsys
 
     with pytest.raises(SystemExit) as info:
         main(["--controlplane", "127.0.0.1:1", "--node-id", node_id])
-    assert info.value.code == 2 and words in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # One line naming the flag, the newline escaped: the refusal forges nothing either.
+    assert info.value.code == 2 and err.startswith("kvloom-workerd: error: --node-id "), err
+    assert words in err and err.count("\n") == 1, err
+
+
+def test_the_node_id_reaches_the_register_request(monkeypatch):
+    from workerd.__main__ import _register_request
+
+    monkeypatch.setenv("KVLOOM_NODE_ID", "k8s-node-7")  # as Helm sets it, from spec.nodeName
+    assert _register_request(_config("--dist-port", "1234").registration, 0).node_id == \
+        "k8s-node-7"
+    flagged = _config("--node-id", "ray-node-a", "--dist-port", "1234").registration
+    assert _register_request(flagged, 0).node_id == "ray-node-a"
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

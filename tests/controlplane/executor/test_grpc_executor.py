@@ -6,6 +6,7 @@ rank only, and a lost worker fails pending steps at once."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -169,6 +170,22 @@ def test_registration_refusals():
             await task
 
     asyncio.run(scenario())
+
+
+def test_an_accepted_rank_keeps_its_node_id_in_status_and_log(caplog):
+    async def scenario():
+        async with Harness() as h:
+            w = FakeWorker(h.address, 10, rank=1, node_id="node-a")
+            task = asyncio.create_task(w.run())
+            await asyncio.wait_for(w.registered, 5)
+            (rank,) = h.executor.status().ranks  # what GetServerInfo reads
+            assert (rank.rank, rank.node_id) == (1, "node-a")
+            await w.close()
+            await task
+
+    with caplog.at_level(logging.INFO, logger="controlplane.executor.grpc_executor"):
+        asyncio.run(scenario())
+    assert "worker registered: rank 1 (127.0.0.1, pid 1, node node-a)" in caplog.text
 
 
 def test_startup_broadcast_and_failure():

@@ -38,12 +38,11 @@ from kvloom.cli.ray_placement import (
     ranks_per_node,
     wait_placed,
 )
-from kvloom.cli.ray_session import NAMESPACE, connect_ray, remove_ray_objects
+from kvloom.cli.ray_session import LOOPBACK, NAMESPACE, connect_ray, remove_ray_objects
 
 # Seconds for an actor to answer where() once Ray has started it (its
 # process imports torch before the loop starts, but __init__ returns first).
 WHERE_TIMEOUT_S = 120.0
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # The controlplane's actor: one CPU, never restarted by Ray (its death is
 # fatal, as a local controlplane's is).
 CONTROLPLANE_CPUS = 1.0
@@ -174,7 +173,7 @@ class RayCluster(launcher.Cluster):
                                         time.monotonic, time.sleep)
         here = self._ray.get_runtime_context().get_node_id()
         away = sorted(r for r, node in self.node_of_rank.items() if node != here)
-        if self.spec.host in LOOPBACK_HOSTS and away and not self.placement.controlplane_in_ray:
+        if self.spec.host in LOOPBACK and away and not self.placement.controlplane_in_ray:
             raise PlacementError(
                 f"--host {self.spec.host} is loopback, but Ray placed rank(s) "
                 f"{', '.join(map(str, away))} on another node, which cannot dial it: bind the "

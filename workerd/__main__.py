@@ -10,7 +10,8 @@ once the current command (a step, a model load) has finished and its reply is
 sent; 1 when the stream broke and no controlplane took the worker back within
 --reconnect-timeout, a start-up step failed, or the current command
 outlived --shutdown-timeout after SIGTERM; 2 when registration was refused,
-the TLS handshake with the controlplane failed, --metrics-port is held by
+the address to advertise is one the other ranks could not use
+(workerd/advertise.py), the TLS handshake with the controlplane failed, --metrics-port is held by
 another process, or --controlplane, --device, --cpu-cores, --io-cpu-cores,
 --auth-token-file or an --ssl-* file is unusable (one line, no usage text).
 The auth token is best given as a file (--auth-token-file) or KVLOOM_AUTH_TOKEN:
@@ -26,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -39,6 +40,7 @@ import time
 import grpc
 
 from kvloom.common.config_args import add_config_group, config_from_args
+from kvloom.common.hosts import host_problem
 from kvloom.common.logs import flush_log_handlers, setup_logging
 from kvloom.common.node_id import node_id_problem
 from kvloom.common.ports import PortInUse, free_port
@@ -46,6 +48,7 @@ from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom.worker.v1 import worker_pb2
+from workerd.advertise import choose_advertise_host
 from workerd.config import (
     ConnectionConfig,
     MetricsConfig,
@@ -157,15 +160,6 @@ def _abort_collectives(connection: ConnectionConfig, metrics: MetricsConfig) -> 
                        "the command returns", count)
 
 
-def advertise_host(args: argparse.Namespace) -> str:
-    if args.advertise_host:
-        return args.advertise_host
-    host = args.controlplane.rsplit(":", 1)[0]
-    if host in ("127.0.0.1", "localhost", "[::1]", "::1"):
-        return "127.0.0.1"  # a local cluster: everyone meets on loopback
-    return socket.gethostname()
-
-
 # This process at every registration: the controlplane tells our own
 # re-registration from another worker's claim on the rank by it.
 INSTANCE_ID = secrets.token_hex(8)
@@ -183,6 +177,8 @@ def build_config(args: argparse.Namespace) -> WorkerdConfig:
                          f"controlplane's worker port (its --worker-port), e.g. 127.0.0.1:50052")
     if not DEVICE_RE.fullmatch(args.device):
         raise ValueError(f"--device {args.device}: expected auto, cpu, mps, cuda or cuda:N")
+    if args.advertise_host and (problem := host_problem(args.advertise_host)) is not None:
+        raise ValueError(f"--advertise-host {args.advertise_host[:40]!r} {problem}")
     if (problem := node_id_problem(args.node_id)) is not None:
         raise ValueError(f"--node-id {args.node_id[:40]!r} {problem}")
     token = auth_token(args)
@@ -190,8 +186,7 @@ def build_config(args: argparse.Namespace) -> WorkerdConfig:
     cores = cpu_placement(args)
     return WorkerdConfig(
         connection=config_from_args(ConnectionConfig, args, credentials=creds),
-        registration=config_from_args(RegistrationConfig, args, auth_token=token,
-                                      advertise_host=advertise_host(args)),
+        registration=config_from_args(RegistrationConfig, args, auth_token=token),
         placement=config_from_args(PlacementConfig, args, cores=cores),
         metrics=config_from_args(MetricsConfig, args),
         process=config_from_args(ProcessConfig, args),
@@ -313,6 +308,15 @@ def _place_threads(placement) -> None:
 
 def _serve(config: WorkerdConfig, metrics) -> int:
     link, me = config.connection, config.registration
+    try:
+        advertised = choose_advertise_host(me.advertise_host, link.controlplane,
+                                           link.connect_timeout_s)
+    except ValueError as exc:  # peers could not use it: refused before registering
+        logger.error("%s", exc)
+        return 2
+    logger.info("advertising %s to the controlplane and the other ranks",
+                advertised.describe())
+    me = dataclasses.replace(me, advertise_host=advertised.host)
     conn = ControlplaneConnection(link.controlplane, link.credentials,
                                   keepalive_s=link.heartbeat_interval_s,
                                   link_timeout_s=link.link_timeout_s)

@@ -82,11 +82,14 @@ class RegistrationConfig:
     auth_token_file: str = option(
         "", "file holding the shared secret (surrounding whitespace stripped); excludes "
         "--auth-token")
-    # Resolved: this host's name (loopback for a local controlplane) when empty.
+    # Chosen at start-up when empty (workerd/advertise.py).
     advertise_host: str = option(
-        "", "this worker's address as reported to the controlplane, for display; the "
-        "torch.distributed rendezvous uses the address the controlplane sees rank 0 connect "
-        "from; default: this host's name")
+        "", "this worker's address on the network the ranks share: gloo binds the "
+        "interface holding it and the controlplane shows it (the torch.distributed "
+        "rendezvous uses the address the controlplane sees rank 0 connect from); a loopback "
+        "address with a remote controlplane, or one no interface holds, is refused at "
+        "start-up; default: 127.0.0.1 with a controlplane on loopback, else the address "
+        "this machine reaches the controlplane from")
     # 0 stays 0: a free port is picked at each registration, not once here.
     dist_port: int = option(
         0, "port for the torch.distributed store if this is rank 0; 0 = free port")

@@ -27,6 +27,7 @@ import grpc
 
 from controlplane.config import ParallelConfig, WorkerGroupConfig
 from controlplane.executor.status import GroupState, RankStatus
+from kvloom.common.hosts import host_problem, is_loopback
 from kvloom.common.node_id import node_id_problem
 from kvloom.worker.v1 import worker_pb2
 
@@ -117,6 +118,9 @@ def check_identity(req: worker_pb2.RegisterRequest, cfg: WorkerGroupConfig) -> N
     if (problem := node_id_problem(req.node_id)) is not None:
         raise RegistrationRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"node_id {problem} (workerd --node-id)")
+    if req.host and (problem := host_problem(req.host)) is not None:
+        raise RegistrationRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"host {req.host[:40]!r} {problem} (workerd --advertise-host)")
 
 
 def pick_rank(
@@ -168,10 +172,22 @@ def observed_host(peer: str) -> str:
 
 def new_handle(req: worker_pb2.RegisterRequest, peer: str, rank: int) -> WorkerHandle:
     """The handle of a registration accepted as `rank`; peer is the stream's
-    grpc context.peer(), where the worker was seen (peer_host)."""
+    grpc context.peer(), where the worker was seen (peer_host). Refuses a
+    worker on another machine that advertises loopback: its gloo process
+    group would bind loopback, where the other ranks find nobody, and the
+    group would fail at every try."""
+    seen = observed_host(peer)
+    if is_loopback(req.host) and not is_loopback(seen):
+        raise RegistrationRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the worker connected from {seen} advertises {req.host}, a loopback address, "
+            f"where ranks on other machines cannot reach it: start it without "
+            f"--advertise-host (it then advertises the address it reaches the controlplane "
+            f"from) or with its address on their network",
+        )
     return WorkerHandle(rank=rank, host=req.host, device=req.device, dist_port=req.dist_port,
                         pid=req.pid, instance_id=req.instance_id, node_id=req.node_id,
-                        peer_host=observed_host(peer))
+                        peer_host=seen)
 
 
 def claim_differs(claimed: str, observed: str) -> bool:

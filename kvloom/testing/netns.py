@@ -8,6 +8,12 @@ address at all, so nothing can leave them. A process started on a host
 (run()) sees only that host's interfaces: every connection between hosts
 crosses a real interface with its own address, unlike loopback.
 
+Hosts can be set up the way Debian and Ubuntu set up a machine, whose
+hostname resolves to a loopback address (hostname_address="127.0.1.1"):
+each host then gets an /etc/hosts of its own (`ip netns exec` mounts
+/etc/netns/NAME/hosts over /etc/hosts), so a process that trusts the
+hostname finds loopback, as it would on such a machine.
+
 Partitions are links taken down and up again: cut(host) unplugs a host from
 the switch (its own eth0 stays up, so its processes notice nothing but
 silence), heal(host) plugs it back; cut_link(a, b) / heal_link(a, b) do the
@@ -28,10 +34,12 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 # Bound on every `ip` call: they return in milliseconds, a hang is a bug.
 IP_TIMEOUT_S = 10.0
@@ -41,6 +49,8 @@ SUBNET_PREFIX = "10.213"
 # A locally administered unicast MAC that no interface here has: frames sent
 # to it reach no host (cut_link).
 NOWHERE_MAC = "02:6b:76:6c:00:00"
+# Where `ip netns exec NAME` finds files to mount over /etc inside NAME.
+ETC_NETNS = Path("/etc/netns")
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,17 @@ def netns_unavailable() -> str | None:
 
 
 class NetnsHosts:
-    def __init__(self, num_hosts: int, *, tag: str | None = None) -> None:
+    def __init__(self, num_hosts: int, *, tag: str | None = None,
+                 hostname_address: str | None = None) -> None:
+        """hostname_address: what this machine's hostname resolves to on every
+        host (a loopback address, as Debian writes 127.0.1.1); None leaves
+        the machine's /etc/hosts in place."""
         if not 1 <= num_hosts <= 200:
             raise ValueError(f"num_hosts must be in 1..200, got {num_hosts}")
+        if hostname_address is not None and not ipaddress.ip_address(hostname_address).is_loopback:
+            raise ValueError(f"hostname_address must be a loopback address (nothing may leave "
+                             f"the namespaces), got {hostname_address}")
+        self.hostname_address = hostname_address
         self.num_hosts = num_hosts
         # Short: interface names are at most 15 characters.
         self.tag = tag or f"k{os.getpid() % 100000}{random.randrange(100)}"
@@ -79,6 +97,7 @@ class NetnsHosts:
         self.switch = f"{self.tag}sw"
         self.hosts: list[Host] = []
         self._made: list[str] = []
+        self._etc_dirs: list[Path] = []
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
         self._old_sigterm = None
@@ -122,10 +141,21 @@ class NetnsHosts:
             _ip("-n", netns, "link", "set", "eth0", "up")
             _ip("-n", netns, "link", "set", "lo", "up")
             self.hosts.append(Host(i, netns, address, port))
+            if self.hostname_address is not None:
+                self._write_hosts_file(netns)
 
     def _add_netns(self, name: str) -> None:
         _ip("netns", "add", name)
         self._made.append(name)
+
+    def _write_hosts_file(self, netns: str) -> None:
+        """/etc/netns/NETNS/hosts, which `ip netns exec` mounts over /etc/hosts
+        there: localhost, and the hostname at hostname_address."""
+        directory = ETC_NETNS / netns
+        directory.mkdir(parents=True, exist_ok=True)
+        self._etc_dirs.append(directory)
+        (directory / "hosts").write_text(
+            f"127.0.0.1 localhost\n{self.hostname_address} {socket.gethostname()}\n")
 
     # ---- processes ------------------------------------------------------------
 
@@ -200,6 +230,10 @@ class NetnsHosts:
             with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
                 _ip("netns", "del", name)
         self._made.clear()
+        # `ip netns del` leaves /etc/netns/NAME behind.
+        for directory in self._etc_dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        self._etc_dirs.clear()
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -70,7 +70,10 @@ class ClusterTls:
 class NetnsCluster:
     def __init__(self, hosts: NetnsHosts, model: str, log_dir: Path, *, tp: int = 1,
                  pp: int = 1, controlplane_args: Sequence[str] = (),
-                 worker_args: Sequence[str] = (), tls: ClusterTls | None = None):
+                 worker_args: Sequence[str] = (), tls: ClusterTls | None = None,
+                 advertise_hosts: bool = True):
+        """advertise_hosts=False starts each rank with workerd's default
+        address (no --advertise-host), as a user passing only --controlplane."""
         if len(hosts.hosts) < tp * pp + 1:
             raise ValueError(f"{tp * pp} ranks and a controlplane need {tp * pp + 1} hosts, "
                              f"got {len(hosts.hosts)}")
@@ -78,6 +81,7 @@ class NetnsCluster:
             raise ValueError(f"{tp * pp} ranks need as many certificates, got {len(tls.ranks)}")
         self.hosts, self.model, self.log_dir = hosts, model, Path(log_dir)
         self.tp, self.pp, self.tls = tp, pp, tls
+        self.advertise_hosts = advertise_hosts
         self.controlplane_args, self.worker_args = list(controlplane_args), list(worker_args)
         self.controlplane_host: Host = hosts.hosts[0]
         api_port = hosts.free_port(self.controlplane_host)
@@ -128,8 +132,9 @@ class NetnsCluster:
         trusts certs.ca_certs. For workers the cluster does not own, started
         with hosts.run()."""
         argv = [sys.executable, "-m", "workerd", "--controlplane", self.worker_address,
-                "--num-threads", "1", "--device", "cpu",
-                "--advertise-host", advertise or host.address]
+                "--num-threads", "1", "--device", "cpu"]
+        if advertise or self.advertise_hosts:
+            argv += ["--advertise-host", advertise or host.address]
         if rank is not None:
             argv += ["--rank", str(rank)]
         if certs is None and self.tls is not None and rank is not None:

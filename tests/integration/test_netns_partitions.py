@@ -6,7 +6,8 @@ on the controlplane's host, so a cut never reaches it.
 * A rank's host cut off from everything: the group fails at the heartbeat
   timeout, requests are held, the rank (alive, weights kept) re-registers
   when the link returns, the group re-forms and every stream ends
-  token-exact. No process restarts.
+  token-exact. No process restarts. Also with workers given only
+  --controlplane on hosts whose hostname resolves to loopback.
 * Only the link between the two ranks cut (their streams to the
   controlplane stay healthy): the hung all-reduce is caught by
   --step-timeout, the group fails and re-forms once the link is back, no
@@ -42,10 +43,11 @@ WORKER_FLAGS = ["--heartbeat-interval", "0.5", "--link-timeout", "2",
                 "--reconnect-timeout", "120"]
 
 
-def _cluster(hosts, model, tmp_path, recovery_s: float) -> NetnsCluster:
+def _cluster(hosts, model, tmp_path, recovery_s: float, *,
+             advertise_hosts: bool = True) -> NetnsCluster:
     return NetnsCluster(hosts, model, tmp_path, tp=2,
                         controlplane_args=[*FLAGS, "--engine-recovery-timeout", str(recovery_s)],
-                        worker_args=WORKER_FLAGS).start()
+                        worker_args=WORKER_FLAGS, advertise_hosts=advertise_hosts).start()
 
 
 def _expected(model: str) -> list[list[int]]:
@@ -79,10 +81,16 @@ def _ride_out(cluster: NetnsCluster, cut, heal, expected) -> dict[str, str]:
     return logs
 
 
-def test_a_rank_host_cut_off_rejoins_with_its_weights(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("advertise_hosts", [True, False], ids=["advertised", "default-flags"])
+def test_a_rank_host_cut_off_rejoins_with_its_weights(tiny_model_dir, tmp_path,
+                                                       advertise_hosts):
+    """default-flags: no --advertise-host, on hosts whose hostname resolves
+    to loopback (as on Debian): the rank rejoins on the address it found."""
     expected = _expected(tiny_model_dir)
-    with NetnsHosts(3) as hosts:
-        cluster = _cluster(hosts, tiny_model_dir, tmp_path, recovery_s=60)
+    hostname = None if advertise_hosts else "127.0.1.1"
+    with NetnsHosts(3, hostname_address=hostname) as hosts:
+        cluster = _cluster(hosts, tiny_model_dir, tmp_path, recovery_s=60,
+                           advertise_hosts=advertise_hosts)
         rank1_host = cluster.rank_host(1)
         logs = _ride_out(cluster, lambda: hosts.cut(rank1_host),
                          lambda: hosts.heal(rank1_host), expected)

@@ -23,6 +23,7 @@ from controlplane.executor.registration import (
     RegistrationRefused,
     check_registration,
     claim_differs,
+    new_handle,
     observed_host,
 )
 from controlplane.executor.status import GroupState
@@ -109,6 +110,36 @@ def test_a_worker_claiming_another_host_gets_the_observed_master_addr(caplog):
         assert len(claims) == 1 and "'10.9.9.9'" in claims[0] and "127.0.0.1" in claims[0]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("claimed", ["127.0.0.1", "127.0.1.1", "localhost", "::1",
+                                     "::ffff:127.0.0.1"])
+def test_a_remote_worker_advertising_loopback_is_refused_naming_both(claimed):
+    """Its gloo group would bind loopback: the group could never form."""
+    req = worker_pb2.RegisterRequest(host=claimed)
+    with pytest.raises(RegistrationRefused) as info:
+        new_handle(req, "ipv4:10.0.0.5:41234", 0)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"connected from 10.0.0.5 advertises {claimed}" in info.value.message
+    assert "--advertise-host" in info.value.message
+    # The same claim from loopback is a local cluster; other claims are display.
+    assert new_handle(req, "ipv4:127.0.0.1:1", 0).peer_host == "127.0.0.1"
+    assert new_handle(worker_pb2.RegisterRequest(host="10.9.9.9"), "ipv4:10.0.0.5:1",
+                      0).host == "10.9.9.9"
+
+
+@pytest.mark.parametrize(("host", "words"), [
+    ("h" * 254, "has 254 characters"), ("a\nforged log line", "not a host name"),
+    ("höst", "not a host name"), ("a b", "not a host name"),
+])
+def test_a_hostile_claimed_host_is_invalid_argument(host, words):
+    req = worker_pb2.RegisterRequest(protocol_version=worker_pb2.PROTOCOL_VERSION_CURRENT,
+                                     host=host)
+    with pytest.raises(RegistrationRefused) as info:
+        check_registration(req, WorkerGroupConfig(), GroupState.FORMING, 1)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in info.value.message and "--advertise-host" in info.value.message
+    assert "\n" not in info.value.message  # the refusal forges no log line either
 
 
 # ---- the token ------------------------------------------------------------------

@@ -2,8 +2,9 @@
 controlplane on one host, the two TP ranks on two others, the client on a
 rank's host; every connection crosses a real interface with its own address.
 Greedy tokens equal transformers'. A rank whose advertised address is on no
-interface of its host fails its start-up with an error naming the address,
-instead of binding loopback (where its peers would find nobody)."""
+interface of its host fails its start-up (exit 2, before registering) with
+an error naming the address, instead of binding loopback (where its peers
+would find nobody)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def test_an_address_on_no_interface_is_a_startup_error_naming_it(tiny_model_dir,
         wrong = str(hosts.subnet.network_address + 200)  # in the subnet, on no host
         cluster.start_controlplane()
         cluster.start_rank(0)
-        cluster.start_rank(1, advertise=wrong)
-        cluster.wait_log("controlplane.log",
-                         f"no interface of this machine holds the advertised address {wrong}",
-                         timeout_s=60)
+        rank1 = cluster.start_rank(1, advertise=wrong)
+        # Refused before it registers: exit 2, one line naming the address.
+        assert cluster.wait_exit(rank1, 60) == 2
+        log = cluster.logs()["rank1.log"]
+        assert f"no interface of this machine holds the advertised address {wrong}" in log, log
+        assert "registered with" not in log, log

@@ -33,7 +33,6 @@ from pathlib import Path
 
 from kvloom.testing.netns import NetnsHosts, netns_unavailable
 from kvloom.testing.netns_cluster import NetnsCluster
-from kvloom.testing.netns_streams import Streams
 
 CASES = ("host-cut", "link-cut", "cp-kill", "cp-redeploy")
 CONTROLPLANE_FLAGS = ["--heartbeat-timeout", "2", "--step-timeout", "3",
@@ -61,7 +60,7 @@ def run_cases(model: str, cases: list[str], args) -> list[dict]:
                                controlplane_args=CONTROLPLANE_FLAGS,
                                worker_args=WORKER_FLAGS).start()
         _wait_ready(cluster, args.ready_timeout_s)
-        expected = _tokens(Streams(cluster, prompts, args.max_tokens).result())
+        expected = _tokens(cluster.streams(prompts, args.max_tokens).result())
         for case in cases:
             for repeat in range(1, args.repeats + 1):
                 run = _cut if case in ("host-cut", "link-cut") else _restart
@@ -77,7 +76,7 @@ def _cut(cluster: NetnsCluster, case: str, prompts, expected, args) -> dict:
     rank0, rank1 = cluster.rank_host(0), cluster.rank_host(1)
     log = cluster.log_dir / "controlplane.log"
     backs_before = len(BACK_RE.findall(log.read_text()))
-    streams = Streams(cluster, prompts, args.max_tokens)
+    streams = cluster.streams(prompts, args.max_tokens)
     streams.wait_tokens(3)
     t_cut = time.monotonic()
     if case == "host-cut":
@@ -104,11 +103,11 @@ def _cut(cluster: NetnsCluster, case: str, prompts, expected, args) -> dict:
 
 
 def _restart(cluster: NetnsCluster, case: str, prompts, expected, args) -> dict:
-    streams = Streams(cluster, prompts, args.max_tokens)
+    streams = cluster.streams(prompts, args.max_tokens)
     streams.wait_tokens(3)
     code = cluster.stop_controlplane(signal.SIGKILL if case == "cp-kill" else signal.SIGTERM)
     ended = [r["error"] for r in streams.result()]
-    waiting = Streams(cluster, prompts, args.max_tokens)  # dials until the successor serves
+    waiting = cluster.streams(prompts, args.max_tokens)  # dials until the successor serves
     t_start = time.monotonic()
     cluster.start_controlplane()
     waiting.wait_tokens(1)

@@ -144,6 +144,13 @@ class NetnsCluster:
                      str(certs.certfile), "--ssl-keyfile", str(certs.keyfile)]
         return [*argv, *self.worker_args, *extra]
 
+    def streams(self, prompts: list[list[int]], max_tokens: int, timeout_s: float = 120.0,
+                host: Host | None = None) -> Streams:
+        """Greedy streams of `prompts` from a client on `host` (default: the
+        controlplane's, so a cut elsewhere never reaches it), read as they come."""
+        return Streams(self.hosts, host or self.controlplane_host, self.api, prompts,
+                       max_tokens, timeout_s, self.tls.ca_certs if self.tls else None)
+
     def generate(self, prompt: list[int], max_tokens: int, timeout_s: float,
                  host: Host | None = None) -> list[int]:
         """Greedy token ids from a client on `host` (default: the last rank's,
@@ -152,7 +159,7 @@ class NetnsCluster:
         if none came."""
         host = host or self.rank_host(self.tp * self.pp - 1)
         try:
-            (result,) = Streams(self, [prompt], max_tokens, timeout_s, host).result()
+            (result,) = self.streams([prompt], max_tokens, timeout_s, host).result()
         except AssertionError as exc:
             raise AssertionError(f"no tokens within {timeout_s:g} s: {exc} "
                                  f"{self.logs()}") from None

@@ -20,14 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from kvloom.api import KvloomError
 from kvloom.client import KvloomClient
-
-if TYPE_CHECKING:
-    from kvloom.testing.netns import Host
-    from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom.testing.netns import Host, NetnsHosts
 
 FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100),
                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200))
@@ -103,20 +100,19 @@ def _settled_blocks(client: KvloomClient, wait_s: float = 5.0) -> str:
 
 
 class Streams:
-    """The caller's side: this client started on `host` (default: the
-    controlplane's, so a cut elsewhere never reaches it), its lines read as
-    they come."""
+    """The caller's side: this client started on `host` against the API at
+    `api` (NetnsCluster.streams() fills both in), its lines read as they
+    come. ca_certs: the CA of a TLS client port."""
 
-    def __init__(self, cluster: NetnsCluster, prompts: list[list[int]], max_tokens: int,
-                 timeout_s: float = 120.0, host: Host | None = None):
+    def __init__(self, hosts: NetnsHosts, host: Host, api: str, prompts: list[list[int]],
+                 max_tokens: int, timeout_s: float = 120.0, ca_certs: Path | None = None):
         self.timeout_s = timeout_s
         self.num_streams = len(prompts)
-        ca = [str(cluster.tls.ca_certs)] if cluster.tls is not None else []
-        argv = [sys.executable, "-m", "kvloom.testing.netns_streams", cluster.api,
+        ca = [str(ca_certs)] if ca_certs is not None else []
+        argv = [sys.executable, "-m", "kvloom.testing.netns_streams", api,
                 json.dumps(prompts), str(max_tokens), str(timeout_s), *ca]
-        self.proc = cluster.hosts.run(host or cluster.controlplane_host, argv,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
+        self.proc = hosts.run(host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
         self.lines: list[str] = []
         # (free, total, running) of the KV pool after the streams; None: unknown.
         self.blocks: tuple[int, int, int] | None = None

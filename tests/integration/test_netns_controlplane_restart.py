@@ -19,7 +19,6 @@ import pytest
 
 from kvloom.testing.netns import NetnsHosts, netns_unavailable
 from kvloom.testing.netns_cluster import NetnsCluster
-from kvloom.testing.netns_streams import Streams
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()
@@ -37,7 +36,7 @@ REUSED = "rank(s) [0, 1] kept their weights"
 def _serve_exactly(cluster: NetnsCluster, expected: list[list[int]]) -> float:
     """Streams every prompt; seconds from now until the first token."""
     t0 = time.monotonic()
-    streams = Streams(cluster, PROMPTS, MAX_TOKENS)
+    streams = cluster.streams(PROMPTS, MAX_TOKENS)
     streams.wait_tokens(1)
     first_token_s = time.monotonic() - t0
     results = streams.result()
@@ -52,7 +51,7 @@ def test_the_controlplane_restarts_and_the_workers_keep_their_weights(tiny_model
     with NetnsHosts(3) as hosts:
         cluster = NetnsCluster(hosts, tiny_model_dir, tmp_path, tp=2,
                                controlplane_args=FLAGS, worker_args=WORKER_FLAGS).start()
-        streams = Streams(cluster, PROMPTS, MAX_TOKENS)
+        streams = cluster.streams(PROMPTS, MAX_TOKENS)
         streams.wait_tokens(3)
         rank_pids = [p.pid for p in cluster.ranks.values()]
 

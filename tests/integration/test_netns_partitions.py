@@ -28,7 +28,6 @@ import pytest
 
 from kvloom.testing.netns import NetnsHosts, netns_unavailable
 from kvloom.testing.netns_cluster import NetnsCluster
-from kvloom.testing.netns_streams import Streams
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()
@@ -64,7 +63,7 @@ def _alive(cluster: NetnsCluster) -> list[int]:
 def _ride_out(cluster: NetnsCluster, cut, heal, expected) -> dict[str, str]:
     """Streams in flight across cut() ... CUT_S ... heal(): every one ends
     token-exact, no block is left held, no process restarted; the logs."""
-    streams = Streams(cluster, PROMPTS, MAX_TOKENS)
+    streams = cluster.streams(PROMPTS, MAX_TOKENS)
     streams.wait_tokens(3)
     pids = _alive(cluster)
     cut()
@@ -121,7 +120,7 @@ def test_a_cut_longer_than_the_recovery_timeout_fails_cleanly_then_serves(tiny_m
     expected = _expected(tiny_model_dir)
     with NetnsHosts(3) as hosts:
         cluster = _cluster(hosts, tiny_model_dir, tmp_path, recovery_s=3)
-        streams = Streams(cluster, PROMPTS, MAX_TOKENS)
+        streams = cluster.streams(PROMPTS, MAX_TOKENS)
         streams.wait_tokens(3)
         rank1_host = cluster.rank_host(1)
         hosts.cut(rank1_host)
@@ -134,5 +133,5 @@ def test_a_cut_longer_than_the_recovery_timeout_fails_cleanly_then_serves(tiny_m
             assert "rank 1" in r["error"] and "--engine-recovery-timeout" in r["error"], r
             assert "within 3 s" in r["error"], r
         # The rank rejoins once the link is back, and the cluster serves exactly.
-        again = Streams(cluster, PROMPTS, MAX_TOKENS).result()
+        again = cluster.streams(PROMPTS, MAX_TOKENS).result()
         assert [r["tokens"] for r in again] == expected, cluster.logs()

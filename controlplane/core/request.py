@@ -175,3 +175,24 @@ def min_tokens_stop_ids(request: Request) -> tuple[int, ...]:
     if not params.ignore_eos:
         ids |= request.eos_token_ids
     return tuple(sorted(ids))
+
+
+def grammar_status_after(grammar: RequestGrammar, token_id: int,
+                         ignore_eos: bool) -> RequestStatus | None:
+    """The request's end, if its grammar decides it, after accepting a real
+    token: FINISHED_ERROR when the grammar forbids it (the worker's mask
+    should have made that impossible), FINISHED_STOPPED once the grammar has
+    ended (it then allows only stop tokens, so it ends the request even
+    before min_tokens; with ignore_eos the request goes on unconstrained),
+    None otherwise."""
+    if not grammar.accept(token_id):
+        return RequestStatus.FINISHED_ERROR
+    if grammar.is_terminated and not ignore_eos:
+        return RequestStatus.FINISHED_STOPPED
+    return None
+
+
+def grammar_error(token_id: int) -> str:
+    """The error a client gets for grammar_status_after's FINISHED_ERROR."""
+    return (f"the output's grammar rejected sampled token {token_id}: the worker's mask and "
+            f"the controlplane's grammar disagree (an engine bug; see the controlplane log)")

@@ -51,12 +51,13 @@ from controlplane.core.request import (
     RequestStatus,
     exceeds_max_model_len,
     finish_reason_of,
+    grammar_error,
+    grammar_status_after,
     min_tokens_stop_ids,
 )
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.core.worker_requests import WorkerRequests
-from controlplane.structured.request_grammar import rejected_error, status_after
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -448,7 +449,7 @@ class Scheduler:
             status = None
             stop_token_id = None
             if request.grammar is not None:
-                status = status_after(request.grammar, token_id, params.ignore_eos)
+                status = grammar_status_after(request.grammar, token_id, params.ignore_eos)
             if status is None and num_output >= params.min_tokens:
                 if not params.ignore_eos and token_id in request.eos_token_ids:
                     status = _STOPPED
@@ -477,7 +478,7 @@ class Scheduler:
                 num_output,
             )
             if status is RequestStatus.FINISHED_ERROR:
-                out.error, out.error_code = rejected_error(token_id), EngineErrorCode.INTERNAL
+                out.error, out.error_code = grammar_error(token_id), EngineErrorCode.INTERNAL
             if logprobs and logprobs[i] is not None:
                 out.new_logprobs = [logprobs[i]]
             out.num_cached_tokens = max(request.num_cached_tokens, 0)

@@ -3,7 +3,10 @@
 Owned by the engine thread. It advances only on tokens the output rank
 really sampled (Scheduler.update_from_output), never on a placeholder, so a
 step dropped by a group failure or a preemption leaves it where the
-request's tokens are: nothing to rebuild on recovery.
+request's tokens are: nothing to rebuild on recovery. What its verdict does
+to the request (an error, a stop) is a stop rule, so it is core's
+(controlplane/core/request.py, grammar_status_after): this module knows no
+request states and imports nothing from core.
 """
 
 from __future__ import annotations
@@ -41,24 +44,3 @@ class RequestGrammar:
         if matcher.is_terminated() or not matcher.fill_next_token_bitmask(scratch, 0):
             return unconstrained_mask()
         return encode_mask_row(scratch[0].numpy(), self.vocab_size)
-
-
-def status_after(grammar: RequestGrammar, token_id: int, ignore_eos: bool):
-    """The request's end, if the grammar decides it, after accepting a real
-    token: FINISHED_ERROR when the grammar forbids it (the worker's mask
-    should have made that impossible), FINISHED_STOPPED once the grammar has
-    ended (it then allows only stop tokens, so it ends the request even
-    before min_tokens; with ignore_eos the request goes on unconstrained),
-    None otherwise."""
-    from controlplane.core.request import RequestStatus
-
-    if not grammar.accept(token_id):
-        return RequestStatus.FINISHED_ERROR
-    if grammar.is_terminated and not ignore_eos:
-        return RequestStatus.FINISHED_STOPPED
-    return None
-
-
-def rejected_error(token_id: int) -> str:
-    return (f"the output's grammar rejected sampled token {token_id}: the worker's mask and "
-            f"the controlplane's grammar disagree (an engine bug; see the controlplane log)")

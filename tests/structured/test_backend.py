@@ -7,12 +7,11 @@ import threading
 
 import pytest
 
-from controlplane.core.request import RequestStatus
+from controlplane.core.request import RequestStatus, grammar_status_after
 from controlplane.structured.backend import GrammarCompileError
 from controlplane.structured.mask_codec import unconstrained_mask
 from controlplane.structured.params import StructuredOutputKind as Kind
 from controlplane.structured.params import StructuredOutputsParams
-from controlplane.structured.request_grammar import status_after
 from kvloom.testing.structured import EXAMPLES, backend_for, choice, grammar, regex
 
 
@@ -85,7 +84,7 @@ def test_the_matcher_fills_masks_and_refuses_a_forbidden_token(backend, kind, ti
     allowed = set(mask.data) if mask.kind == "allowed" else None
     if allowed is not None:
         forbidden = next(t for t in range(backend.vocab_size) if t not in allowed)
-        assert status_after(grammar_state, forbidden, ignore_eos=False) is \
+        assert grammar_status_after(grammar_state, forbidden, ignore_eos=False) is \
             RequestStatus.FINISHED_ERROR
 
 

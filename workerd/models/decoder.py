@@ -71,12 +71,32 @@ class Arch:
     mlp_name: str = "mlp"
 
 
+# The one head-split rule, beside the only layer that splits heads over TP ranks.
+def tp_head_layout(
+    num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int
+) -> tuple[int, int, int]:
+    """(query heads per rank, KV heads per rank, index of this rank's first KV head
+    shard in units of num_kv_heads_local). With fewer KV heads than ranks each
+    KV head is replicated on tp_size // num_kv_heads consecutive ranks, which are
+    exactly the ranks whose query heads use it."""
+    if num_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}"
+        )
+    if num_kv_heads % tp_size == 0:
+        return num_heads // tp_size, num_kv_heads // tp_size, tp_rank
+    if tp_size % num_kv_heads == 0:
+        return num_heads // tp_size, 1, tp_rank * num_kv_heads // tp_size
+    raise ValueError(
+        f"num_key_value_heads={num_kv_heads} neither divisible by nor a divisor of "
+        f"tensor_parallel_size={tp_size}"
+    )
+
+
 class DecoderAttention(DirectCallModule):
     def __init__(self, config, ps: ParallelState, arch: Arch, kind: AttentionLayerKind,
                  rope_key: str | None):
         super().__init__()
-        from workerd.models.llama import tp_head_layout  # the one head-split rule
-
         hidden = config.hidden_size
         total_heads, total_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim

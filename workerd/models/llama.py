@@ -102,27 +102,6 @@ def lm_head_layers(config) -> float:
     return config.vocab_size * hidden / (attention + mlp)
 
 
-def tp_head_layout(
-    num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int
-) -> tuple[int, int, int]:
-    """(query heads per rank, KV heads per rank, index of this rank's first KV head
-    shard in units of num_kv_heads_local). With fewer KV heads than ranks each
-    KV head is replicated on tp_size // num_kv_heads consecutive ranks, which are
-    exactly the ranks whose query heads use it."""
-    if num_heads % tp_size:
-        raise ValueError(
-            f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}"
-        )
-    if num_kv_heads % tp_size == 0:
-        return num_heads // tp_size, num_kv_heads // tp_size, tp_rank
-    if tp_size % num_kv_heads == 0:
-        return num_heads // tp_size, 1, tp_rank * num_kv_heads // tp_size
-    raise ValueError(
-        f"num_key_value_heads={num_kv_heads} neither divisible by nor a divisor of "
-        f"tensor_parallel_size={tp_size}"
-    )
-
-
 class DecoderForCausalLM(nn.Module):
     """A decoder-only causal LM whose layers are workerd/models/decoder.py's,
     with the family's differences declared in `arch` and the per-layer hooks

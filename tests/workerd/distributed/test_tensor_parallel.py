@@ -20,7 +20,7 @@ from workerd.distributed.parallel_state import (
     single_process_state,
 )
 from workerd.layers.packed_linear import pack_linear_weights, packing_unavailable
-from workerd.models.llama import tp_head_layout
+from workerd.models.decoder import tp_head_layout
 from workerd.models.loader import load_model
 
 BLOCK_SIZE = 4

@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway benchmark: not installed: {', '.join(missing)} (pip install smg openai)",
               file=sys.stderr)
         return 2
-    from kvloom.common.embedded_models import EmbeddedModelError, is_model_name, resolve_model
+    from kvloom.common.embedded_model_spec import EmbeddedModelError
+    from kvloom.common.embedded_models import is_model_name, resolve_model
 
     try:
         args.model = resolve_model(args.model) if is_model_name(args.model) else args.model

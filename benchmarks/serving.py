@@ -510,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     per_round: list[dict[str, float]] = []
     if args.launch:
         args.layouts = args.layouts or [(args.tp, args.pp)]
-        from kvloom.common.embedded_models import EmbeddedModelError, is_model_name, resolve_model
+        from kvloom.common.embedded_model_spec import EmbeddedModelError
+        from kvloom.common.embedded_models import is_model_name, resolve_model
 
         try:  # a name is converted once, before any cluster starts
             args.model = resolve_model(args.model) if is_model_name(args.model) else args.model

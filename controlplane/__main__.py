@@ -98,7 +98,8 @@ def build_config(
     args: argparse.Namespace, parser: argparse.ArgumentParser | None = None
 ) -> tuple[ControlPlaneConfig, ModelInfo]:
     """parser: unused, kept for callers that pass it."""
-    from kvloom.common.embedded_models import EmbeddedModelError, resolve_model
+    from kvloom.common.embedded_model_spec import EmbeddedModelError
+    from kvloom.common.embedded_models import resolve_model
 
     try:
         # A path, or an embedded model's name (converted here on first use).

@@ -345,10 +345,10 @@ def served_model(cluster: launcher.Cluster) -> str:
 
 
 def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
+    from kvloom.common.embedded_model_spec import EmbeddedModelError
     from kvloom.common.embedded_models import (
         DEFAULT_MODEL,
         EMBEDDED_MODELS,
-        EmbeddedModelError,
         is_model_name,
         resolve_model,
     )

@@ -536,7 +536,8 @@ def _resolve_model(model: str | None) -> str:
     # (first run only) happens before any daemon starts instead of racing the
     # controlplane's start-up timeout. A path goes on as given: preflight's
     # `controlplane --check` judges it (and names the models if it is neither).
-    from kvloom.common.embedded_models import EmbeddedModelError, is_model_name, resolve_model
+    from kvloom.common.embedded_model_spec import EmbeddedModelError
+    from kvloom.common.embedded_models import is_model_name, resolve_model
 
     if not is_model_name(model):
         return model

@@ -17,15 +17,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from kvloom.common.embedded_model_spec import EmbeddedModelError as DefaultModelError
 from kvloom.common.embedded_models import (
     DEFAULT_MODEL,
     EMBEDDED_MODELS,
-    MARKER_FILE,
     SMOLLM2_CHAT_TEMPLATE,
     cache_root,
     embedded_model_dir,
 )
-from kvloom.common.embedded_models import EmbeddedModelError as DefaultModelError
+from kvloom.common.gguf_convert import MARKER_FILE
 
 __all__ = [
     "CONVERSION_VERSION", "DefaultModelError", "EXPECTED_CONFIG", "MARKER_FILE", "MODEL_NAME",

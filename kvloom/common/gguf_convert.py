@@ -10,14 +10,27 @@ float32 because that is what the GGUF reader yields: it dequantizes every
 block (Q4_K, Q5_0, Q6_K, ...) to float32 exactly, whereas rounding to bf16
 would change weights and break the bit-for-bit parity with transformers that
 the tests check. Daemons can still serve it in bf16 (--dtype).
+
+A conversion's last file is its marker (MARKER_FILE): the cache trusts a
+directory only when is_complete finds the marker with the entry's
+conversion_version, so the marker's format is written and read here alone.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import sys
 from pathlib import Path
 
-from kvloom.common.embedded_models import EmbeddedModel, EmbeddedModelError, stage, write_marker
+from kvloom.common.embedded_model_spec import EmbeddedModel, EmbeddedModelError
+
+MARKER_FILE = "kvloom-conversion.json"
+
+
+def stage(message: str) -> None:
+    """One progress line on stderr, so a first run is never silent."""
+    print(f"kvloom: embedded model: {message}", file=sys.stderr, flush=True)
 
 
 def load_gguf_model(source: Path | str):
@@ -110,3 +123,23 @@ def verify_model_dir(spec: EmbeddedModel, model_dir: Path | str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not tokenizer.chat_template or spec.chat_marker not in tokenizer.chat_template:
         raise EmbeddedModelError(f"chat template lost in {model_dir}")
+
+
+def write_marker(spec: EmbeddedModel, out_dir: Path, dtype: str) -> None:
+    """The last file of a conversion: its presence with this version means done."""
+    try:
+        source = f"{spec.distribution} {importlib.metadata.version(spec.distribution)}"
+    except importlib.metadata.PackageNotFoundError:
+        source = spec.distribution
+    marker = {"version": spec.conversion_version, "model": spec.name, "source": source,
+              "dtype": dtype}
+    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def is_complete(spec: EmbeddedModel, target: Path) -> bool:
+    """Whether target holds a finished conversion of spec's current version."""
+    try:
+        marker = json.loads((target / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("version") == spec.conversion_version

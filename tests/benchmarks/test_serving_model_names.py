@@ -11,6 +11,7 @@ import pytest
 from benchmarks import serving
 from kvloom.client import KvloomError
 from kvloom.common import embedded_models as em
+from kvloom.common.gguf_convert import MARKER_FILE
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def test_a_name_becomes_the_converted_directory(monkeypatch, tmp_path, launched)
     spec = em.EMBEDDED_MODELS["gemma-3-270m"]
     target = tmp_path / "models" / spec.dir_name
     target.mkdir(parents=True)
-    (target / em.MARKER_FILE).write_text(json.dumps({"version": spec.conversion_version}))
+    (target / MARKER_FILE).write_text(json.dumps({"version": spec.conversion_version}))
     assert serving.main(["--launch", "--model", "gemma-3-270m", "--hf-baseline"]) == 1
     (args,) = launched
     assert args.model == str(target)

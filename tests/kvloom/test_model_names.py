@@ -16,6 +16,7 @@ import pytest
 from kvloom.cli import launcher
 from kvloom.cli.main import main
 from kvloom.common import embedded_models as em
+from kvloom.common.gguf_convert import MARKER_FILE
 from tests.checkpoints import config_only_checkpoint
 
 
@@ -27,13 +28,10 @@ def gemma_cache(monkeypatch, tmp_path) -> Path:
     monkeypatch.setenv("KVLOOM_CACHE_DIR", str(cache))
     (cache / "models").mkdir(parents=True)
     target = Path(config_only_checkpoint(cache / "models"))
-    target = target.rename(cache / "models" / "gemma-3-270m")
-    config = json.loads((target / "config.json").read_text())
     # A Llama-shaped stand-in: these tests are about the name, not the architecture.
-    config["model_type"] = "llama"
-    (target / "config.json").write_text(json.dumps(config))
+    target = target.rename(cache / "models" / "gemma-3-270m")
     spec = em.EMBEDDED_MODELS["gemma-3-270m"]
-    (target / em.MARKER_FILE).write_text(json.dumps({"version": spec.conversion_version}))
+    (target / MARKER_FILE).write_text(json.dumps({"version": spec.conversion_version}))
     return target
 
 

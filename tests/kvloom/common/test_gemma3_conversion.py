@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvloom.common import embedded_models as em
+from kvloom.common.gguf_convert import MARKER_FILE
 from tests.kvloom.common.gguf_names import GEMMA3_LAYER_PARTS, hf_name
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def test_config_is_transformers_gemma3_text(converted):
     assert config["hidden_size"] == 640 and config["query_pre_attn_scalar"] == 256
     assert config["hidden_activation"] == "gelu_pytorch_tanh"
     assert "quantization_config" not in config
-    marker = json.loads((converted / em.MARKER_FILE).read_text())
+    marker = json.loads((converted / MARKER_FILE).read_text())
     assert marker["dtype"] == "float32"
     generation = json.loads((converted / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [1, 106]

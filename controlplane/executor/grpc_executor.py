@@ -2,10 +2,10 @@
 
 Workers dial in (worker_service.py) and register; once world_size ranks are
 attached the executor runs the start-up handshake (GroupStartup, which it
-owns and lends its call API: init_distributed -> load_model -> profile_memory
-(min over ranks) -> init_kv_cache) and reports the group ready. Each engine
-step it serializes the SchedulerOutput once, writes the same bytes to every
-worker stream and waits for the output rank only. Any lost stream, silent
+owns and lends its call API, call_router.py: init_distributed -> load_model
+-> profile_memory (min over ranks) -> init_kv_cache) and reports the group
+ready. Each engine step it serializes the SchedulerOutput once, writes the
+same bytes to every worker stream and waits for the output rank only. Any lost stream, silent
 worker, worker error, missed step deadline or reply that does not match its command
 (reply_check.py: a protocol violation) fails the whole group: pending
 calls raise WorkerGroupFailed at once and the group re-forms from
@@ -49,6 +49,7 @@ from controlplane.config import (
     WorkerGroupConfig,
 )
 from controlplane.core.outputs import ExpectedReply, SchedulerOutput
+from controlplane.executor.call_router import CallRouter
 from controlplane.executor.group_startup import GroupStartup
 from controlplane.executor.registration import (
     WorkerHandle,
@@ -63,7 +64,7 @@ from controlplane.executor.registration import (
     stale_handle,
     take_rendezvous_ports,
 )
-from controlplane.executor.reply_check import ProtocolViolation, reply_payload_problem
+from controlplane.executor.reply_check import ProtocolViolation
 from controlplane.executor.status import ExecutorStatus, FailureKind, GroupState
 from controlplane.executor.step_broadcast import BroadcastStep, post_to_loop
 from controlplane.executor.step_executor import StepExecutor
@@ -73,7 +74,6 @@ from controlplane.executor.worker_calls import (
     PendingCall,
     WorkerGroupFailed,
     replies_and_missing,
-    replies_within,
 )
 from controlplane.structured.mask_codec import TokenMask
 from kvloom.worker.v1 import worker_pb2
@@ -108,19 +108,21 @@ class Executor(StepExecutor):
         self._on_ready = on_ready
         self._on_failed = on_failed
         self._block_size = cache.block_size
-        # The scheduler's limits reach the workers in LoadModel (their profile run).
-        self._group_startup = GroupStartup(self, parallel, workers, model, cache,
-                                           scheduler or SchedulerConfig())
         self._loop: asyncio.AbstractEventLoop | None = None
         # The group: written on the loop only, under _lock, so that status()
         # (from any thread) never sees one transition half done.
         self._lock = threading.Lock()
+        # Changed in place, never replaced: the router reads this very dict.
         self._handles: dict[int, WorkerHandle] = {}
         self._state = GroupState.FORMING
         self._failure_reason = ""
         self._num_gpu_blocks = 0
         self._failure_counts: dict[FailureKind, int] = {}
         self._calls = CallTable()
+        self._router = CallRouter(self._calls, self._handles)
+        # The scheduler's limits reach the workers in LoadModel (their profile run).
+        self._group_startup = GroupStartup(self._router, parallel, workers, model, cache,
+                                           scheduler or SchedulerConfig())
         # Keep survivors of a failure attached (Reset) instead of letting them go.
         self._keep_survivors = workers.engine_recovery_timeout_s > 0
         # The survivors' pending Reset, awaited before the next handshake.
@@ -209,42 +211,20 @@ class Executor(StepExecutor):
         if self._handles.get(handle.rank) is not handle:
             return  # a worker already let go: its late replies change nothing
         payload = msg.WhichOneof("payload")
-        if msg.call_id == 0:
-            if payload == "heartbeat":
-                handle.last_forward_time_s = msg.heartbeat.last_forward_time_s
-            else:
-                self._protocol_violation(
-                    handle.rank, f"sent {payload or 'an empty message'} outside any call"
-                )
+        if msg.call_id == 0 and payload == "heartbeat":
+            handle.last_forward_time_s = msg.heartbeat.last_forward_time_s
             return
-        if self._calls.is_retired(msg.call_id):
-            return  # answers a call of a group that has failed since
-        call = self._calls.get(msg.call_id)
-        if call is None:
-            # Every call is answered once and then forgotten; a failed group
-            # forgets them all, but its workers are let go first (above).
-            self._protocol_violation(
-                handle.rank, f"answered call {msg.call_id}, which is not pending"
-            )
+        try:
+            delivered = self._router.deliver(handle.rank, msg)
+        except ProtocolViolation as exc:
+            self.fail_group(str(exc), FailureKind.PROTOCOL_VIOLATION, handle.rank)
             return
-        if payload == "error":
-            call.add_reply(handle.rank, msg)
-            self._calls.close(msg.call_id)
+        if delivered and payload == "error":
             # The step (or start-up) already failed through the pending call;
             # the group is failed too, or it would stay "ready" with no engine.
             err = msg.error
             self.fail_group(f"rank {handle.rank} failed in {err.kind}: {err.message}",
                             rank=handle.rank)
-            return
-        problem = reply_payload_problem(
-            call.command, call.expected, call.replies, handle.rank, payload
-        )
-        if problem is not None:
-            self._protocol_violation(handle.rank, f"{problem} (call {msg.call_id})")
-            return
-        call.add_reply(handle.rank, msg)
-        if call.future.done():
-            self._calls.close(msg.call_id)
 
     def protocol_violation(self, handle: WorkerHandle, what: str) -> None:
         """The stream carried something that is no WorkerMessage (worker_service)."""
@@ -368,7 +348,7 @@ class Executor(StepExecutor):
         """Tell every attached rank to leave the failed group, keeping its
         weights; collect the rendezvous port each names (loop thread)."""
         command = worker_pb2.ControlMessage(reset=worker_pb2.Reset(reason=reason))
-        call = self._send(command, set(self._handles))
+        call = self._router.send(command, set(self._handles))
         logger.info("keeping rank(s) %s: told to leave the failed group and keep their weights",
                     sorted(self._handles))
         assert self._loop is not None
@@ -395,7 +375,7 @@ class Executor(StepExecutor):
     def _detach_all(self) -> list[WorkerHandle]:
         """Let every worker go (caller holds _lock); their streams end after shutdown."""
         handles = list(self._handles.values())
-        self._handles = {}
+        self._handles.clear()
         return handles
 
     async def _watch_heartbeats(self) -> None:
@@ -409,38 +389,7 @@ class Executor(StepExecutor):
                                 f"(heartbeat timeout {timeout:g} s)",
                                 FailureKind.HEARTBEAT_TIMEOUT, handle.rank)
 
-    # ---- calls -----------------------------------------------------------
-
-    def _send(self, command: worker_pb2.ControlMessage, expected: set[int]) -> PendingCall:
-        """Register a pending call and write one serialized copy to every stream (loop thread)."""
-        command.call_id, call = self._calls.open(expected, command.WhichOneof("command"))
-        raw = command.SerializeToString()
-        call.nbytes = len(raw)
-        for handle in self._handles.values():
-            handle.outbox.put_nowait(raw)
-        return call
-
-    async def call_all(
-        self, command: worker_pb2.ControlMessage, timeout_s: float, what: str
-    ) -> dict[int, worker_pb2.WorkerMessage]:
-        """Send one command to every attached rank; their replies by rank (loop thread)."""
-        return await replies_within(self._send(command, set(self._handles)), timeout_s, what)
-
-    async def call_each(
-        self,
-        command_for: Callable[[int], worker_pb2.ControlMessage],
-        timeout_s: float,
-        what: str,
-    ) -> dict[int, worker_pb2.WorkerMessage]:
-        """Send command_for(rank) to each attached rank as one call (loop thread)."""
-        commands = {rank: command_for(rank) for rank in self._handles}
-        kind = next((c.WhichOneof("command") for c in commands.values()), "")
-        call_id, call = self._calls.open(set(self._handles), kind)
-        for rank, handle in self._handles.items():
-            command = commands[rank]
-            command.call_id = call_id
-            handle.outbox.put_nowait(command.SerializeToString())
-        return await replies_within(call, timeout_s, what)
+    # ---- readiness (loop thread) -----------------------------------------
 
     async def canary(self, timeout_s: float) -> None:
         """Ping every rank through its command queue; a rank that does not answer
@@ -448,8 +397,8 @@ class Executor(StepExecutor):
         if self._state is not GroupState.READY:
             return
         try:
-            await self.call_all(worker_pb2.ControlMessage(ping=worker_pb2.Ping()), timeout_s,
-                                "canary")
+            await self._router.call_all(worker_pb2.ControlMessage(ping=worker_pb2.Ping()),
+                                        timeout_s, "canary")
         except WorkerGroupFailed as exc:
             if self._state is GroupState.READY:
                 self.fail_group(str(exc), FailureKind.HEARTBEAT_TIMEOUT)
@@ -511,7 +460,7 @@ class Executor(StepExecutor):
             raise WorkerGroupFailed(self.status().describe())
         if not self._handles:  # stop() let every worker go
             raise WorkerGroupFailed("controlplane is shutting down")
-        call = self._send(command, {self.parallel.output_rank})
+        call = self._router.send(command, {self.parallel.output_rank})
         # Counted on the loop, off when the call resolves (answered, or failed
         # with the group), not when the engine waits: a step the engine drops
         # (group failure, internal error) is never waited on.

@@ -3,9 +3,10 @@
 The controlplane never loads weights: it reads config.json (architecture,
 vocab, context length, EOS ids, the sliding window), generation_config.json
 (extra EOS ids) and the tokenizer, which the API edge uses to tokenize prompts
-and detokenize outputs. The window and the layer types come from the parser
-the workers build their model with (kvloom/common/model_config.py), so both
-daemons agree on which layers slide.
+and detokenize outputs. config.json is read by the parser the workers build
+their model with (kvloom/common/model_config.py), so a checkpoint the workers
+would refuse is refused here first, in the same words, and both daemons agree
+on heads, layers and which layers slide.
 """
 
 from __future__ import annotations
@@ -13,14 +14,24 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvloom.common.model_config import ModelConfig, parse_model_config
+from kvloom.common.architectures import shown
+from kvloom.common.model_config import (
+    ModelConfig,
+    parse_model_config,
+    read_config_json,
+    read_json_file,
+)
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     model_path: str
     architecture: str
+    # config.json's top-level model_type, as vLLM reports it (a multimodal
+    # wrapper's, gemma3, not its text_config's); the parser requires one.
+    model_type: str
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: frozenset[int]
@@ -34,74 +45,59 @@ class ModelInfo:
     # else None: the block pool frees blocks that left it, which a model with
     # any full-attention layer cannot (that layer reads every key).
     sliding_window_all_layers: int | None = None
-    # config.json's model_type ("" for a config-only test directory without one).
-    model_type: str = ""
 
 
 # generation_config.json keys that become defaults of the same-named knobs.
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def _as_ids(value) -> set[int]:
+def _as_ids(value, where: str) -> set[int]:
+    """eos_token_id as a set: absent, one id or a list of ids; ValueError
+    naming the file otherwise (null in a list, a string, a float)."""
     if value is None:
         return set()
-    if isinstance(value, int):
-        return {value}
-    return {int(v) for v in value}
+    ids = [value] if not isinstance(value, list) else value
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ValueError(f"{where}: eos_token_id must be a token id or a list of token ids, "
+                         f"got {shown(value)}")
+    return set(ids)
 
 
 def read_model_info(model_path: str) -> ModelInfo:
-    config_file = os.path.join(model_path, "config.json")
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(
-            f"{model_path!r} is not a Hugging Face checkpoint directory: no config.json"
-        )
-    with open(config_file) as f:
-        config = json.load(f)
-    eos = _as_ids(config.get("eos_token_id"))
-    gen_file = os.path.join(model_path, "generation_config.json")
+    # Read (size bound, JSON errors) as the workers read it.
+    config = read_config_json(model_path)
+    if not isinstance(config, dict):
+        raise ValueError("config.json must hold a JSON object")
+    eos = _as_ids(config.get("eos_token_id"), "config.json")
+    gen_file = Path(model_path) / "generation_config.json"
     defaults: tuple[tuple[str, float], ...] = ()
-    if os.path.isfile(gen_file):
-        with open(gen_file) as f:
-            generation = json.load(f)
-        eos |= _as_ids(generation.get("eos_token_id"))
+    if gen_file.is_file():
+        generation = read_json_file(gen_file)
+        if not isinstance(generation, dict):
+            raise ValueError("generation_config.json must hold a JSON object")
+        eos |= _as_ids(generation.get("eos_token_id"), "generation_config.json")
         defaults = tuple(
             (k, float(generation[k])) for k in SAMPLING_DEFAULT_KEYS
             if isinstance(generation.get(k), int | float)
         )
-    if "model_type" in config:
-        # A real checkpoint: read by the parser the workers build their
-        # layers with, so what they would refuse (an architecture, a rope
-        # type, a field out of range) is refused here, at start-up, naming
-        # the field; and both daemons agree on heads, layers and the window.
-        parsed = parse_model_config(config)
-        return ModelInfo(
-            model_path=os.path.abspath(model_path),
-            architecture=parsed.architectures[0] if parsed.architectures else "unknown",
-            vocab_size=parsed.vocab_size,
-            max_position_embeddings=parsed.max_position_embeddings,
-            eos_token_ids=frozenset(eos),
-            num_attention_heads=parsed.num_attention_heads,
-            num_key_value_heads=parsed.num_key_value_heads,
-            num_hidden_layers=parsed.num_hidden_layers,
-            sampling_defaults=defaults,
-            sliding_window_all_layers=all_layers_window(parsed),
-            model_type=str(config["model_type"]),
-        )
-    # Config-only directories without a model_type (the controlplane's own
-    # tests): the fields it needs, read leniently; no window.
-    architectures = config.get("architectures") or ["unknown"]
-    heads = int(config.get("num_attention_heads", 0))
+    # Read by the parser the workers build their layers with, whatever the
+    # directory: what they would refuse (no model_type, an architecture, a
+    # rope type, a field out of range) is refused here, at start-up, in the
+    # same words; and both daemons agree on heads, layers, the window and the
+    # class (inferred from model_type when config.json names none).
+    parsed = parse_model_config(config)
     return ModelInfo(
         model_path=os.path.abspath(model_path),
-        architecture=architectures[0],
-        vocab_size=int(config["vocab_size"]),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        architecture=parsed.architectures[0],
+        model_type=config["model_type"],
+        vocab_size=parsed.vocab_size,
+        max_position_embeddings=parsed.max_position_embeddings,
         eos_token_ids=frozenset(eos),
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads", heads)),
-        num_hidden_layers=int(config.get("num_hidden_layers", 0)),
+        num_attention_heads=parsed.num_attention_heads,
+        num_key_value_heads=parsed.num_key_value_heads,
+        num_hidden_layers=parsed.num_hidden_layers,
         sampling_defaults=defaults,
+        sliding_window_all_layers=all_layers_window(parsed),
     )
 
 

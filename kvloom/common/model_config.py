@@ -24,30 +24,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvloom.common.architectures import config_architectures, shown
 from kvloom.common.model_config_fields import (
     ARCHITECTURES,
     FAMILIES,
     MAX_CONFIG_BYTES,
     ConfigReader,
+    MoEConfig,
     text_config,
 )
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A mixture-of-experts family's router and expert sizes."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    # Global layer index -> whether that layer's MLP is the sparse block.
-    sparse_layers: tuple[bool, ...]
-    # Qwen2-MoE's always-on expert (0: none) and its sigmoid gate.
-    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,19 +97,20 @@ def parse_model_config(raw: Any) -> ModelConfig:
     """config.json's parsed JSON -> ModelConfig; ValueError names a bad field."""
     if not isinstance(raw, dict):
         raise ValueError("config.json must hold a JSON object")
-    archs = raw.get("architectures") or []
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ValueError(f"config.json: architectures must be a list of names, got {archs!r}")
+    # Never empty: a config.json that names none gets its model_type's class
+    # (kvloom/common/architectures.py), or is refused here, naming the field.
+    archs = config_architectures(raw)
     raw = text_config(raw)
     model_type = raw.get("model_type")
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise ValueError(f"config.json: model_type {model_type!r} is not one kvloom reads "
-                         f"(supported: {', '.join(sorted(FAMILIES))})")
-    if archs and archs[0] not in ARCHITECTURES:
-        raise ValueError(f"config.json: architecture {archs[0]!r} is not one kvloom serves "
-                         f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    if archs and model_type not in ARCHITECTURES[archs[0]]:
+        what = "names no model_type" if model_type is None else (
+            f"model_type {shown(model_type)} is not one kvloom reads")
+        raise ValueError(f"config.json {what} (supported: {', '.join(sorted(FAMILIES))})")
+    if archs[0] not in ARCHITECTURES:
+        raise ValueError(f"config.json: architecture {shown(archs[0])} is not one kvloom "
+                         f"serves (supported: {', '.join(sorted(ARCHITECTURES))})")
+    if model_type not in ARCHITECTURES[archs[0]]:
         raise ValueError(f"config.json: architecture {archs[0]} reads model_type "
                          f"{' or '.join(ARCHITECTURES[archs[0]])}, not {model_type!r}")
     r = ConfigReader(raw, family)
@@ -190,6 +179,12 @@ def read_config_json(model_path: str | Path) -> dict:
     path = Path(model_path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_path} is not a Hugging Face checkpoint: no config.json")
+    return read_json_file(path)
+
+
+def read_json_file(path: Path) -> Any:
+    """A checkpoint's JSON file (config.json, generation_config.json) parsed,
+    size-bounded; ValueError naming the file otherwise."""
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ValueError(f"{path} is over {MAX_CONFIG_BYTES} bytes; not a model config")
     try:

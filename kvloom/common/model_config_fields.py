@@ -73,6 +73,21 @@ _GLM = {**_COMMON, "vocab_size": 151552, "intermediate_size": 13696, "num_hidden
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts family's router and expert sizes (a field of
+    model_config.ModelConfig, built here by ConfigReader.moe)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    # Global layer index -> whether that layer's MLP is the sparse block.
+    sparse_layers: tuple[bool, ...]
+    # Qwen2-MoE's always-on expert (0: none) and its sigmoid gate.
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
 class Family:
     defaults: dict[str, Any]
     # Which layers slide: "all" (every layer when sliding_window is set),
@@ -326,9 +341,7 @@ class ConfigReader:
     def multiplier(self, name: str) -> float:
         return self.positive_float(name, 1e6) if name in self.values else 1.0
 
-    def moe(self, num_layers: int):
-        from kvloom.common.model_config import MoEConfig
-
+    def moe(self, num_layers: int) -> MoEConfig | None:
         kind = self.family.moe
         if not kind:
             return None

@@ -7,8 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from tests.checkpoints import config_only_checkpoint, write_config
 
 LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
                                     reason="CPU affinity is Linux-only")
@@ -16,15 +19,8 @@ LINUX_AFFINITY = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
 
 @pytest.fixture
 def model_dir(tmp_path):
-    path = tmp_path / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
-        "max_position_embeddings": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-    }))
-    (path / "tokenizer.json").write_text("{}")
-    return path
+    """2 layers, 4 attention heads over 2 KV heads, a context of 128."""
+    return Path(config_only_checkpoint(tmp_path))
 
 
 def _check(*argv: str) -> subprocess.CompletedProcess:
@@ -99,3 +95,71 @@ def test_a_good_configuration_passes_the_check(model_dir):
 def test_argparse_errors_keep_their_usage_text(model_dir):
     done = _check("--model", str(model_dir), "--no-such-flag")
     assert done.returncode == 2 and "usage:" in done.stderr
+
+
+def _checkpoint_config(path, **fields) -> None:
+    """config.json as a GGUF-derived save writes it: no architectures."""
+    write_config(path, architectures=None, **fields)
+
+
+@pytest.mark.parametrize("model_type", ["foo", "x" * 10_000, "../x", ["llama"]])
+def test_a_config_without_architectures_whose_class_cannot_be_inferred(model_dir, model_type):
+    """The workers would refuse it at load (the same parser); the controlplane
+    does first, in one line naming both fields, however long the value."""
+    _checkpoint_config(model_dir, model_type=model_type)
+    line = _one_line_error(_check("--model", str(model_dir)))
+    assert "config.json names no architectures and its model_type" in line
+    assert 'add "architectures": [...]' in line
+    assert len(line) < 600
+
+
+def test_a_config_without_architectures_gets_its_model_types_class(model_dir):
+    """Inferred as transformers' AutoModelForCausalLM does: the check passes
+    and the class is the one the workers will build."""
+    from controlplane.model_info import read_model_info
+
+    _checkpoint_config(model_dir, model_type="llama")
+    done = _check("--model", str(model_dir), "--tensor-parallel-size", "2")
+    assert done.returncode == 0, done.stderr
+    assert read_model_info(str(model_dir)).architecture == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(("architectures", "named"), [
+    (None, 'config.json names no architectures and no model_type; add "model_type"'),
+    (["LlamaForCausalLM"], "config.json names no model_type (supported: "),
+])
+def test_a_config_without_model_type_is_refused_as_the_workers_refuse_it(model_dir,
+                                                                          architectures, named):
+    """No lenient reading for a config.json the workers cannot build from:
+    --check refuses it in one line naming the field, in the words of
+    workerd's loader (one parser, one rule)."""
+    write_config(model_dir, model_type=None, architectures=architectures)
+    line = _one_line_error(_check("--model", str(model_dir)))
+    assert named in line
+    torch = pytest.importorskip("torch")
+    from tests.factories import layout_state
+    from workerd.models.loader import load_model
+
+    with pytest.raises(ValueError) as refused:
+        load_model(str(model_dir), layout_state(), torch.float32)
+    assert line == f"kvloom-controlplane: error: --model {model_dir}: {refused.value}"
+
+
+@pytest.mark.parametrize(("file", "content", "named"), [
+    ("config.json", {"eos_token_id": [None]}, "config.json: eos_token_id must be a token id"),
+    ("config.json", {"eos_token_id": "2"}, "config.json: eos_token_id must be a token id"),
+    ("generation_config.json", {"eos_token_id": [1, -3]},
+     "generation_config.json: eos_token_id must be a token id"),
+    ("generation_config.json", ["not", "an", "object"],
+     "generation_config.json must hold a JSON object"),
+    ("generation_config.json", "{oops", "generation_config.json is not valid JSON"),
+    ("generation_config.json", " " * (2 * 1024 * 1024), "generation_config.json is over"),
+])
+def test_a_hostile_eos_or_generation_config_is_one_line(model_dir, file, content, named):
+    """Never a traceback: the checkpoint's other JSON is read as config.json is."""
+    if file == "config.json":
+        write_config(model_dir, **content)
+    else:
+        text = content if isinstance(content, str) else json.dumps(content)
+        (model_dir / file).write_text(text)
+    assert named in _one_line_error(_check("--model", str(model_dir)))

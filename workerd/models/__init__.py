@@ -1,7 +1,9 @@
 """Model implementations keyed by Hugging Face architecture name.
 
-config.json's `architectures[0]` selects the class; anything not listed is
-refused up front with the supported names, rather than failing mid-load.
+config.json's `architectures[0]` selects the class (or, when it names none,
+its model_type's, kvloom/common/architectures.py, as parse_model_config
+resolves it for both daemons); anything not listed is refused up front with
+the supported names, rather than failing mid-load.
 Each architecture reads the model_type(s) kvloom.common.model_config_fields
 lists for it (config.json's defaults are filled by model_type): a checkpoint
 whose two disagree is refused rather than built with another family's

@@ -140,12 +140,11 @@ def load_model(
     config.json's architectures, via the workerd.models registry) and load its
     weights."""
     # Not AutoConfig: importing transformers costs a starting rank seconds
-    # (kvloom/common/model_config.py).
+    # (kvloom/common/model_config.py). The parser is the controlplane's
+    # start-up check's too: architectures is never empty (a config.json that
+    # names none gets its model_type's class, kvloom/common/architectures.py).
     config = load_model_config(model_path)
-    archs = getattr(config, "architectures", None) or []
-    if not archs:
-        raise ValueError(f"{model_path}/config.json names no architectures")
-    cls = get_model_class(archs[0], config.model_type)
+    cls = get_model_class(config.architectures[0], config.model_type)
     # Allocate directly on the target device in the target dtype (torch.empty
     # parameters: nothing is initialised only to be overwritten).
     old_dtype = torch.get_default_dtype()

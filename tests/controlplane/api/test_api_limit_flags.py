@@ -4,7 +4,6 @@ parsed values are the ones the edge enforces."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from controlplane.__main__ import build_config, build_parser
 from controlplane.api.validation import MAX_LOGPROBS, MAX_N, Limits
 from controlplane.config import ApiLimitsConfig
+from tests.checkpoints import write_config
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +46,7 @@ def test_hostile_env_value_is_refused_naming_the_variable(monkeypatch):
 
 
 def test_flags_reach_the_limits_the_edge_enforces(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100,
-        "max_position_embeddings": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-    }))
+    write_config(tmp_path)  # a vocabulary of 100, a context of 128
     parser = build_parser()
     argv = ["--model", str(tmp_path), "--max-logprobs", "1024", "--max-n", "1",
             "--max-message-bytes", "6400", "--max-model-len", "100"]

@@ -102,9 +102,9 @@ def test_read_model_info_takes_sampling_defaults(tmp_path):
     import json
 
     from controlplane.model_info import read_model_info
+    from tests.checkpoints import write_config
 
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"vocab_size": 10, "eos_token_id": 1, "architectures": ["LlamaForCausalLM"]}))
+    write_config(tmp_path, vocab_size=10, eos_token_id=1)
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [1, 2], "temperature": 0.2, "top_p": 0.9, "do_sample": True}))
     info = read_model_info(str(tmp_path))

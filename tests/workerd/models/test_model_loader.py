@@ -5,12 +5,16 @@ their own slices of one checkpoint tensor."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
 from torch import nn
 
 import workerd.models.loader as model_loader
+from kvloom.common.model_config import parse_model_config
+from kvloom.testing.attention import paged_step
 from kvloom.testing.checkpoints import make_tiny_llama
 from tests.factories import layout_state
 from workerd.models.loader import load_model, load_weight_map
@@ -254,3 +258,38 @@ def test_load_target_refuses_what_get_slice_cannot_read():
         LoadTarget(torch.zeros(2), (True,))
     with pytest.raises(ValueError, match="bad slice"):
         narrow_index(0, 3, 2)
+
+
+def _without_architectures(path, **fields):
+    """config.json as transformers saves a config read from a GGUF file: no architectures."""
+    config = json.loads((path / "config.json").read_text())
+    del config["architectures"]
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+    return path
+
+
+@torch.inference_mode()
+def test_a_config_without_architectures_loads_its_model_types_class(tmp_path):
+    """AutoModelForCausalLM builds LlamaForCausalLM from model_type alone; so
+    does the loader (the controlplane's start-up check reads it with the same
+    parser), and its logits are transformers' on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = _without_architectures(make_tiny_llama(tmp_path))
+    model = load_model(str(path), layout_state(), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert type(model).__name__ == type(hf).__name__ == "LlamaForCausalLM"
+    prompt = [5, 17, 3, 99, 42, 8, 61]
+    ours = paged_step(model, [], [(prompt, 0, len(prompt))], [[0, 1]], 4)
+    torch.testing.assert_close(ours, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["foo", "x" * 10_000])
+def test_a_config_without_architectures_or_a_known_model_type_is_refused(tmp_path, model_type):
+    """Refused before any tensor is allocated, with the controlplane's line."""
+    path = _without_architectures(make_tiny_llama(tmp_path), model_type=model_type)
+    with pytest.raises(ValueError, match="names no architectures and its model_type") as refused:
+        load_model(str(path), layout_state(), torch.float32)
+    with pytest.raises(ValueError) as controlplane_refused:
+        parse_model_config(json.loads((path / "config.json").read_text()))
+    assert str(refused.value) == str(controlplane_refused.value)

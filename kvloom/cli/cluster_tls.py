@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvloom.common.certs import DEFAULT_HOSTS, CertAuthority, CertFiles
+from kvloom.common.ports import connect_host
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,6 @@ def issue_cluster_tls(directory: Path, host: str = "127.0.0.1") -> ClusterTls:
     """A new CA and its certificates under directory (replacing any there):
     the controlplane's is valid for loopback, `host` and, for a wildcard
     bind, this machine's name."""
-    from kvloom.cli.launcher import connect_host  # launcher imports this module
-
     names = [*DEFAULT_HOSTS, connect_host(host)]
     if host in ("0.0.0.0", "", "::"):
         names.append(socket.gethostname())

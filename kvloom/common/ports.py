@@ -72,3 +72,9 @@ def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.bind((host, 0))
             ports.append(sock.getsockname()[1])
         return ports
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine dials for a server bound to
+    `host`: a wildcard bind address is not something a client can dial."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host

@@ -61,6 +61,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY kvloom ./kvloom
+COPY kvloom_cli ./kvloom_cli
 COPY controlplane ./controlplane
 COPY workerd ./workerd
 # Not editable: the runtime image carries the installed package, not /src.

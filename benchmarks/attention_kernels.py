@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from kvloom.testing.attention import build_attn_metadata  # noqa: E402
+from kvloom_testing.attention import build_attn_metadata  # noqa: E402
 from workerd.layers.attention.cpu import CpuAttentionBackend  # noqa: E402
 from workerd.layers.attention.interface import AttentionLayerKind  # noqa: E402
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention  # noqa: E402

@@ -76,13 +76,13 @@ from benchmarks.control_plane_report import (  # noqa: E402
     format_table,
 )
 from benchmarks.proc_cpu import CLOCK_TICKS, process_cpu_s, stat_cpu_s  # noqa: E402
-from kvloom.cli.launcher import (  # noqa: E402
+from kvloom_cli.launcher import (  # noqa: E402
     ClusterSpec,
     Ports,
     controlplane_command,
     pick_free_ports,
 )
-from kvloom.cli.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
+from kvloom.common.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
 from kvloom.client import READY_SERVICE  # noqa: E402
 from kvloom.v1 import generation_pb2 as pb  # noqa: E402
 from kvloom.v1 import generation_pb2_grpc  # noqa: E402

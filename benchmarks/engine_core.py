@@ -6,7 +6,7 @@
 
 The same requests as benchmarks/serving.py (same seeds and flags) run
 through the real Scheduler and a real Worker in this one process
-(kvloom/testing/inprocess.py: every step still goes through the protobuf wire, both
+(kvloom_testing/inprocess.py: every step still goes through the protobuf wire, both
 ways, but no gRPC, no threads and no second process). A new request is added
 the moment one finishes, so `concurrency` are always in flight. Steps are
 synchronous: scheduling and the worker's step do not overlap.
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks import hf_baseline, serving  # noqa: E402
 from controlplane.core.request import Request, SamplingParams  # noqa: E402
 from controlplane.model_info import read_model_info  # noqa: E402
-from kvloom.testing.inprocess import InProcessExecutor  # noqa: E402
-from kvloom.testing.scheduler import make_scheduler  # noqa: E402
+from kvloom_testing.inprocess import InProcessExecutor  # noqa: E402
+from kvloom_testing.scheduler import make_scheduler  # noqa: E402
 
 BLOCK_SIZE = 16
 

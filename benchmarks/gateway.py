@@ -4,7 +4,7 @@
     python benchmarks/gateway.py --quick
     python benchmarks/gateway.py --model DIR --num-requests 32 -- --max-model-len 512
 
-Starts one local cluster (kvloom.cli.launcher, as serving.py --launch does;
+Starts one local cluster (kvloom_cli.launcher, as serving.py --launch does;
 default model the embedded SmolLM2-135M, --model DIR or a name for another)
 and the real SMG gateway in front of its VllmEngine service (`smg launch
 --worker-urls grpc://<api port>`, HF_HUB_OFFLINE=1: the gateway reads the
@@ -66,8 +66,8 @@ from benchmarks.serving import (  # noqa: E402
     random_prompts,
     summarize,
 )
-from kvloom.cli import launcher  # noqa: E402
-from kvloom.cli.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
+from kvloom_cli import launcher  # noqa: E402
+from kvloom.common.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError  # noqa: E402
 from kvloom.common.ports import free_port  # noqa: E402
 

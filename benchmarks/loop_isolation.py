@@ -40,7 +40,7 @@ from pathlib import Path
 
 import grpc
 
-from kvloom.cli import launcher
+from kvloom_cli import launcher
 from kvloom.client import KvloomClient
 from kvloom.v1 import generation_pb2 as pb
 from kvloom.v1 import generation_pb2_grpc
@@ -214,7 +214,7 @@ def main() -> int:
     model = args.model
     if model is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from kvloom.testing.checkpoints import make_tiny_llama
+        from kvloom_testing.checkpoints import make_tiny_llama
 
         model = str(make_tiny_llama(Path(tempfile.mkdtemp(prefix="kvloom-tiny-"))))
     spec = launcher.ClusterSpec(

@@ -8,7 +8,7 @@
         [--no-pack] [--json benchmarks/results/model_families.json]
 
 For Llama (always run: the baseline) and each family of
-kvloom.testing.families.TINY_FAMILIES (default: all) it writes a random
+kvloom_testing.families.TINY_FAMILIES (default: all) it writes a random
 checkpoint with the SAME dims (head_dim = hidden / heads), loads it with
 workerd's loader (one process, float32) and sets it up as a CPU worker's
 ModelRunner does: the chosen attention backend, the norm and activation ops
@@ -21,7 +21,7 @@ paged KV cache:
              two 256-token chunks, the second over the first's cache).
 
 A sample is model.forward + compute_logits on metadata built once
-(kvloom.testing.attention.build_attn_metadata): the plans, rotary tables,
+(kvloom_testing.attention.build_attn_metadata): the plans, rotary tables,
 every layer and the LM head, as a served step runs them. Each round visits
 every family once (rotating the start), decode then prefill, so machine
 noise hits all of them alike; reported: medians over --rounds, and each
@@ -87,9 +87,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from kvloom.testing.attention import build_attn_metadata  # noqa: E402
-from kvloom.testing.checkpoints import make_tiny_llama  # noqa: E402
-from kvloom.testing.families import TINY_FAMILIES, make_tiny_checkpoint  # noqa: E402
+from kvloom_testing.attention import build_attn_metadata  # noqa: E402
+from kvloom_testing.checkpoints import make_tiny_llama  # noqa: E402
+from kvloom_testing.families import TINY_FAMILIES, make_tiny_checkpoint  # noqa: E402
 from workerd.distributed.parallel_state import single_process_state  # noqa: E402
 from workerd.layers.attention.backend import make_attention_backend  # noqa: E402
 from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels  # noqa: E402

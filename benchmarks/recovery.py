@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a script: benchmarks.recovery_netns
 
-from kvloom.cli import launcher  # noqa: E402
+from kvloom_cli import launcher  # noqa: E402
 from kvloom.client import AsyncKvloomClient  # noqa: E402
 from kvloom.common.default_model import default_model_dir  # noqa: E402
 
@@ -101,8 +101,8 @@ def _cluster(model: str, tp: int, pp: int, args, placement: str, ray_address: st
     sink = open("/dev/null", "w")  # noqa: SIM115
     if placement == "local":
         return launcher.Cluster(spec, log_sink=sink)
-    from kvloom.cli.ray_cluster import RayCluster
-    from kvloom.cli.ray_placement import RayPlacementSpec
+    from kvloom_cli.ray_cluster import RayCluster
+    from kvloom_cli.ray_placement import RayPlacementSpec
 
     return RayCluster(spec, RayPlacementSpec(address=ray_address), log_sink=sink)
 
@@ -194,7 +194,7 @@ def placements(raw: str) -> tuple[str, ...]:
 def ray_head(stack: contextlib.ExitStack, num_cpus: int) -> str:
     """A Ray head on loopback for --placement ray, stopped with the stack;
     this process joins it as a driver. Its address."""
-    from kvloom.testing.ray_head import RayHead
+    from kvloom_testing.ray_head import RayHead
 
     head = stack.enter_context(RayHead(num_cpus=max(2, num_cpus)))
     os.environ.update(head.client_env)

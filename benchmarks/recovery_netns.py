@@ -1,6 +1,6 @@
 """Recovery across namespace hosts (needs root): what a partition and a
 controlplane restart cost the streams of a cluster whose controlplane and
-ranks each have a host (kvloom.testing.netns_cluster; --netns-layout, TP=2
+ranks each have a host (kvloom_testing.netns_cluster; --netns-layout, TP=2
 by default, PP=2 for a model whose heads TP=2 cannot split). Run through
 `benchmarks/recovery.py --netns CASES`.
 
@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import NetnsCluster
 
 CASES = ("host-cut", "link-cut", "cp-kill", "cp-redeploy")
 CONTROLPLANE_FLAGS = ["--heartbeat-timeout", "2", "--step-timeout", "3",

@@ -47,7 +47,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloom.cli import launcher
+from kvloom_cli import launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks.proc_cpu import process_cpu_s  # noqa: E402
@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="streamed message every N tokens (the request field)")
     parser.add_argument("--warmup", type=int, default=1, help="requests run before timing")
     parser.add_argument("--json", type=Path, help="write results here")
-    launch = parser.add_argument_group("launch local clusters (kvloom.cli.launcher)")
+    launch = parser.add_argument_group("launch local clusters (kvloom_cli.launcher)")
     launch.add_argument("--launch", action="store_true")
     launch.add_argument("--model", help="checkpoint dir, or an embedded model's name "
                         "(smollm2-135m, gemma-3-270m); default: smollm2-135m")

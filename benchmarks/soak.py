@@ -40,7 +40,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloom.cli import launcher
+from kvloom_cli import launcher
 from kvloom.client import READY_SERVICE, AsyncKvloomClient, KvloomError, default_server
 
 WORDS = (
@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     tol.add_argument("--thread-tolerance", type=int, default=2)
     tol.add_argument("--series-tolerance", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write results here")
-    launch = parser.add_argument_group("launch a local TP=1 cluster (kvloom.cli.launcher)")
+    launch = parser.add_argument_group("launch a local TP=1 cluster (kvloom_cli.launcher)")
     launch.add_argument("--launch", action="store_true")
     launch.add_argument("--model", help="checkpoint dir; default: the embedded SmolLM2-135M")
     launch.add_argument("--max-num-seqs", type=int, default=256)

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvloom.cli import launcher
+from kvloom_cli import launcher
 from kvloom.common.default_model import default_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script

@@ -5,10 +5,10 @@
     python benchmarks/structured_outputs.py --quick
 
 For each model of --models (`tiny`: the tests' seeded random Llama, built
-by kvloom.testing.checkpoints.make_tiny_llama into a temporary dir;
+by kvloom_testing.checkpoints.make_tiny_llama into a temporary dir;
 `smollm2`: the embedded SmolLM2-135M; or a checkpoint dir / embedded name)
 and each mode of --scheduling (async, the default, and serial:
---no-async-scheduling), one local cluster (kvloom.cli.launcher, TP=1, free
+--no-async-scheduling), one local cluster (kvloom_cli.launcher, TP=1, free
 ports, prefix caching off since every repeat sends the same prompts) runs
 two workloads of 32 concurrent greedy requests, interleaved --repeats times
 in the same process (a b b a a b ...: the order alternates, so a drift of
@@ -82,7 +82,7 @@ from benchmarks.structured_report import (  # noqa: E402
     format_cluster,
     format_summary,
 )
-from kvloom.cli import launcher  # noqa: E402
+from kvloom_cli import launcher  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError  # noqa: E402
 
 NUM_CONSTRAINED = 16
@@ -308,7 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve(name: str, tmp: Path) -> str:
     if name == "tiny":
-        from kvloom.testing.checkpoints import make_tiny_llama
+        from kvloom_testing.checkpoints import make_tiny_llama
 
         return str(make_tiny_llama(tmp / "tiny"))
     from kvloom.common.embedded_models import resolve_model

@@ -69,7 +69,7 @@ from benchmarks.control_plane import (  # noqa: E402
     write_null_checkpoint,
 )
 from benchmarks.null_worker import NullRank  # noqa: E402
-from kvloom.cli.launcher import Ports, pick_free_ports  # noqa: E402
+from kvloom_cli.launcher import Ports, pick_free_ports  # noqa: E402
 from kvloom.v1 import generation_pb2 as pb  # noqa: E402
 from kvloom.v1 import generation_pb2_grpc  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The controlplane in a Ray actor of its own: `kvloom up --placement ray
---ray-controlplane` (kvloom/cli/ray_cluster.py), for clusters where nothing
+--ray-controlplane` (kvloom_cli/ray_cluster.py), for clusters where nothing
 runs outside Ray (KubeRay, a Ray job).
 
 The actor runs `python -m controlplane` as its child process, unchanged: its
@@ -22,8 +22,8 @@ import subprocess
 import sys
 import threading
 
-from kvloom.cli.procs import with_parent_death_signal
 from kvloom.common.ports import free_port
+from kvloom.common.procs import with_parent_death_signal
 
 STOP_GRACE_S = 20.0
 

@@ -99,12 +99,12 @@ print("grpcio", grpc.__version__, "protobuf", pb.__version__, "transformers", t.
 } > "$out/env.txt" 2>&1 || true
 cat "$out/env.txt"
 
-# A random Llama from kvloom/testing/checkpoints.py, printed path. $1: where; the rest:
+# A random Llama from kvloom_testing/checkpoints.py, printed path. $1: where; the rest:
 # make_tiny_llama keyword arguments as name=value.
 make_model() {
   "$PY" - "$@" <<'PY'
 import sys
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_testing.checkpoints import make_tiny_llama
 kwargs = {k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}
 print(make_tiny_llama(sys.argv[1], **kwargs))
 PY

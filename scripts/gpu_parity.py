@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvloom.cli import launcher
 from kvloom.client import KvloomClient
+from kvloom_cli import launcher
 
 # Ids below 500: valid for the tiny test model (vocab 511) and real vocabularies alike.
 PROMPTS = [[1, 450, 496, 310], [1, 20, 21, 22, 23, 24, 25], [1, 306, 163, 338, 263, 243]]

@@ -1,5 +1,5 @@
 """Test factories that only tests need: a ParallelState for one rank of a layout.
-The tiny checkpoint itself is kvloom/testing/checkpoints.py (benchmarks use it too)."""
+The tiny checkpoint itself is kvloom_testing/checkpoints.py (benchmarks use it too)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_testing.checkpoints import make_tiny_llama
 
 torch.set_num_threads(1)
 

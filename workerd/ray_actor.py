@@ -1,4 +1,4 @@
-"""One rank as a Ray actor: `kvloom up --placement ray` (kvloom/cli/ray_cluster.py).
+"""One rank as a Ray actor: `kvloom up --placement ray` (kvloom_cli/ray_cluster.py).
 
 Ray places the actor (its placement-group bundle: a node, and a GPU on CUDA)
 and restarts it when its process dies; the actor runs workerd's own main

@@ -2,7 +2,7 @@
 
 Two executors implement it: the gRPC Executor over the worker group
 (grpc_executor.py) and InProcessExecutor over a Worker in this process
-(kvloom/testing/inprocess.py). submit() hands one step to the workers and
+(kvloom_testing/inprocess.py). submit() hands one step to the workers and
 returns at once with a PendingStep, so the engine can schedule the next step
 while this one runs; execute_model() is submit() and wait, for callers that
 run one step at a time.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import recovery
-from kvloom.testing.netns import netns_unavailable
+from kvloom_testing.netns import netns_unavailable
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvloom.cli.launcher import pick_free_ports, stop_pids, with_parent_death_signal
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+from kvloom_cli.launcher import pick_free_ports, stop_pids, with_parent_death_signal
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

@@ -1,5 +1,5 @@
 """One-process tests that join both daemons: the real controlplane Scheduler or
-EngineCore meets a real workerd Worker through kvloom.testing.inprocess (both
+EngineCore meets a real workerd Worker through kvloom_testing.inprocess (both
 wire modules, bytes both ways, no gRPC, no second process). Torch in-process:
 one thread and the tiny checkpoint (tests.torch_fixtures)."""
 

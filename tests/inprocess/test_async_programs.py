@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.request import FinishReason
-from kvloom.testing.inprocess import InProcessExecutor, SlotProbeModel, make_engine
+from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel, make_engine
 from tests.controlplane.core.helpers import check_pool, make_request
 
 PROBE = SlotProbeModel.PROBE_TOKEN

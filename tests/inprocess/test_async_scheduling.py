@@ -18,7 +18,7 @@ import pytest
 from controlplane.core.request import FinishReason
 from controlplane.engine.step_queue import ASYNC_STEPS_IN_FLIGHT
 from controlplane.executor.step_executor import StepExecutor
-from kvloom.testing.inprocess import InProcessExecutor, make_engine
+from kvloom_testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import Client, IdleProbe, _prompt
 from tests.integration.reference import hf_greedy

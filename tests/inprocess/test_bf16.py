@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvloom.testing.inprocess import InProcessExecutor, output_tokens, run_to_completion
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.inprocess import InProcessExecutor, output_tokens, run_to_completion
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 
 

@@ -4,8 +4,8 @@ which must keep accepting them as its requests grow."""
 
 from __future__ import annotations
 
-from kvloom.testing.inprocess import InProcessExecutor, SlotProbeModel
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 
 NUM_REQS = 8

@@ -22,10 +22,10 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from controlplane.executor.wire import scheduler_output_to_proto
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.structured.mask_codec import TokenMask, encode_mask_row
-from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
-from kvloom.testing.inprocess import InProcessExecutor, SlotProbeModel, call_worker
-from kvloom.testing.scheduler import make_scheduler
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.checkpoints import TOKENIZER_VOCAB_SIZE
+from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel, call_worker
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 from tests.integration.reference import _hf_model, hf_greedy
 from workerd.runner import grammar_step

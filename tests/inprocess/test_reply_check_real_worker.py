@@ -4,7 +4,7 @@ with what a real workerd ModelRunner answers, through chunked prefill,
 preemption, recompute, prefix hits and failover (random programs over
 SlotProbeModel), and with logprobs and prompt logprobs of the tiny Llama.
 
-Every reply here goes through kvloom.testing.inprocess.InProcessExecutor
+Every reply here goes through kvloom_testing.inprocess.InProcessExecutor
 (both wire modules, bytes, a real Worker) and then through reply_check
 exactly as the gRPC executor checks it, against the step's ExpectedReply.
 """
@@ -20,13 +20,13 @@ from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.reply_check import ProtocolViolation, check_model_runner_output
 from controlplane.model_info import read_model_info
-from kvloom.testing.inprocess import (
+from kvloom_testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
     SlotProbeModel,
     run_to_completion,
 )
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 
 from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.scheduler import Scheduler
-from kvloom.testing.inprocess import InProcessExecutor, SlotProbeModel
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvloom.cli.launcher import Cluster, ClusterSpec
+from kvloom_cli.launcher import Cluster, ClusterSpec
 from tests.integration.structured_fixtures import (  # noqa: F401 (fixtures)
     backend,
     reference,

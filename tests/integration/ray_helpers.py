@@ -1,5 +1,5 @@
 """`kvloom up --placement ray` as a user runs it, against a Ray head of the
-test's own (kvloom.testing.ray_head): a foreground `up` in a process of its
+test's own (kvloom_testing.ray_head): a foreground `up` in a process of its
 own, its log in a file, stopped with SIGTERM (or `kvloom down`); and a
 look at what the Ray cluster still holds, from a driver process of its own."""
 
@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvloom.cli.ray_session import NAMESPACE
-from kvloom.testing.ray_head import RayHead
+from kvloom_cli.ray_session import NAMESPACE
+from kvloom_testing.ray_head import RayHead
 from tests.integration.conftest import TEST_KV_CACHE
 
 KVLOOM = str(Path(sys.executable).with_name("kvloom"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom.testing.structured import backend_for, hf_constrained_greedy
+from kvloom_testing.structured import backend_for, hf_constrained_greedy
 from tests.integration.reference import hf_greedy
 from tests.integration.structured_helpers import Ask, Sample, check_text
 

@@ -19,8 +19,8 @@ import grpc
 
 from controlplane.structured.params import StructuredOutputKind, StructuredOutputsParams
 from kvloom.api import build_request
-from kvloom.testing.structured import PERSON_SCHEMA
 from kvloom.v1 import generation_pb2 as pb
+from kvloom_testing.structured import PERSON_SCHEMA
 from tests.integration.api_helpers import scrape
 
 # One Generate call's deadline: far beyond any run here; a hang fails the test.

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from kvloom.cli import main as cli
 from kvloom.client import AsyncKvloomClient, KvloomClient
+from kvloom_cli import main as cli
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy
 

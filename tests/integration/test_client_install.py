@@ -43,7 +43,7 @@ def client_venv(tmp_path_factory) -> Path:
     # needs no build-isolation download. The venv then resolves kvloom's own
     # dependencies like any user install.
     src = tmp / "src"
-    for name in ("kvloom", "controlplane", "workerd"):
+    for name in ("kvloom", "kvloom_cli", "controlplane", "workerd"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
@@ -63,13 +63,16 @@ def client_venv(tmp_path_factory) -> Path:
 def test_client_install_pulls_no_server_dependency(client_venv):
     py = str(client_venv / "bin/python")
     for module in SERVER_ONLY:
-        found = _run(py, "-c", f"import importlib.util as u; print(u.find_spec({module!r}))")
+        found = _run(py, "-c", f"import importlib.util as u; print(u.find_spec({module!r}))",
+                     cwd=client_venv)
         assert found.returncode == 0, found.stderr
         assert found.stdout.strip() == "None", f"{module} was installed by `pip install kvloom`"
     # Importing the client and the CLI pulls in neither daemon.
-    probe = ("import sys, kvloom.client, kvloom.cli.main; "
+    probe = ("import sys, kvloom.client, kvloom_cli.main; "
              "print(sorted({m.split('.')[0] for m in sys.modules}))")
-    loaded = _run(py, "-c", probe)
+    # Run away from the checkout: `python -c` puts the working directory
+    # first on sys.path, where the checkout's packages would hide the wheel's.
+    loaded = _run(py, "-c", probe, cwd=client_venv)
     assert loaded.returncode == 0, loaded.stderr
     top_level = set(json.loads(loaded.stdout.replace("'", '"')))
     assert not top_level & {"controlplane", "workerd", *SERVER_ONLY}

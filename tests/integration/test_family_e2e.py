@@ -12,8 +12,8 @@ import asyncio
 import grpc
 import pytest
 
-from kvloom.testing.families import make_tiny_checkpoint
 from kvloom.v1 import generation_pb2_grpc
+from kvloom_testing.families import make_tiny_checkpoint
 from tests.integration.api_helpers import assert_no_leaked_blocks, collect, greedy_request
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy

@@ -22,8 +22,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from kvloom.testing.checkpoints import make_tiny_llama
 from kvloom.v1 import generation_pb2 as pb
+from kvloom_testing.checkpoints import make_tiny_llama
 from tests.integration.api_helpers import assert_no_leaked_blocks, greedy_request, stub_for
 from tests.integration.conftest import running_cluster
 from tests.integration.gateway_helpers import add_chat_template, needs_gateway, running_gateway

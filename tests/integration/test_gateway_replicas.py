@@ -22,8 +22,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from kvloom.cli.launcher import SupervisorThread
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_cli.launcher import SupervisorThread
+from kvloom_testing.checkpoints import make_tiny_llama
 from tests.integration.conftest import running_cluster
 from tests.integration.gateway_helpers import add_chat_template, needs_gateway, running_gateway
 from tests.integration.reference import hf_greedy

@@ -6,7 +6,7 @@ each Generate call: the request as the gateway built it (which constraint
 oneof branch, which spec) and the token ids kvloom sent back. So every test
 pins what smg 1.13 sends for an OpenAI feature, and compares kvloom's token
 ids, EOS included, with transformers' greedy `generate` under xgrammar's
-logits processor on the same chat-templated prompt (kvloom.testing.structured).
+logits processor on the same chat-templated prompt (kvloom_testing.structured).
 The VllmEngine wire has no whitespace option, so JSON constraints allow any
 whitespace (vLLM's default): the references are compiled the same way.
 
@@ -51,8 +51,8 @@ pytest.importorskip("xgrammar", reason="xgrammar is not installed (scripts/insta
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from kvloom.testing.checkpoints import make_tiny_llama  # noqa: E402
-from kvloom.testing.structured import (  # noqa: E402
+from kvloom_testing.checkpoints import make_tiny_llama  # noqa: E402
+from kvloom_testing.structured import (  # noqa: E402
     PERSON_SCHEMA,
     backend_for,
     hf_constrained_greedy,

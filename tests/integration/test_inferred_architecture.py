@@ -14,9 +14,9 @@ import json
 import grpc
 import pytest
 
-from kvloom.testing.checkpoints import make_tiny_llama
 from kvloom.v1 import generation_pb2 as pb
 from kvloom.v1 import generation_pb2_grpc
+from kvloom_testing.checkpoints import make_tiny_llama
 from tests.integration.api_helpers import collect, greedy_request
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy

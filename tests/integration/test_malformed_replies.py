@@ -34,7 +34,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvloom.cli.launcher import (
+from kvloom.common.procs import reap, stop_pids, with_parent_death_signal
+from kvloom.v1 import generation_pb2 as pb
+from kvloom.v1 import generation_pb2_grpc
+from kvloom_cli.launcher import (
     ClusterSpec,
     Ports,
     child_env,
@@ -42,9 +45,6 @@ from kvloom.cli.launcher import (
     pick_free_ports,
     workerd_command,
 )
-from kvloom.cli.procs import reap, stop_pids, with_parent_death_signal
-from kvloom.v1 import generation_pb2 as pb
-from kvloom.v1 import generation_pb2_grpc
 from tests.controlplane.executor.fake_worker import FAULTS, GOOD_TOKEN, Fault, ScriptedWorker
 from tests.integration.conftest import TEST_KV_CACHE
 

@@ -1,4 +1,4 @@
-"""A cluster across hosts in network namespaces (kvloom.testing.netns): the
+"""A cluster across hosts in network namespaces (kvloom_testing.netns): the
 controlplane on one host, the two TP ranks on two others, the client on a
 rank's host; every connection crosses a real interface with its own address.
 Greedy tokens equal transformers'. A rank whose advertised address is on no
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import NetnsCluster
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

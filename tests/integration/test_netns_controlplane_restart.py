@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import NetnsCluster
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

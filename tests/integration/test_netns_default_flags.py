@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import NetnsCluster
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

@@ -1,4 +1,4 @@
-"""kvloom.testing.netns: test hosts in network namespaces (issue 33's
+"""kvloom_testing.netns: test hosts in network namespaces (issue 33's
 fixture). Two hosts reach each other at their own addresses across a real
 interface and nothing else: not each other's loopback, no route out of the
 namespaces; a cut host is unreachable until healed; a cut link silences only
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
 
 _REASON = netns_unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -157,7 +157,7 @@ def test_a_sigterm_still_deletes_the_namespaces():
     """A benchmark or the manual script stopped with kill: SIGTERM becomes
     SystemExit while the hosts exist, so close() runs."""
     tag = f"kst{os.getpid() % 10000}"
-    code = (f"from kvloom.testing.netns import NetnsHosts\nimport time\n"
+    code = (f"from kvloom_testing.netns import NetnsHosts\nimport time\n"
             f"with NetnsHosts(2, tag={tag!r}) as hosts:\n"
             f"    hosts.run(hosts.hosts[0], ['sleep', '60'])\n"
             f"    print('up', flush=True)\n    time.sleep(60)\n")

@@ -1,4 +1,4 @@
-"""Parallel layouts across namespace hosts (kvloom.testing.netns), every rank
+"""Parallel layouts across namespace hosts (kvloom_testing.netns), every rank
 on a host of its own and the controlplane on another: PP=2 (the hidden
 states cross between the stages' hosts) and TP=2 x PP=2 on four hosts
 (all-reduces within each stage, sends between them). Greedy tokens equal
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import NetnsCluster
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

@@ -1,4 +1,4 @@
-"""Partitions on namespace hosts (kvloom.testing.netns): links taken down and
+"""Partitions on namespace hosts (kvloom_testing.netns): links taken down and
 up again mid-generation with `ip link` / tc, on a TP=2 cluster whose
 controlplane and two ranks each have a host of their own. The client runs
 on the controlplane's host, so a cut never reaches it.
@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import NetnsCluster
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

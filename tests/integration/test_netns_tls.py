@@ -1,4 +1,4 @@
-"""TLS across namespace hosts (kvloom.testing.netns), with per-host
+"""TLS across namespace hosts (kvloom_testing.netns), with per-host
 certificates as on real machines: one CA; the controlplane's leaf names only
 host 0's address, each worker's leaf only its own host's. The controlplane
 serves the client API and the worker port with TLS, the worker port asks
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 
 from kvloom.common.certs import CertAuthority, CertFiles
-from kvloom.testing.netns import NetnsHosts, netns_unavailable
-from kvloom.testing.netns_cluster import ClusterTls, NetnsCluster
+from kvloom_testing.netns import NetnsHosts, netns_unavailable
+from kvloom_testing.netns_cluster import ClusterTls, NetnsCluster
 from tests.integration.reference import hf_greedy
 
 _REASON = netns_unavailable()

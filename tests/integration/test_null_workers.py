@@ -21,9 +21,9 @@ from benchmarks.control_plane import (
     write_null_checkpoint,
 )
 from benchmarks.null_worker import DEFAULT_TOKEN, NullRank, serve_ranks
-from kvloom.cli.launcher import Ports, pick_free_ports
 from kvloom.v1 import generation_pb2 as pb
 from kvloom.v1 import generation_pb2_grpc
+from kvloom_cli.launcher import Ports, pick_free_ports
 
 LAYOUT = Layout(tp=8, pp=2)
 MAX_TOKENS = [1, 2, 5, 9, 16, 33]

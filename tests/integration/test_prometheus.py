@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvloom.cli.launcher import pick_free_ports
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
+from kvloom_cli.launcher import pick_free_ports
 from tests.integration.conftest import running_cluster
 
 pytestmark = pytest.mark.slow

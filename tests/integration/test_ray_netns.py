@@ -1,4 +1,4 @@
-"""Ray across namespace hosts (kvloom.testing.netns): the Ray head, the
+"""Ray across namespace hosts (kvloom_testing.netns): the Ray head, the
 controlplane and `kvloom up` on one host, a second Ray node on another.
 A TP=2 cluster placed STRICT_SPREAD puts one rank on each node, so the
 second rank runs on the other host: it dials the controlplane and its peer
@@ -20,8 +20,8 @@ import pytest
 if importlib.util.find_spec("ray") is None:
     pytest.skip("needs kvloom[ray]", allow_module_level=True)
 
-from kvloom.testing.netns import NetnsHosts, netns_unavailable  # noqa: E402
-from kvloom.testing.ray_head import RayHead  # noqa: E402
+from kvloom_testing.netns import NetnsHosts, netns_unavailable  # noqa: E402
+from kvloom_testing.ray_head import RayHead  # noqa: E402
 from tests.integration.ray_helpers import RayUp, kvloom_env, live_kvloom_groups, ray_holds  # noqa: E402
 from tests.integration.reference import hf_greedy  # noqa: E402
 

@@ -28,7 +28,7 @@ if importlib.util.find_spec("ray") is None:
     pytest.skip("needs kvloom[ray]", allow_module_level=True)
 
 from kvloom.client import KvloomClient  # noqa: E402
-from kvloom.testing.ray_head import RayHead  # noqa: E402
+from kvloom_testing.ray_head import RayHead  # noqa: E402
 from tests.integration.api_helpers import assert_no_leaked_blocks, greedy_request, stub_for  # noqa: E402
 from tests.integration.ray_helpers import (  # noqa: E402
     KVLOOM,
@@ -198,7 +198,7 @@ def test_detached_up_then_down_leaves_nothing_on_ray(ray_head, tiny_model_dir, t
 
 
 def test_run_without_an_address_starts_and_stops_a_local_ray(tmp_path):
-    from kvloom.testing.ray_head import session_pids
+    from kvloom_testing.ray_head import session_pids
 
     # The default model: `run` chats, and the tiny checkpoint has no template.
     argv = [KVLOOM, "run", "--placement", "ray", "--pp", "2", "--worker-threads", "1",

@@ -24,7 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvloom.cli.launcher import Cluster, SupervisorThread
+from kvloom_cli.launcher import Cluster, SupervisorThread
 from tests.integration.api_helpers import assert_no_leaked_blocks, greedy_request, stub_for
 from tests.integration.conftest import running_cluster
 from tests.integration.reference import hf_greedy
@@ -142,7 +142,7 @@ def test_a_window_model_recovers_with_its_freed_blocks(tmp_path):
     freed the blocks that left the window when the output rank dies; the
     recomputed streams (which re-prefill whole contexts and free again) still
     give transformers' tokens, and no block leaks."""
-    from kvloom.testing.families import make_tiny_checkpoint
+    from kvloom_testing.families import make_tiny_checkpoint
 
     model_dir = str(make_tiny_checkpoint(tmp_path, "mistral-window", seed=7))
     with supervised(model_dir, pp=2, args=("--block-size", "4")) as cluster:

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (scripts/install.sh)")
 
-from kvloom.testing.structured import EXAMPLES, json_schema  # noqa: E402
+from kvloom_testing.structured import EXAMPLES, json_schema  # noqa: E402
 from tests.integration.api_helpers import assert_no_leaked_blocks, stub_for  # noqa: E402
 from tests.integration.conftest import running_cluster  # noqa: E402
 from tests.integration.structured_helpers import (  # noqa: E402

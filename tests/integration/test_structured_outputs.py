@@ -3,7 +3,7 @@ processes, real gRPC, requests built by the python client's build_request.
 
 Greedy constrained requests must give, token for token, what transformers'
 generate gives under xgrammar's logits processor on the grammar the
-controlplane's backend compiles (kvloom.testing.structured), EOS included,
+controlplane's backend compiles (kvloom_testing.structured), EOS included,
 and their text must parse and match the constraint; unconstrained requests
 in the same batches must give plain transformers greedy. Negative control:
 unconstrained, the same prompt gives other tokens, so the grammar decided.
@@ -35,7 +35,7 @@ import pytest
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (scripts/install.sh)")
 
 from controlplane.structured.params import StructuredOutputKind  # noqa: E402
-from kvloom.testing.structured import (  # noqa: E402
+from kvloom_testing.structured import (  # noqa: E402
     EXAMPLES,
     json_schema,
     regex,

@@ -17,8 +17,8 @@ import time
 import grpc
 import pytest
 
-from kvloom.cli.launcher import Cluster, ClusterSpec, issue_cluster_tls
 from kvloom.client import KvloomClient, KvloomError
+from kvloom_cli.launcher import Cluster, ClusterSpec, issue_cluster_tls
 from tests.integration.conftest import TEST_KV_CACHE, _Tee, running_cluster
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """`kvloom up --tls` for real: a PP=2 cluster whose API and worker port both
-require certificates from the cluster's throw-away CA (kvloom.cli.cluster
+require certificates from the cluster's throw-away CA (kvloom_cli.cluster
 .with_tls), with a worker auth token in the environment, serves exact greedy
 tokens; a plaintext client, a worker with another CA's certificate and a
 worker with the right certificate but the wrong token are each refused with a
@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from kvloom.cli.cluster import with_tls
-from kvloom.cli.launcher import Cluster, ClusterSpec
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
 from kvloom.common.certs import CertAuthority
+from kvloom_cli.cluster import with_tls
+from kvloom_cli.launcher import Cluster, ClusterSpec
 from tests.integration.conftest import TEST_KV_CACHE, _Tee
 from tests.integration.reference import hf_greedy
 

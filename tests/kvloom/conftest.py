@@ -317,7 +317,7 @@ FAKE_SMG = r'''
 import json, os, signal, socket, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-# `smg launch ...` as kvloom.cli.gateway runs it: serves the OpenAI routes the
+# `smg launch ...` as kvloom_cli.gateway runs it: serves the OpenAI routes the
 # CLI uses. FAKE_SMG_MODE: "fail" exits at once, "nomodel" lists no model
 # (a worker that never registers), "notokenizer" lists the model but never
 # its tokenizer, "chaterror" answers chats with a 400.

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from kvloom.api import Finish, Logprob, TopLogprob
-from kvloom.cli import main as cli
-from kvloom.cli.generate import format_finish, format_logprobs, generation_kwargs
+from kvloom_cli import main as cli
+from kvloom_cli.generate import format_finish, format_logprobs, generation_kwargs
 
 
 @pytest.fixture(autouse=True)

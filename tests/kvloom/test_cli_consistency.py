@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import launcher
-from kvloom.cli import main as cli
-from kvloom.cli.generate import generation_kwargs
 from kvloom.client import default_server
+from kvloom_cli import launcher
+from kvloom_cli import main as cli
+from kvloom_cli.generate import generation_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_down_ends_a_foreground_up_cleanly(fake_daemons, tmp_path):
     state_file = tmp_path / "cluster.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvloom.cli.main", "up", "--model", "/fake/model",
+        [sys.executable, "-m", "kvloom_cli.main", "up", "--model", "/fake/model",
          "--state-file", str(state_file)],
         stderr=subprocess.PIPE, text=True, env=env,
     )

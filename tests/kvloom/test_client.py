@@ -17,7 +17,6 @@ from kvloom.api import (
     build_tokenize_request,
     chunk_from_pb,
 )
-from kvloom.cli import launcher
 from kvloom.client import (
     AsyncKvloomClient,
     Collector,
@@ -26,6 +25,7 @@ from kvloom.client import (
     build_request,
 )
 from kvloom.v1 import generation_pb2 as pb
+from kvloom_cli import launcher
 
 # --- request building --------------------------------------------------------
 

@@ -14,8 +14,8 @@ import time
 import grpc
 import pytest
 
-from kvloom.cli import main as cli
 from kvloom.client import AsyncKvloomClient, InvalidArgument, KvloomClient, KvloomError
+from kvloom_cli import main as cli
 from tests.kvloom.conftest import API_KEY
 
 FAST_S = 5.0  # a refused connection must fail at once, not wait for a timeout
@@ -175,4 +175,4 @@ def test_the_client_imports_neither_cryptography_nor_torch():
 
 
 def test_the_cli_imports_neither_cryptography_nor_torch():
-    assert _imports_heavy("kvloom.cli.main") == ""
+    assert _imports_heavy("kvloom_cli.main") == ""

@@ -1,5 +1,5 @@
 """`kvloom up/run --openai-port`: the SMG gateway in front of a local cluster
-(kvloom.cli.gateway) and the OpenAI HTTP the CLI speaks (kvloom.cli.openai_http).
+(kvloom_cli.gateway) and the OpenAI HTTP the CLI speaks (kvloom_cli.openai_http).
 
 The gateway here is conftest's fake `smg` (first on PATH) in front of the fake
 daemons; tests/kvloom/test_gateway_e2e.py runs the real one on a real model.
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import gateway, launcher, openai_http
-from kvloom.cli import main as cli
-from kvloom.cli.gateway import GatewaySpec
 from kvloom.common.ports import free_port, pick_free_ports
+from kvloom_cli import gateway, launcher, openai_http
+from kvloom_cli import main as cli
+from kvloom_cli.gateway import GatewaySpec
 from tests.checkpoints import config_only_checkpoint
 from tests.kvloom.child_output import Stderr
 
@@ -318,7 +318,7 @@ def test_up_foreground_restarts_a_crashed_gateway_and_stops_it_first(fake_daemon
     state_file = tmp_path / "cluster.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvloom.cli.main", "up", "--model", "/fake/model",
+        [sys.executable, "-m", "kvloom_cli.main", "up", "--model", "/fake/model",
          "--openai-port", str(free_port()), "--state-file", str(state_file)],
         stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import gateway, launcher, openai_http
 from kvloom.common.ports import free_port
+from kvloom_cli import gateway, launcher, openai_http
 from tests.kvloom.child_output import Stderr
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -45,7 +45,7 @@ def kvloom_up(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLOOM_")}
     env["PYTHONPATH"] = str(REPO)
-    argv = [sys.executable, "-m", "kvloom.cli.main", "up", "--model", tiny_model_dir,
+    argv = [sys.executable, "-m", "kvloom_cli.main", "up", "--model", tiny_model_dir,
             "--host", "127.0.0.1", "--openai-port", str(port), "--worker-threads", "1",
             "--state-file", str(state_file), "--ready-timeout", "240",
             # To the controlplane: a small KV pool, and a name to look for.

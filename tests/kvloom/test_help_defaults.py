@@ -14,8 +14,8 @@ SECRET = "s3cr3t-from-env"
 @pytest.mark.parametrize(("module", "shown"), [
     (["controlplane"], "(default: 50051)"),
     (["workerd"], "(default: 120.0)"),
-    (["kvloom.cli", "up"], "(default: 1)"),
-    (["kvloom.cli", "run"], "(default: 1)"),
+    (["kvloom_cli", "up"], "(default: 1)"),
+    (["kvloom_cli", "run"], "(default: 1)"),
 ])
 def test_help_shows_defaults_but_not_the_auth_token(module, shown, monkeypatch):
     monkeypatch.setenv("KVLOOM_AUTH_TOKEN", SECRET)

@@ -1,4 +1,4 @@
-"""kvloom.cli.launcher and the cluster commands (up/down/run) with fake daemons
+"""kvloom_cli.launcher and the cluster commands (up/down/run) with fake daemons
 (conftest.fake_daemons), plus the serving benchmark that drives them."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import launcher
-from kvloom.cli import main as cli
+from kvloom_cli import launcher
+from kvloom_cli import main as cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -230,7 +230,7 @@ def test_up_foreground_stops_children_on_sigterm(fake_daemons, tmp_path):
     state_file = tmp_path / "cluster.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvloom.cli.main", "up", "--model", "/fake/model", "--pp", "2",
+        [sys.executable, "-m", "kvloom_cli.main", "up", "--model", "/fake/model", "--pp", "2",
          "--state-file", str(state_file)],
         stderr=subprocess.PIPE, text=True, env=env,
     )
@@ -441,7 +441,7 @@ def _up_args(*argv: str):
 
 
 def test_a_cluster_gets_a_random_token_unless_one_is_given(monkeypatch, tmp_path):
-    from kvloom.cli.cluster import cluster_auth_token
+    from kvloom_cli.cluster import cluster_auth_token
 
     monkeypatch.delenv("KVLOOM_AUTH_TOKEN", raising=False)
     first, second = cluster_auth_token(_up_args()), cluster_auth_token(_up_args())
@@ -462,7 +462,7 @@ def test_a_cluster_gets_a_random_token_unless_one_is_given(monkeypatch, tmp_path
 
 
 def test_up_tls_writes_its_pki_next_to_the_state_file(tmp_path):
-    from kvloom.cli.cluster import tls_dir, with_tls
+    from kvloom_cli.cluster import tls_dir, with_tls
 
     state_file = tmp_path / "state" / "cluster.json"
     spec = with_tls(launcher.ClusterSpec(), tls_dir(state_file))
@@ -474,7 +474,7 @@ def test_up_tls_writes_its_pki_next_to_the_state_file(tmp_path):
 
 
 def test_up_tls_prints_what_a_client_needs(tmp_path, capsys):
-    from kvloom.cli.cluster import print_endpoints, with_tls
+    from kvloom_cli.cluster import print_endpoints, with_tls
 
     spec = with_tls(launcher.ClusterSpec(), tmp_path / "tls")
     cluster = launcher.Cluster(spec)
@@ -489,7 +489,7 @@ def test_up_tls_prints_what_a_client_needs(tmp_path, capsys):
 
 
 def test_up_and_run_take_pin_cpus_into_the_spec():
-    from kvloom.cli.cluster import add_cluster_args, cluster_spec
+    from kvloom_cli.cluster import add_cluster_args, cluster_spec
 
     parser = argparse.ArgumentParser()
     add_cluster_args(parser)

@@ -1,5 +1,5 @@
 """Every place the CLI takes --model accepts an embedded model's name: `kvloom
-up` / `run` (kvloom.cli.cluster), the launcher the tests and benchmarks use
+up` / `run` (kvloom_cli.cluster), the launcher the tests and benchmarks use
 (ClusterSpec.model) and `kvloom-controlplane`. The daemons are handed the
 converted directory; an unknown name is refused before anything starts."""
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import launcher
-from kvloom.cli.main import main
 from kvloom.common import embedded_models as em
 from kvloom.common.gguf_convert import MARKER_FILE
+from kvloom_cli import launcher
+from kvloom_cli.main import main
 from tests.checkpoints import config_only_checkpoint
 
 

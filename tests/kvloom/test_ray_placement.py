@@ -1,7 +1,7 @@
 """Ray placement planning without a Ray cluster: bundles, the feasibility
 check that names what is missing, the bounded wait for a placement group,
-the flags and their hostile values (kvloom/cli/ray_placement.py,
-kvloom/cli/ray_session.py)."""
+the flags and their hostile values (kvloom_cli/ray_placement.py,
+kvloom_cli/ray_session.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import cluster as cluster_cli
-from kvloom.cli.cluster_state import ClusterState
-from kvloom.cli.launcher import ClusterError
-from kvloom.cli.ray_placement import (
+from kvloom_cli import cluster as cluster_cli
+from kvloom_cli.cluster_state import ClusterState
+from kvloom_cli.launcher import ClusterError
+from kvloom_cli.ray_placement import (
     Bundle,
     PlacementError,
     RayNode,
@@ -28,7 +28,7 @@ from kvloom.cli.ray_placement import (
     ranks_per_node,
     wait_placed,
 )
-from kvloom.cli.ray_session import check_reachable, gcs_endpoint
+from kvloom_cli.ray_session import check_reachable, gcs_endpoint
 
 A = RayNode("a" * 56, "10.0.0.1", cpus=4, gpus=0)
 B = RayNode("b" * 56, "10.0.0.2", cpus=2, gpus=0)

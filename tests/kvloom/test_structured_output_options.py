@@ -11,10 +11,10 @@ import json
 import pytest
 
 from kvloom.api import InvalidArgument, build_request, server_info_from_pb
-from kvloom.cli import launcher, openai_http
-from kvloom.cli import main as cli
-from kvloom.cli.generate import MAX_SPEC_FILE_BYTES, generation_kwargs
 from kvloom.v1 import generation_pb2 as pb
+from kvloom_cli import launcher, openai_http
+from kvloom_cli import main as cli
+from kvloom_cli.generate import MAX_SPEC_FILE_BYTES, generation_kwargs
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 

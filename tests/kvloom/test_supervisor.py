@@ -1,5 +1,5 @@
 """Worker supervision of the local launcher: the restart policy with a fake
-clock (kvloom.cli.supervisor), and Cluster's restarts with the fake daemons of
+clock (kvloom_cli.supervisor), and Cluster's restarts with the fake daemons of
 conftest.fake_daemons (tiny processes, free ports, no model)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvloom.cli import launcher
-from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
+from kvloom_cli import launcher
+from kvloom_cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -283,7 +283,7 @@ def test_up_foreground_restarts_a_worker_and_records_it_for_down(fake_daemons, t
     state_file = tmp_path / "cluster.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvloom.cli.main", "up", "--model", "/fake/model", "--pp", "2",
+        [sys.executable, "-m", "kvloom_cli.main", "up", "--model", "/fake/model", "--pp", "2",
          "--state-file", str(state_file)],
         stderr=subprocess.PIPE, text=True, env=env,
     )
@@ -305,7 +305,7 @@ def test_up_foreground_restarts_a_worker_and_records_it_for_down(fake_daemons, t
         assert len(launcher.running_processes(state)) == 3
         # `kvloom down` stops it all, the restarted rank included, and nothing restarts.
         down = subprocess.run(
-            [sys.executable, "-m", "kvloom.cli.main", "down", "--state-file", str(state_file)],
+            [sys.executable, "-m", "kvloom_cli.main", "down", "--state-file", str(state_file)],
             capture_output=True, text=True, env=env, timeout=60,
         )
         assert down.returncode == 0, down.stderr

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from kvloom.cli import launcher
-from kvloom.cli.main import main
+from kvloom_cli import launcher
+from kvloom_cli.main import main
 from tests.checkpoints import config_only_checkpoint
 
 

@@ -8,7 +8,7 @@ from tests.torch_fixtures import tiny_model_dir  # noqa: F401 (a fixture)
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (scripts/install.sh)")
 
-from kvloom.testing.structured import backend_for  # noqa: E402 (needs xgrammar)
+from kvloom_testing.structured import backend_for  # noqa: E402 (needs xgrammar)
 from tests.inprocess.test_async_scheduling import Run  # noqa: E402
 
 

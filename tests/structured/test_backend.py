@@ -12,7 +12,7 @@ from controlplane.structured.backend import GrammarCompileError
 from controlplane.structured.mask_codec import unconstrained_mask
 from controlplane.structured.params import StructuredOutputKind as Kind
 from controlplane.structured.params import StructuredOutputsParams
-from kvloom.testing.structured import EXAMPLES, backend_for, choice, grammar, regex
+from kvloom_testing.structured import EXAMPLES, backend_for, choice, grammar, regex
 
 
 def test_equal_specs_share_one_compile_and_a_hit_is_done_at_once(backend):

@@ -11,7 +11,7 @@ import threading
 import time
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.testing.structured import EXAMPLES, hf_constrained_greedy, regex
+from kvloom_testing.structured import EXAMPLES, hf_constrained_greedy, regex
 from tests.structured.test_engine_exact import PROMPT, watch_deferred
 
 CHOICE_RE = r"red|green|blue sky"

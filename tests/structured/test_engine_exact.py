@@ -1,5 +1,5 @@
 """Constrained requests through the real engine and a real worker in this
-process (kvloom.testing.inprocess), greedy, token for token against
+process (kvloom_testing.inprocess), greedy, token for token against
 transformers' generate with xgrammar's logits processor on the same grammar:
 every constraint kind, async scheduling on and off, beside unconstrained
 requests that must not change. The negative control: unconstrained, the
@@ -13,7 +13,7 @@ import re
 import pytest
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.testing.structured import EXAMPLES, PERSON_SCHEMA, hf_constrained_greedy
+from kvloom_testing.structured import EXAMPLES, PERSON_SCHEMA, hf_constrained_greedy
 from tests.inprocess.test_async_scheduling import Run
 from tests.integration.reference import hf_greedy
 

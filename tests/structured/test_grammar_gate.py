@@ -20,7 +20,7 @@ from controlplane.core.request import FinishReason, Request, SamplingParams
 from controlplane.engine.grammar_gate import NO_BACKEND, NOT_YET, GrammarGate
 from controlplane.executor.step_executor import StepExecutor
 from controlplane.structured.mask_codec import unconstrained_mask
-from kvloom.testing.structured import choice, regex
+from kvloom_testing.structured import choice, regex
 
 
 class MaskSink(StepExecutor):

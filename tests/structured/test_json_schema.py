@@ -10,7 +10,7 @@ import json
 import pytest
 
 from controlplane.structured.json_schema import bounded_strings_as_patterns
-from kvloom.testing.structured import json_schema
+from kvloom_testing.structured import json_schema
 
 SCHEMA = {"type": "object",
           "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 4},

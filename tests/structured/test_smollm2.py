@@ -12,7 +12,7 @@ import re
 import pytest
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.testing.structured import backend_for, choice, hf_constrained_greedy, json_schema, regex
+from kvloom_testing.structured import backend_for, choice, hf_constrained_greedy, json_schema, regex
 from tests.inprocess.test_async_scheduling import Run
 
 MAX_TOKENS = 64

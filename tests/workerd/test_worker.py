@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvloom.common.ports import free_port
-from kvloom.testing.inprocess import limits_pb
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.inprocess import limits_pb
 from workerd.worker import Worker
 
 DISPATCHED = {

@@ -216,7 +216,7 @@ class Api:
             add_request(request)
 
         self.engine.add_request = recording_add_request
-        # ScriptedModel or kvloom.testing's InProcessExecutor: both tell the
+        # ScriptedModel or kvloom_testing's InProcessExecutor: both tell the
         # engine when their group fails, as the server wires the gRPC one.
         self.executor.report_to(self.engine)
         self.service = GenerationService(

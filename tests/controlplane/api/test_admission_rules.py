@@ -11,8 +11,8 @@ from controlplane.api.generation_service import GenerationService
 from controlplane.api.validation import InvalidRequest, Limits, ValidatedRequest, validate
 from controlplane.config import CacheConfig
 from controlplane.core.request import SamplingParams
-from kvloom.testing.scheduler import make_scheduler, scheduler_config
 from kvloom.v1 import generation_pb2 as pb
+from kvloom_testing.scheduler import make_scheduler, scheduler_config
 from tests.controlplane.core.helpers import make_request
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 4  # 16 KV slots

@@ -1,5 +1,5 @@
 """GenerationService at its gRPC edge: streaming, stop strings, per-sample
-seeds, and (through kvloom/testing/inprocess.py's InProcessExecutor) the tiny checkpoint's
+seeds, and (through kvloom_testing/inprocess.py's InProcessExecutor) the tiny checkpoint's
 greedy tokens against transformers. Harness: service_harness.py."""
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_every_uint64_seed_is_valid_for_every_sample(tiny_model_dir, tok, words)
 
 
 def test_greedy_tokens_match_transformers_through_a_real_worker(tiny_model_dir, tok):
-    from kvloom.testing.inprocess import InProcessExecutor
+    from kvloom_testing.inprocess import InProcessExecutor
     from tests.integration.reference import hf_greedy
 
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=32, block_size=BLOCK_SIZE)
@@ -225,7 +225,7 @@ def test_greedy_tokens_match_transformers_through_a_real_worker(tiny_model_dir, 
 def test_wrapped_sample_seed_samples_like_that_seed_on_a_real_worker(tiny_model_dir, tok):
     """Seed 2^64-1 with n=2 runs through the real wire and worker, and its
     sample 1 (seed wrapped to 0) draws exactly what a seed-0 request draws."""
-    from kvloom.testing.inprocess import InProcessExecutor
+    from kvloom_testing.inprocess import InProcessExecutor
 
     executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=32, block_size=BLOCK_SIZE)
     sampling = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True}

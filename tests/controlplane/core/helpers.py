@@ -5,7 +5,7 @@ Torch-free, like controlplane/core. Nothing here models the worker: the
 workers' side of the same diffs (state rebuilt from SchedulerOutput, KV slots,
 who samples) is checked against a real workerd Worker in
 tests/inprocess/test_worker_view.py, which runs these programs
-through kvloom.testing.inprocess.InProcessExecutor.
+through kvloom_testing.inprocess.InProcessExecutor.
 """
 
 from __future__ import annotations

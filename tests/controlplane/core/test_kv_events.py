@@ -19,7 +19,7 @@ from controlplane.core.kv_events import (
 )
 from controlplane.core.request import Request
 from controlplane.core.scheduler import Scheduler
-from kvloom.testing.scheduler import make_scheduler, scheduler_config
+from kvloom_testing.scheduler import make_scheduler, scheduler_config
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

@@ -6,7 +6,7 @@ import pytest
 
 from controlplane.core.failover import reset_for_recompute
 from controlplane.core.request import FinishReason, RequestStatus
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import EOS, make_request, model_output, step
 
 # -- admission ---------------------------------------------------------------

@@ -13,7 +13,7 @@ import random
 
 from hypothesis import HealthCheck, event, given, settings
 
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

@@ -10,7 +10,7 @@ import pytest
 from controlplane.core.failover import replace_kv_pool, reset_for_recompute
 from controlplane.core.outputs import PromptLogprobs, TokenLogprobs
 from controlplane.core.request import RequestStatus
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request, model_output, step
 
 

@@ -21,7 +21,7 @@ from controlplane.core.block_pool import NULL_BLOCK
 from controlplane.core.failover import replace_kv_pool, reset_for_recompute
 from controlplane.core.kv_cache_manager import KVCacheManager
 from controlplane.core.scheduler import Scheduler
-from kvloom.testing.scheduler import make_scheduler, scheduler_config
+from kvloom_testing.scheduler import make_scheduler, scheduler_config
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from controlplane.core.failover import inherit_worker_ids, reset_for_recompute
 from controlplane.core.request import RequestStatus
 from controlplane.core.worker_requests import WorkerRequests
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request, model_output, step
 
 

@@ -24,8 +24,8 @@ from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import FinishReason
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
-from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
-from kvloom.testing.inprocess import InProcessExecutor, make_engine
+from kvloom_testing.checkpoints import TOKENIZER_VOCAB_SIZE
+from kvloom_testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.integration.reference import hf_greedy
 from tests.torch_fixtures import tiny_model_path

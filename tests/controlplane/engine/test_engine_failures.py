@@ -30,7 +30,7 @@ from controlplane.core.request import FinishReason
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine import failures as failures_module
 from controlplane.readiness import Readiness
-from kvloom.testing.inprocess import InProcessExecutor, make_engine
+from kvloom_testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import (
     NUM_BLOCKS,

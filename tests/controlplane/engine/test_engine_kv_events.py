@@ -21,7 +21,7 @@ from controlplane.core.kv_events import AllBlocksCleared, BlockStored, external_
 from controlplane.core.outputs import ModelRunnerOutput
 from controlplane.engine.core import EngineCore
 from controlplane.executor.step_executor import DoneStep, StepExecutor
-from kvloom.testing.scheduler import scheduler_config
+from kvloom_testing.scheduler import scheduler_config
 from tests.controlplane.core.helpers import make_request
 
 WAIT_S = 20.0

@@ -38,9 +38,9 @@ from controlplane.executor.step_executor import DoneStep, StepExecutor
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.records import RecoveryRecord
-from kvloom.testing.inprocess import InProcessExecutor
-from kvloom.testing.scheduler import scheduler_config
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.inprocess import InProcessExecutor
+from kvloom_testing.scheduler import scheduler_config
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import (
     NUM_BLOCKS,

@@ -17,7 +17,7 @@ from controlplane.engine.step_pacing import (
     StepPacing,
 )
 from controlplane.executor.step_executor import StepExecutor
-from kvloom.testing.inprocess import InProcessExecutor, make_engine
+from kvloom_testing.inprocess import InProcessExecutor, make_engine
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.engine.test_engine import Client, IdleProbe, _prompt
 from tests.integration.reference import hf_greedy

@@ -20,8 +20,8 @@ from controlplane.executor.status import FailureKind
 from controlplane.executor.step_executor import PendingStep, StepExecutor
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.model_info import read_model_info
-from kvloom.testing.inprocess import InProcessExecutor
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.inprocess import InProcessExecutor
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 from tests.controlplane.executor.steps import decode_step
 from tests.controlplane.executor.test_grpc_executor import FakeWorker, Harness

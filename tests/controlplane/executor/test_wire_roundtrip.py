@@ -12,8 +12,8 @@ from controlplane.core.outputs import NewRequestData as CpNew
 from controlplane.core.outputs import SchedulerOutput as CpOutput
 from controlplane.core.request import SamplingParams as CpParams
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
-from kvloom.testing.scheduler import make_scheduler
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import EOS, make_request
 from workerd.runner.sched_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto

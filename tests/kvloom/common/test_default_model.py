@@ -244,7 +244,7 @@ def test_cli_chat_turns_render_through_the_template(converted):
 
     from controlplane.api.validation import render_chat
     from kvloom.api import chat_messages
-    from kvloom.cli.generate import chat_turns
+    from kvloom_cli.generate import chat_turns
 
     tokenizer = AutoTokenizer.from_pretrained(converted)
     messages = chat_messages(chat_turns("hi", system="Be brief."))

@@ -15,8 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 from kvloom.common.ports import free_port
-from kvloom.testing.attention import pipeline_step
-from kvloom.testing.families import TINY_FAMILIES, make_tiny_checkpoint
+from kvloom_testing.attention import pipeline_step
+from kvloom_testing.families import TINY_FAMILIES, make_tiny_checkpoint
 from tests.workerd.models.test_families import BLOCK_SIZE, NUM_BLOCKS, TABLES, schedule
 from workerd.distributed.parallel_state import (
     ParallelState,

@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from kvloom.common.ports import free_port
-from kvloom.testing.attention import pipeline_step
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_testing.attention import pipeline_step
+from kvloom_testing.checkpoints import make_tiny_llama
 from workerd.distributed.parallel_state import (
     ParallelState,
     destroy_parallel_state,

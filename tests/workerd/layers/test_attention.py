@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata
+from kvloom_testing.attention import build_attn_metadata
 from workerd.layers.attention import torch_sdpa as attention
 from workerd.layers.attention.torch_sdpa import _group_rows, build_plan, paged_attention
 from workerd.layers.layernorm import RMSNorm

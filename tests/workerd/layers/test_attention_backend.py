@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvloom.common.ports import free_port
-from kvloom.testing.attention import paged_step
-from kvloom.testing.inprocess import limits_pb
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.attention import paged_step
+from kvloom_testing.inprocess import limits_pb
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.attention import backend as ab
 from workerd.layers.attention.backend import (

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata
-from kvloom.testing.inprocess import runner_limits
+from kvloom_testing.attention import build_attn_metadata
+from kvloom_testing.inprocess import runner_limits
 from tests.workerd.layers import fake_flashinfer
 from tests.workerd.layers.test_attention_window import SCALE as WINDOW_SCALE
 from tests.workerd.layers.test_attention_window import Requests as WindowRequests

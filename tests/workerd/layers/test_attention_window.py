@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata
+from kvloom_testing.attention import build_attn_metadata
 from workerd.layers.attention.backend import TorchAttentionBackend
 from workerd.layers.attention.cpu import CpuAttentionBackend
 from workerd.layers.attention.interface import (

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvloom.testing.inprocess import runner_limits
+from kvloom_testing.inprocess import runner_limits
 from workerd.distributed.parallel_state import single_process_state
 from workerd.kernels.loader import load_kernels
 from workerd.layers.activation import SiluAndMul

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata
-from kvloom.testing.inprocess import runner_limits
+from kvloom_testing.attention import build_attn_metadata
+from kvloom_testing.inprocess import runner_limits
 from tests.torch_fixtures import tiny_model_path
 from tests.workerd.layers.test_attention import (
     BLOCK_SIZE,

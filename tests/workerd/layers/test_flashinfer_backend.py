@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_testing.attention import build_attn_metadata
+from kvloom_testing.checkpoints import make_tiny_llama
 from tests.workerd.layers import fake_flashinfer
 from tests.workerd.layers.test_attention_window import SCALE as WINDOW_SCALE
 from tests.workerd.layers.test_attention_window import Requests as WindowRequests
@@ -213,7 +213,7 @@ def test_the_runner_builds_it_and_profiles_through_it(tiny_model_dir, stand_in):
     """ModelRunner(attention_backend="flashinfer") hands the model the backend;
     the memory profile's forward (a cache of its own) runs its prefill."""
     from controlplane.config import SchedulerConfig
-    from kvloom.testing.inprocess import runner_limits
+    from kvloom_testing.inprocess import runner_limits
     from workerd.layers.attention.flashinfer import FlashInferBackend
     from workerd.runner.model_runner import ModelRunner
 

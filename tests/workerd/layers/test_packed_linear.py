@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from kvloom.testing.checkpoints import make_tiny_llama
-from kvloom.testing.families import make_tiny_checkpoint
-from kvloom.testing.inprocess import runner_limits
+from kvloom_testing.checkpoints import make_tiny_llama
+from kvloom_testing.families import make_tiny_checkpoint
+from kvloom_testing.inprocess import runner_limits
 from tests.integration.reference import hf_greedy
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers import packed_linear

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom.testing.attention import paged_step
+from kvloom_testing.attention import paged_step
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.rotary import (
     RotaryEmbedding,

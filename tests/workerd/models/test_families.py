@@ -1,5 +1,5 @@
 """Every supported family against transformers on the same tiny random
-checkpoint (kvloom/testing/families.py), token by token: logits (1e-4,
+checkpoint (kvloom_testing/families.py), token by token: logits (1e-4,
 float32) over a schedule of chunked prefill, a prefill beside decodes, and
 decodes past the window, with blocks of 4 (a window of 5 is not aligned to
 them)."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom.testing.attention import paged_step
-from kvloom.testing.families import TINY_FAMILIES, make_tiny_checkpoint
+from kvloom_testing.attention import paged_step
+from kvloom_testing.families import TINY_FAMILIES, make_tiny_checkpoint
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels
 from workerd.models.loader import load_model

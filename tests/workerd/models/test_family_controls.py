@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvloom.testing.families import make_tiny_checkpoint
+from kvloom_testing.families import make_tiny_checkpoint
 from tests.workerd.models.test_families import hf_model, schedule
 
 

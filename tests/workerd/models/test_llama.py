@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata, paged_step
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_testing.attention import build_attn_metadata, paged_step
+from kvloom_testing.checkpoints import make_tiny_llama
 from workerd.distributed.parallel_state import single_process_state
 from workerd.models import get_model_class
 from workerd.models.llama import lm_head_layers, pp_layer_range

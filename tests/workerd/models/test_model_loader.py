@@ -14,8 +14,8 @@ from torch import nn
 
 import workerd.models.loader as model_loader
 from kvloom.common.model_config import parse_model_config
-from kvloom.testing.attention import paged_step
-from kvloom.testing.checkpoints import make_tiny_llama
+from kvloom_testing.attention import paged_step
+from kvloom_testing.checkpoints import make_tiny_llama
 from tests.factories import layout_state
 from workerd.models.loader import load_model, load_weight_map
 from workerd.models.weight_targets import LoadTarget, narrow_index

@@ -22,8 +22,8 @@ import torch
 from controlplane.config import CacheConfig
 from controlplane.core.scheduler import Scheduler
 from controlplane.executor.wire import model_runner_output_from_proto, scheduler_output_to_proto
-from kvloom.testing.inprocess import runner_limits
-from kvloom.testing.scheduler import scheduler_config
+from kvloom_testing.inprocess import runner_limits
+from kvloom_testing.scheduler import scheduler_config
 from tests.controlplane.core.helpers import make_request
 from tests.integration.reference import hf_greedy
 from tests.workerd.layers import fake_flashinfer
@@ -249,7 +249,7 @@ def test_real_graphs_replay_what_eager_computes(tmp_path):
     """On a CUDA device with flashinfer-python: torch.cuda graphs around
     FlashInfer's CUDA-graph decode wrapper give the eager run's tokens."""
     pytest.importorskip("flashinfer")
-    from kvloom.testing.checkpoints import make_tiny_llama
+    from kvloom_testing.checkpoints import make_tiny_llama
 
     # head_dim 64: FlashInfer's prebuilt kernels cover 64/128/256.
     path = make_tiny_llama(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2,

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvloom.testing.attention import build_attn_metadata
+from kvloom_testing.attention import build_attn_metadata
 from tests.workerd.layers import fake_flashinfer
 from tests.workerd.runner.test_cuda_graphs import ReplayingGraph
 from workerd.layers.attention.backend import TorchAttentionBackend, make_attention_backend

@@ -110,7 +110,7 @@ def test_cpu_budget_in_a_small_container(monkeypatch, tmp_path):
 
 
 def test_launcher_tells_each_rank_how_many_share_the_host(monkeypatch):
-    from kvloom.cli import launcher
+    from kvloom_cli import launcher
 
     monkeypatch.setenv("KVLOOM_NUM_LOCAL_WORKERS", "99")  # a stale value is replaced
     spec = launcher.ClusterSpec(tensor_parallel_size=2, pipeline_parallel_size=3)

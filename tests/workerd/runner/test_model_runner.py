@@ -5,7 +5,7 @@ The first half drives _update_states/prepare_inputs/execute_model with
 hand-written diffs and a fake model whose logits name the input token, so
 every expectation is visible in the test. The second half runs the tiny Llama
 checkpoint under the real controlplane Scheduler, each step through
-kvloom.testing.inprocess.InProcessExecutor (both wire modules, bytes, a real Worker):
+kvloom_testing.inprocess.InProcessExecutor (both wire modules, bytes, a real Worker):
 chunked prefill, preemption resumed into other blocks and recomputed from 0 in
 chunks, prefix-cache hits on another request's KV, seeded sampling; every
 output is checked against transformers on the same weights.
@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
-from kvloom.testing.inprocess import (
+from kvloom_testing.checkpoints import TOKENIZER_VOCAB_SIZE
+from kvloom_testing.inprocess import (
     BLOCK_SIZE,
     InProcessExecutor,
     ScheduleWatch,
@@ -29,8 +29,8 @@ from kvloom.testing.inprocess import (
     run_to_completion,
     runner_limits,
 )
-from kvloom.testing.replay import replay_layout, replayed_outputs
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.replay import replay_layout, replayed_outputs
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 from tests.factories import layout_state
 from tests.integration.reference import hf_greedy

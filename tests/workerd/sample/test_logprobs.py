@@ -1,5 +1,5 @@
 """The tiny Llama with the sampling knobs, under the real controlplane Scheduler
-(each step through kvloom.testing.inprocess.InProcessExecutor: both wire modules, bytes,
+(each step through kvloom_testing.inprocess.InProcessExecutor: both wire modules, bytes,
 a real Worker), against transformers on the same weights.
 
 * Sampled-token logprobs (logprob, 1-based rank, top-N) equal log_softmax of
@@ -20,15 +20,15 @@ import pytest
 import torch
 
 from controlplane.core.request import FinishReason, Request, SamplingParams
-from kvloom.testing.checkpoints import TOKENIZER_VOCAB_SIZE
-from kvloom.testing.inprocess import (
+from kvloom_testing.checkpoints import TOKENIZER_VOCAB_SIZE
+from kvloom_testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
     output_tokens,
     run_to_completion,
 )
-from kvloom.testing.replay import replay_layout, replayed_outputs
-from kvloom.testing.scheduler import make_scheduler
+from kvloom_testing.replay import replay_layout, replayed_outputs
+from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
 
 torch.set_num_threads(1)

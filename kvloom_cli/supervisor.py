@@ -2,7 +2,7 @@
 crash-loop detection.
 
 Pure bookkeeping: nothing here spawns, signals or sleeps, and the clock is
-passed in, so tests drive it with a fake one. kvloom.cli.launcher.Cluster asks
+passed in, so tests drive it with a fake one. kvloom_cli.launcher.Cluster asks
 it what to do (`exited()`: the delay, or CrashLoop) and when (`due()`), and
 does the spawning itself, from its monitoring thread.
 """

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 
-from kvloom.cli.launcher import ClusterError
+from kvloom_cli.launcher import ClusterError
 
 # Every kvloom cluster's actors and placement groups live in this Ray namespace.
 NAMESPACE = "kvloom"

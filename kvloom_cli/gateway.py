@@ -12,7 +12,7 @@ output is relayed as "[gateway] ", a foreground `up` restarts it like a
 worker, a detached one records it for `kvloom down`, and it stops before the
 controlplane), and waits until GET /v1/models lists the served model and its
 tokenizer is registered (GET /v1/tokenizers).
-Speaking OpenAI HTTP is kvloom.cli.openai_http.
+Speaking OpenAI HTTP is kvloom_cli.openai_http.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvloom.cli.children import ManagedProcess
-from kvloom.cli.launcher import Cluster, ClusterError, connect_host
-from kvloom.cli.openai_http import OpenAIError, list_models, list_tokenizers
 from kvloom.common.ports import PortInUse, pick_free_ports, port_in_use
+from kvloom_cli.children import ManagedProcess
+from kvloom_cli.launcher import Cluster, ClusterError, connect_host
+from kvloom_cli.openai_http import OpenAIError, list_models, list_tokenizers
 
 NAME = "gateway"
 MISSING = 'kvloom: --openai-port needs the SMG gateway: pip install "kvloom[gateway]"'

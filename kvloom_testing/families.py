@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvloom.testing.checkpoints import _save_tokenizer
+from kvloom_testing.checkpoints import _save_tokenizer
 
 _BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

@@ -1,7 +1,7 @@
 """`kvloom up --placement ray`: Ray places and restarts the ranks, kvloom
 drives their steps (the seed's RayExecutorV2 split).
 
-Ray's part: a placement group with one bundle per rank (kvloom.cli.ray_placement),
+Ray's part: a placement group with one bundle per rank (kvloom_cli.ray_placement),
 one long-lived actor per rank in its bundle (workerd.ray_actor.RankActor,
 running workerd's own main loop), and a restart of an actor whose process
 died (max_restarts), with the same rank: it registers again and rejoins the
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
-from kvloom.cli import launcher
-from kvloom.cli.ray_placement import (
+from kvloom_cli import launcher
+from kvloom_cli.ray_placement import (
     Bundle,
     PlacementError,
     RayPlacementSpec,
@@ -38,7 +38,7 @@ from kvloom.cli.ray_placement import (
     ranks_per_node,
     wait_placed,
 )
-from kvloom.cli.ray_session import LOOPBACK, NAMESPACE, connect_ray, remove_ray_objects
+from kvloom_cli.ray_session import LOOPBACK, NAMESPACE, connect_ray, remove_ray_objects
 
 # Seconds for an actor to answer where() once Ray has started it (its
 # process imports torch before the loop starts, but __init__ returns first).

@@ -1,6 +1,6 @@
 """Streams across a partition, for the namespace-host tests and the
 recovery benchmark: Streams starts this module's client on a host,
-`python -m kvloom.testing.netns_streams API PROMPTS_JSON MAX_TOKENS TIMEOUT_S [CA]`
+`python -m kvloom_testing.netns_streams API PROMPTS_JSON MAX_TOKENS TIMEOUT_S [CA]`
 (CA: the TLS client port's CA),
 and reads it line by line.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvloom.api import KvloomError
 from kvloom.client import KvloomClient
-from kvloom.testing.netns import Host, NetnsHosts
+from kvloom_testing.netns import Host, NetnsHosts
 
 FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100),
                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200))
@@ -109,7 +109,7 @@ class Streams:
         self.timeout_s = timeout_s
         self.num_streams = len(prompts)
         ca = [str(ca_certs)] if ca_certs is not None else []
-        argv = [sys.executable, "-m", "kvloom.testing.netns_streams", api,
+        argv = [sys.executable, "-m", "kvloom_testing.netns_streams", api,
                 json.dumps(prompts), str(max_tokens), str(timeout_s), *ca]
         self.proc = hosts.run(host, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)

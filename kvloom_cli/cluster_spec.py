@@ -11,10 +11,10 @@ import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvloom.cli.cluster_tls import ClusterTls, tls_controlplane_args, tls_worker_args
 from kvloom.common import cpu_cores
 from kvloom.common.cpu_cores import CpuPlan, format_cores
 from kvloom.common.ports import PortInUse, connect_host, pick_free_ports, port_in_use
+from kvloom_cli.cluster_tls import ClusterTls, tls_controlplane_args, tls_worker_args
 
 
 class ClusterError(RuntimeError):

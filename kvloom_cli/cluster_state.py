@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloom.cli.procs import alive, process_start_time, stop_pids
+from kvloom.common.procs import alive, process_start_time, stop_pids
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The `kvloom up`, `down` and `run` commands: local clusters via kvloom.cli.launcher.
+"""The `kvloom up`, `down` and `run` commands: local clusters via kvloom_cli.launcher.
 
 `up` runs a cluster in the foreground (or with --detach in the background,
 recorded in a state file for `down`); `run` starts one, sends one chat
@@ -14,10 +14,10 @@ paths a client needs printed. Every cluster gets a random worker auth token
 unless one is given (--auth-token-file, KVLOOM_AUTH_TOKEN, --auth-token); the
 daemons receive it in their environment, never on a command line.
 
-`--openai-port PORT` puts the SMG gateway (kvloom.cli.gateway) in front
+`--openai-port PORT` puts the SMG gateway (kvloom_cli.gateway) in front
 once the cluster is ready: an OpenAI-compatible HTTP API at
 http://HOST:PORT/v1 that reaches the controlplane's VllmEngine service. `run`
-then sends its message through it (kvloom.cli.openai_http). The gateway is
+then sends its message through it (kvloom_cli.openai_http). The gateway is
 relayed, supervised, recorded and stopped like the daemons, before the
 controlplane. It cannot dial a --tls API, so the two flags exclude each other.
 """
@@ -35,12 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvloom.cli import gateway, launcher, openai_http
-from kvloom.cli.gateway import GatewaySpec
-from kvloom.cli.generate import EXIT_FAILURE, chat_turns, complete
-from kvloom.cli.ray_placement import PlacementError, add_ray_args, placement_from_args
 from kvloom.client import KvloomError
 from kvloom.common.config_args import BadValue
+from kvloom_cli import gateway, launcher, openai_http
+from kvloom_cli.gateway import GatewaySpec
+from kvloom_cli.generate import EXIT_FAILURE, chat_turns, complete
+from kvloom_cli.ray_placement import PlacementError, add_ray_args, placement_from_args
 
 
 class GatewayMissing(launcher.ClusterError):
@@ -111,7 +111,7 @@ def make_cluster(args: argparse.Namespace, spec: launcher.ClusterSpec, *,
     if detached and not placement.address:
         raise launcher.ClusterError("--detach with --placement ray needs --ray-address: a "
                                     "local Ray started by `kvloom up` ends with it")
-    from kvloom.cli.ray_cluster import RayCluster
+    from kvloom_cli.ray_cluster import RayCluster
 
     return RayCluster(spec, placement, log_sink=log_sink, log_dir=log_dir, detached=detached)
 
@@ -282,7 +282,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     state.save(state_file)
     killed = launcher.stop_detached(state, grace=args.grace)
     if state.ray_address and state.ray_actors:
-        from kvloom.cli.ray_session import down_ray
+        from kvloom_cli.ray_session import down_ray
 
         removed = down_ray(state.ray_address, state.ray_actors, state.ray_placement_group)
         print(f"kvloom: removed from Ray: {', '.join(removed) or 'nothing left'}",

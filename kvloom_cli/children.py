@@ -1,10 +1,10 @@
-"""One child process of the local launcher (kvloom.cli.launcher): what was
+"""One child process of the local launcher (kvloom_cli.launcher): what was
 started and how, its output relayed with a "[name] " prefix, its last lines
 for error messages, and how it exited. The launcher decides what to start and
 when; nothing here knows about kvloom's daemons.
 
 Children: the controlplane, one "rank R" per worker, and optionally processes
-that stand in front of the cluster (the SMG gateway, kvloom.cli.gateway:
+that stand in front of the cluster (the SMG gateway, kvloom_cli.gateway:
 started once the cluster is ready, stopped before it).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from kvloom.cli.procs import exit_how
+from kvloom.common.procs import exit_how
 
 TAIL_LINES = 40
 

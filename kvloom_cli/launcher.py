@@ -16,7 +16,7 @@ SIGKILLs whatever outlives the grace period.
 Supervision (foreground only): `monitor(restart_workers=True)` restarts a
 worker that dies once the cluster has served (same argv: same rank, same
 metrics port) with the back-off and crash-loop limit of
-kvloom.cli.supervisor.RestartPolicy; the controlplane's death stays fatal, and
+kvloom_cli.supervisor.RestartPolicy; the controlplane's death stays fatal, and
 so does a worker's before `wait_ready()` returned (a configuration error).
 Restarts are spawned by the thread that runs `monitor()` / `supervise_once()`,
 so run it on a thread that lives as long as the cluster (`kvloom up`: the main
@@ -31,7 +31,7 @@ dials with the worker certificate; wait_ready() and `kvloom run` use the
 client certificate, whose paths `up` prints for other clients.
 
 Processes in front of the cluster (`spawn_front`: the SMG gateway of
-`kvloom up --openai-port`, kvloom.cli.gateway) are started once the cluster is
+`kvloom up --openai-port`, kvloom_cli.gateway) are started once the cluster is
 ready, supervised like a worker and stopped before everything else.
 
 Foreground children share a process group of their own (so a terminal
@@ -52,14 +52,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from kvloom.cli.children import (  # noqa: F401 (relay_lines, TAIL_LINES: API)
+from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
+from kvloom.common.cpu_cores import CpuPlan  # noqa: F401 (API)
+from kvloom.common.ports import connect_host, pick_free_ports  # noqa: F401 (API)
+from kvloom.common.procs import (  # noqa: F401 (Terminated, alive, exit_how, termination_as_exception: API)
+    Terminated,
+    alive,
+    exit_how,
+    process_start_time,
+    reap,
+    stop_pids,
+    termination_as_exception,
+    with_parent_death_signal,
+)
+from kvloom_cli.children import (  # noqa: F401 (relay_lines, TAIL_LINES: API)
     TAIL_LINES,
     ManagedProcess,
     Restart,
     describe_exit,
     relay_lines,
 )
-from kvloom.cli.cluster_spec import (  # noqa: F401 (what a cluster launches: API)
+from kvloom_cli.cluster_spec import (  # noqa: F401 (what a cluster launches: API)
     ClusterError,
     ClusterSpec,
     Ports,
@@ -70,32 +83,19 @@ from kvloom.cli.cluster_spec import (  # noqa: F401 (what a cluster launches: AP
     resolve_ports,
     workerd_command,
 )
-from kvloom.cli.cluster_state import (  # noqa: F401 (the detached-cluster API)
+from kvloom_cli.cluster_state import (  # noqa: F401 (the detached-cluster API)
     ClusterState,
     default_state_file,
     running_processes,
     stop_detached,
 )
-from kvloom.cli.cluster_tls import (  # noqa: F401 (ClusterTls, issue_cluster_tls: API)
+from kvloom_cli.cluster_tls import (  # noqa: F401 (ClusterTls, issue_cluster_tls: API)
     ClusterTls,
     issue_cluster_tls,
     tls_controlplane_args,
     tls_worker_args,
 )
-from kvloom.cli.procs import (  # noqa: F401 (Terminated, alive, exit_how, termination_as_exception: API)
-    Terminated,
-    alive,
-    exit_how,
-    process_start_time,
-    reap,
-    stop_pids,
-    termination_as_exception,
-    with_parent_death_signal,
-)
-from kvloom.cli.supervisor import CrashLoop, RestartPolicy, Supervisor
-from kvloom.client import READY_SERVICE, KvloomClient, KvloomError
-from kvloom.common.cpu_cores import CpuPlan  # noqa: F401 (API)
-from kvloom.common.ports import connect_host, pick_free_ports  # noqa: F401 (API)
+from kvloom_cli.supervisor import CrashLoop, RestartPolicy, Supervisor
 
 # wait_ready's channel: its first polls find no listener, and gRPC's default
 # reconnect back-off (1 s, growing 1.6x) then hid a ready cluster for seconds

@@ -1,8 +1,8 @@
-"""A kvloom cluster across namespace hosts (kvloom.testing.netns): the
+"""A kvloom cluster across namespace hosts (kvloom_testing.netns): the
 controlplane on hosts[0], rank r on hosts[r + 1], every connection across a
 real interface. For the tests, the recovery benchmark and by hand:
 
-    sudo python -m kvloom.testing.netns_cluster --model DIR --tp 2 --pp 1
+    sudo python -m kvloom_testing.netns_cluster --model DIR --tp 2 --pp 1
 
 starts one, prints the client address and the command that runs a client on
 a host, and deletes everything on Ctrl-C.
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvloom.common.certs import CertAuthority, CertFiles
-from kvloom.testing.netns import Host, NetnsHosts
-from kvloom.testing.netns_streams import Streams
+from kvloom_testing.netns import Host, NetnsHosts
+from kvloom_testing.netns_streams import Streams
 
 # Bound on waiting for a process to exit once signalled.
 EXIT_WAIT_S = 30.0
@@ -207,7 +207,7 @@ class NetnsCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvloom.testing.netns_cluster",
+    p = argparse.ArgumentParser(prog="python -m kvloom_testing.netns_cluster",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--tp", type=int, default=2, choices=range(1, 9))

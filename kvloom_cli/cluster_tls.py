@@ -1,7 +1,7 @@
 """A local secure cluster's TLS material (`kvloom up --tls`): a throw-away CA
 (kvloom.common.certs) and the certificates of the controlplane, the workers
 and the API's clients, and the flags that hand them to each daemon. The
-launcher (kvloom/cli/launcher.py) decides when; this module decides what.
+launcher (kvloom_cli/launcher.py) decides when; this module decides what.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A TP x PP group replaying what an InProcessExecutor sent its one worker.
 
 Tests that check every layout answers the same steps the same way run a
-scenario in process once (kvloom.testing.inprocess), then replay_layout
+scenario in process once (kvloom_testing.inprocess), then replay_layout
 spawns a tp x pp group of real workers that each run the same handshake and
 every broadcast step in order, saving their replies for replayed_outputs.
 A step with grammar-constrained requests gets its GrammarMasks on the output
@@ -18,8 +18,8 @@ import torch
 from controlplane.core.outputs import ModelRunnerOutput
 from controlplane.executor.wire import model_runner_output_from_proto
 from kvloom.common.ports import free_port
-from kvloom.testing.inprocess import InProcessExecutor, call_worker, handshake
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.inprocess import InProcessExecutor, call_worker, handshake
 from workerd.worker import Worker
 
 

@@ -18,7 +18,7 @@ path. A WorkerError reply fails the step with WorkerGroupFailed, resolved by
 the executor's own PendingCall, and fails the group, reported once to
 on_failed, exactly as the gRPC executor does.
 
-It imports both daemons, so it lives in kvloom/testing (shared by tests and
+It imports both daemons, so it lives in kvloom_testing (shared by tests and
 benchmarks), never in controlplane/ or workerd/. The factories below build a
 Scheduler or an EngineCore over it; run_to_completion steps a Scheduler
 through it one step at a time, and ScheduleWatch records what the scheduler
@@ -26,7 +26,7 @@ did so a test can assert its scenario (a chunked prefill, a preemption, a
 resume into other blocks) really happened while it checks the worker
 followed.
 
-kvloom/testing/replay.py replays what an executor sent on the ranks of a
+kvloom_testing/replay.py replays what an executor sent on the ranks of a
 TP x PP group, for tests that check every layout answers the same steps the
 same way.
 """
@@ -64,8 +64,8 @@ from controlplane.executor.worker_calls import PendingCall, WorkerGroupFailed
 from controlplane.metrics.records import StepRecord
 from controlplane.structured.mask_codec import TokenMask
 from kvloom.common.ports import free_port
-from kvloom.testing.scheduler import scheduler_config
 from kvloom.worker.v1 import worker_pb2
+from kvloom_testing.scheduler import scheduler_config
 from workerd.limits import WorkerLimits
 from workerd.runner.model_runner import ModelRunner
 from workerd.worker import Worker

@@ -5,13 +5,13 @@
     kvloom tokenize "text"        token ids of text (--chat: of a chat turn)
     kvloom detokenize 1 2 3       text of token ids
     kvloom info | health          describe / probe the server
-    kvloom up [--detach]          start controlplane + T*P workers here (kvloom.cli.launcher)
+    kvloom up [--detach]          start controlplane + T*P workers here (kvloom_cli.launcher)
     kvloom down                   stop a cluster started with `up --detach`
     kvloom run "prompt"           up, chat once, down: the one-command demo
     (up and run take --openai-port PORT: an OpenAI API through the SMG gateway)
 
 This module parses arguments and dispatches; printing a generation lives in
-kvloom.cli.generate, local clusters in kvloom.cli.cluster, the RPCs in
+kvloom_cli.generate, local clusters in kvloom_cli.cluster, the RPCs in
 kvloom.client. Generated text goes to stdout, everything else (daemon logs,
 progress, logprobs, errors) to stderr, so output pipes cleanly.
 """
@@ -24,13 +24,13 @@ import json
 import sys
 from pathlib import Path
 
-from kvloom.cli import launcher
-from kvloom.cli.cluster import GatewayMissing, add_cluster_args, cmd_down, cmd_run, cmd_up
-from kvloom.cli.generate import EXIT_FAILURE, add_generation_args, chat_turns, complete
-from kvloom.cli.openai_http import OpenAIError
 from kvloom.client import READY_SERVICE, KvloomClient, KvloomError, default_server
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
+from kvloom_cli import launcher
+from kvloom_cli.cluster import GatewayMissing, add_cluster_args, cmd_down, cmd_run, cmd_up
+from kvloom_cli.generate import EXIT_FAILURE, add_generation_args, chat_turns, complete
+from kvloom_cli.openai_http import OpenAIError
 
 EXIT_INTERRUPTED = 130
 

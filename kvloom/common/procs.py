@@ -1,9 +1,10 @@
-"""OS process helpers of the local launcher: identifying, signalling and
-reaping daemon processes, tying children's lives to the launcher's, saying
-how one exited, and turning SIGTERM/SIGHUP into an exception.
+"""OS process helpers: identifying, signalling and reaping daemon
+processes, tying children's lives to their parent's, saying how one exited,
+and turning SIGTERM/SIGHUP into an exception.
 
-Kept apart from kvloom.cli.launcher, which decides what to start; nothing here
-knows about kvloom's daemons.
+Used by the launcher (kvloom_cli, which decides what to start) and by a
+controlplane run as a Ray actor (controlplane/ray_actor.py), so it lives on
+the ground floor; nothing here knows about kvloom's daemons.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
 
-from kvloom.cli.generate import generation_kwargs
+from kvloom_cli.generate import generation_kwargs
 
 EXIT_FAILURE = 1
 # A server-sent event line longer than this is not a chat chunk.

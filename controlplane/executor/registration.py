@@ -27,7 +27,7 @@ import grpc
 
 from controlplane.config import ParallelConfig, WorkerGroupConfig
 from controlplane.executor.status import GroupState, RankStatus
-from kvloom.common.hosts import host_problem, is_loopback
+from kvloom.common.hosts import host_problem, is_loopback, parse_ip
 from kvloom.common.node_id import node_id_problem
 from kvloom.worker.v1 import worker_pb2
 
@@ -196,13 +196,8 @@ def claim_differs(claimed: str, observed: str) -> bool:
     plane's loop: it counts as differing."""
     if claimed == "localhost":
         return not ipaddress.ip_address(observed).is_loopback
-    try:
-        ip = ipaddress.ip_address(claimed)
-    except ValueError:
-        return True
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip) != observed
+    ip = parse_ip(claimed)
+    return ip is None or str(ip) != observed
 
 
 def stale_handle(req: worker_pb2.RegisterRequest, peer: str,

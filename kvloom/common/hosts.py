@@ -24,16 +24,22 @@ def host_problem(host: str) -> str | None:
     return None
 
 
+def parse_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an IP address (bracketed IPv6 too; an IPv4-mapped IPv6
+    address as the IPv4 address it carries), or None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` names loopback literally: localhost or a loopback IP
     address (127.0.0.0/8, ::1; bracketed or IPv4-mapped too)."""
-    host = host.strip("[]")
     if host.lower() == "localhost":
         return True
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
+    ip = parse_ip(host)
+    return ip is not None and ip.is_loopback

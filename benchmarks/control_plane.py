@@ -2,29 +2,43 @@
 
     python benchmarks/control_plane.py --out results.json
     python benchmarks/control_plane.py --quick
+    python benchmarks/control_plane.py --quick --layouts 1x1 --running 8   # smallest
+    python benchmarks/control_plane.py --running 64 --step-ms 0   # unpaced
 
 For each layout (default 1x1, 2x2, 8x2 as TPxPP) it starts a real controlplane
 process (`python -m controlplane --tensor-parallel-size T
 --pipeline-parallel-size P --max-num-seqs R --num-gpu-blocks-override ...`)
 and T*P null ranks (benchmarks/null_worker.py: they speak worker.proto, have
-no model, and the output rank answers each step at once with a fixed token):
-the output rank in a process of its own, the others in a second process.
+no model, and the output rank answers each step with a fixed token, no
+sooner than --step-ms after its previous reply): the output rank in a process
+of its own, the others in a second process.
 Then, for each running count R (default 64, 256), this process sends R
 concurrent Generate requests (8 prompt token ids, ignore_eos, max_tokens long
 enough to outlast the window) over one gRPC channel. The steady window opens
 when every request has streamed --warmup tokens and closes when every one has
 streamed --warmup + --steps; then the requests are cancelled. Only steps
 inside the window that schedule all R requests (pure decode) count. One full
-run (3 layouts x 2) takes about a minute on 2 cores; --quick about 25 s.
+run (3 layouts x 2) takes about two minutes on 2 cores; --quick about 40 s.
+
+The pace (--step-ms, default 20, as a forward pass would space the steps)
+keeps the engine from outrunning the controlplane's API loop: a rank that
+answers at once lets the engine step faster than the loop delivers R
+streams, the loop then admits new streams only between its turns, and the
+first requests run so far ahead of the last that they end inside the window
+("request ... ended ... in the window"; 256 running on 2 cores). Paced, a
+step takes --step-ms while the control path keeps up (ms/step near it) and
+longer where it does not; what a step costs is its CPU (below). --step-ms 0
+answers at once, as before (64 running then fits on 2 cores).
 
 The controlplane loads only config.json and the tokenizer, so the model is a
-config-only directory: --model's config with the attention heads set so TP up
-to 8 divides them (32 heads, 8 KV heads), and --model's tokenizer files
-(default: the embedded SmolLM2-135M's, so detokenizing costs what it does in
-serving); --synthetic-tokenizer uses a 1,024-word word-level tokenizer instead.
+config-only directory (benchmarks/null_checkpoint.py): --model's config with
+the attention heads set so TP up to 8 divides them (32 heads, 8 KV heads),
+and --model's tokenizer files (default: the embedded SmolLM2-135M's, so
+detokenizing costs what it does in serving); --synthetic-tokenizer uses a
+1,024-word word-level tokenizer instead.
 
 Reported per layout and R, over the steady window:
-  * ms/step: the output rank's step arrivals (median, mean);
+  * ms/step: the output rank's step arrivals (median, mean), at least --step-ms;
   * bytes/step: the serialized ControlMessage each rank receives (every rank
     gets the same bytes), and that times the world size;
   * the breakdown: from the controlplane's /metrics (deltas of its histogram
@@ -33,11 +47,12 @@ Reported per layout and R, over the steady window:
     of a step is what the engine thread does outside both (SchedulerOutput ->
     proto, checking the reply, handing outputs to the API loop) plus waiting
     for the GIL its own API and worker loops hold. From the null output rank:
-    its reply latency (step arrival -> reply written) and the gap from its
-    reply to the next step's arrival (everything the controlplane does between
-    two steps, transport included); the spread of one step's arrival over the
-    ranks (fan-out; the output rank runs in a process of its own, the other null
-    ranks share a second one and its loop);
+    its reply latency (step arrival -> reply written, the pace's wait
+    included) and the gap from its reply to the next step's arrival
+    (everything the controlplane does between two steps, transport
+    included); the spread of one step's arrival over the ranks (fan-out; the
+    output rank runs in a process of its own, the other null ranks share a
+    second one and its loop);
   * CPU per step of the controlplane process, the null workers and this
     client process (/proc), to show how much of the 2 cores each one takes;
     and of the controlplane's threads: its API loop (main thread), the engine
@@ -72,28 +87,28 @@ if str(REPO) not in sys.path:
 
 from benchmarks.control_plane_report import (  # noqa: E402
     THREAD_GROUPS,
+    Window,
     analyze,
     format_table,
 )
+from benchmarks.null_checkpoint import write_null_checkpoint  # noqa: E402
+from benchmarks.null_worker import parse_step_ms  # noqa: E402
 from benchmarks.proc_cpu import CLOCK_TICKS, process_cpu_s, stat_cpu_s  # noqa: E402
+from kvloom.client import READY_SERVICE  # noqa: E402
+from kvloom.common.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
+from kvloom.v1 import generation_pb2 as pb  # noqa: E402
+from kvloom.v1 import generation_pb2_grpc  # noqa: E402
 from kvloom_cli.launcher import (  # noqa: E402
     ClusterSpec,
     Ports,
     controlplane_command,
     pick_free_ports,
 )
-from kvloom.common.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
-from kvloom.client import READY_SERVICE  # noqa: E402
-from kvloom.v1 import generation_pb2 as pb  # noqa: E402
-from kvloom.v1 import generation_pb2_grpc  # noqa: E402
 
 PROMPT_LEN = 8
 READY_TIMEOUT_S = 120.0
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
-                   "generation_config.json")
-SYNTHETIC_VOCAB = 1024
-
+DEFAULT_STEP_MS = 20.0
+MAX_RUNNING = 4096  # --running: one client process, one channel
 
 
 # Runs `python -m controlplane` unchanged, except that every Python thread
@@ -113,48 +128,6 @@ NAMED_THREADS = (
     "sys.argv[0] = 'controlplane'\n"
     "runpy.run_module('controlplane', run_name='__main__', alter_sys=True)\n"
 )
-
-
-# ---- the config-only checkpoint ---------------------------------------------
-
-
-def _synthetic_tokenizer(path: Path) -> int:
-    """A word-level tokenizer ("<unk>", "</s>", "w2" ...); its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, SYNTHETIC_VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": 4096,
-    }))
-    return len(vocab)
-
-
-def write_null_checkpoint(path: Path, tokenizer_from: str | None = None) -> str:
-    """A checkpoint directory the controlplane accepts at any TP up to 8 and PP
-    up to its layers: config.json (32 attention heads, 8 KV heads) and a
-    tokenizer, copied from `tokenizer_from` or, with None, a synthetic one.
-    No weights: null workers load nothing."""
-    path.mkdir(parents=True, exist_ok=True)
-    config: dict = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                    "max_position_embeddings": 8192, "num_hidden_layers": 30, "eos_token_id": 1}
-    if tokenizer_from:
-        src = Path(tokenizer_from)
-        config.update(json.loads((src / "config.json").read_text()))
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy(src / name, path / name)
-    else:
-        config["vocab_size"] = _synthetic_tokenizer(path)
-    config["num_attention_heads"] = 32
-    config["num_key_value_heads"] = 8
-    config["num_hidden_layers"] = max(2, int(config.get("num_hidden_layers", 2)))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return str(path)
 
 
 # ---- processes ----------------------------------------------------------------
@@ -250,11 +223,11 @@ def start_controlplane(
 
 
 def start_null_workers(
-    worker_address: str, layout: Layout, logs: Path
+    worker_address: str, layout: Layout, logs: Path, step_ms: float = 0.0
 ) -> list[tuple[Proc, Path]]:
     """The output rank in a process of its own, so the other ranks' reads never
-    delay its reply; the other ranks together in a second one. Each process
-    with the file its step records go to."""
+    delay its reply, replying at most every `step_ms`; the other ranks together
+    in a second one. Each process with the file its step records go to."""
     output = (layout.pp - 1) * layout.tp
     others = [r for r in range(layout.world_size) if r != output]
     groups = [("null output rank", [output])] + ([("null other ranks", others)] if others else [])
@@ -264,7 +237,8 @@ def start_null_workers(
         steps_log = logs / f"steps-{layout.name}-{slug}.json"
         argv = [sys.executable, "-m", "benchmarks.null_worker", "--controlplane",
                 worker_address, "--world-size", str(layout.world_size),
-                "--ranks", ",".join(map(str, ranks)), "--log", str(steps_log)]
+                "--ranks", ",".join(map(str, ranks)), "--log", str(steps_log),
+                "--step-ms", str(step_ms if ranks == [output] else 0.0)]
         out.append((spawn(name, argv, logs / f"{slug}-{layout.name}.log"), steps_log))
     return out
 
@@ -318,16 +292,6 @@ def scrape(url: str) -> dict[str, float]:
 
 
 # ---- the client -----------------------------------------------------------------
-
-
-@dataclass
-class Window:
-    t_open: float = 0.0
-    t_close: float = 0.0
-    metrics_open: dict | None = None
-    metrics_close: dict | None = None
-    cpu_open: dict | None = None
-    cpu_close: dict | None = None
 
 
 def max_tokens_for(running: int, warmup: int, steps: int) -> int:
@@ -416,7 +380,7 @@ def run_layout(layout: Layout, args, model: str, tmp: Path) -> list[dict]:
                                 tmp / f"controlplane-{layout.name}.log",
                                 () if args.async_scheduling else ("--no-async-scheduling",))
         stack.callback(cp.stop)
-        nulls = start_null_workers(f"127.0.0.1:{ports.worker}", layout, tmp)
+        nulls = start_null_workers(f"127.0.0.1:{ports.worker}", layout, tmp, args.step_ms)
         for proc, _ in nulls:
             stack.callback(proc.stop)
         procs = [cp, *(proc for proc, _ in nulls)]
@@ -442,6 +406,18 @@ def run_layout(layout: Layout, args, model: str, tmp: Path) -> list[dict]:
     return results
 
 
+def parse_running(text: str) -> list[int]:
+    """--running: comma-separated counts of concurrent requests, 1..MAX_RUNNING."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 1 <= v <= MAX_RUNNING for v in values):
+        raise argparse.ArgumentTypeError(
+            f"bad --running {text!r}: counts in 1..{MAX_RUNNING}, e.g. 256,64")
+    return values
+
+
 def parse_layouts(text: str) -> list[Layout]:
     out = []
     for item in text.split(","):
@@ -456,12 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", type=parse_layouts, default=parse_layouts("1x1,2x2,8x2"),
                    help="TPxPP, comma-separated")
-    p.add_argument("--running", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[64, 256], help="running requests, comma-separated")
+    p.add_argument("--running", type=parse_running, default=[64, 256],
+                   help="running requests, comma-separated")
     p.add_argument("--warmup", type=int, default=30, help="tokens each request streams before "
                    "the window opens")
     p.add_argument("--steps", type=int, default=500, help="decode steps in the window")
     p.add_argument("--quick", action="store_true", help="--warmup 10 --steps 60")
+    p.add_argument("--step-ms", type=parse_step_ms, default=DEFAULT_STEP_MS,
+                   help="the null output rank's least time between two replies, so the "
+                        "engine cannot outrun this client (0: at once)")
     p.add_argument("--model", help="checkpoint whose config and tokenizer to use; default: "
                    "the embedded SmolLM2-135M")
     p.add_argument("--synthetic-tokenizer", action="store_true",
@@ -475,9 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.steps = 10, 60
+    if not (1 <= args.warmup <= 100_000 and 1 <= args.steps <= 100_000):
+        parser.error("--warmup and --steps must be in 1..100000")
     tmp = Path(tempfile.mkdtemp(prefix="kvloom-cp-bench-"))
     try:
         source = None

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from benchmarks.control_plane import Window
+from dataclasses import dataclass
 
 # Per-thread CPU, grouped by what the thread's name contains. gRPC's: its
 # core's threads and grpc.aio's completion-queue poller ("Thread-N (_poll...").
@@ -22,6 +19,19 @@ THREAD_GROUPS = (
     ("asyncio executors", ("asyncio_",)),
     ("grpc threads", ("grpc", "event_engine", "lifeguard", "(_poll")),
 )
+
+
+@dataclass
+class Window:
+    """The steady window, as control_plane.py's client saw it: when it opened
+    and closed (time.monotonic), and the /metrics and CPU read at each end."""
+
+    t_open: float = 0.0
+    t_close: float = 0.0
+    metrics_open: dict | None = None
+    metrics_close: dict | None = None
+    cpu_open: dict | None = None
+    cpu_close: dict | None = None
 
 
 def metrics_window(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -66,10 +66,10 @@ from benchmarks.serving import (  # noqa: E402
     random_prompts,
     summarize,
 )
-from kvloom_cli import launcher  # noqa: E402
-from kvloom.common.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError  # noqa: E402
 from kvloom.common.ports import free_port  # noqa: E402
+from kvloom.common.procs import reap, stop_pids, with_parent_death_signal  # noqa: E402
+from kvloom_cli import launcher  # noqa: E402
 
 PATHS = ("kvloom.v1", "gateway")
 GATEWAY_READY_S = 120.0

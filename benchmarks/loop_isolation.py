@@ -40,10 +40,10 @@ from pathlib import Path
 
 import grpc
 
-from kvloom_cli import launcher
 from kvloom.client import KvloomClient
 from kvloom.v1 import generation_pb2 as pb
 from kvloom.v1 import generation_pb2_grpc
+from kvloom_cli import launcher
 
 WORDS = "the quick brown fox jumps over the lazy dog and keeps running through a field "
 

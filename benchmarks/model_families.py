@@ -120,13 +120,16 @@ def family_overrides(family: str, args) -> dict:
            "max_position_embeddings": args.max_positions}
     sliding, full = "sliding_attention", "full_attention"
     expert = args.intermediate // args.top_k
-    if family == "mistral-window":
+    if family in ("mistral-window", "olmo3"):
         cfg["sliding_window"] = window
+    elif family == "ministral":
+        cfg.update(sliding_window=window,
+                   layer_types=[sliding if i % 2 == 0 else full for i in range(layers)])
     elif family == "gemma2":
         cfg.update(sliding_window=window, query_pre_attn_scalar=head_dim,
                    layer_types=[sliding if i % 2 == 0 else full for i in range(layers)],
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-    elif family == "gemma3":
+    elif family in ("gemma3", "gemma3-multimodal"):  # the wrapper's text_config takes these
         cfg.update(sliding_window=window, query_pre_attn_scalar=head_dim,
                    layer_types=[full if (i + 1) % 6 == 0 else sliding for i in range(layers)])
     elif family == "phi3":
@@ -326,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.hidden} hidden; decode: {result['decode_tokens']} requests at context "
           f"{args.context}; prefill: {result['prefill_tokens']} tokens "
           f"({args.chunks}); medians of {args.rounds} rounds")
-    print(f"{'family':<16} {'params M':>8} {'decode ms':>10} {'x llama':>8} "
+    width = max(len(f) for f in ("family", *result["families"]))
+    print(f"{'family':<{width}} {'params M':>8} {'decode ms':>10} {'x llama':>8} "
           f"{'prefill ms':>11} {'x llama':>8}")
     for family, row in result["families"].items():
-        print(f"{family:<16} {row['params_m']:>8.1f} {row['decode_ms']:>10.2f} "
+        print(f"{family:<{width}} {row['params_m']:>8.1f} {row['decode_ms']:>10.2f} "
               f"{row['decode_ratio']:>8.2f} {row['prefill_ms']:>11.1f} "
               f"{row['prefill_ratio']:>8.2f}")
     if args.json:

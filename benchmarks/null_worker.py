@@ -2,7 +2,7 @@
 
     python -m benchmarks.null_worker --controlplane 127.0.0.1:50052 \\
         --world-size 16 [--ranks 0-7,9-15] [--num-blocks 65536] [--token 42] \\
-        [--log steps.json]
+        [--step-ms 0] [--log steps.json]
 
 (run from the repository root). Each NullRank dials the controlplane's worker
 port as workerd does (RegisterRequest with PROTOCOL_VERSION_CURRENT and an
@@ -12,9 +12,16 @@ memory_profile with --num-blocks, reset -> reset_done), sends heartbeats and,
 on execute_model, does the least a worker must: the output rank (TP rank 0 of
 the last PP stage, learnt from init_distributed) mirrors the requests from
 the SchedulerOutput diffs (RequestMirror) to know which of them sample this
-step, and answers at once with --token for each; every other rank parses the
-step and stays silent. So a step costs the controlplane what it would with a
-real group, minus the forward pass: what is left is the control path.
+step, and answers with --token for each; every other rank parses the step
+and stays silent. So a step costs the controlplane what it would with a real
+group, minus the forward pass: what is left is the control path.
+
+The output rank answers at once, or with --step-ms no sooner than that after
+its previous reply, as a forward pass of that length would: a rank that
+answers at once lets the engine outrun the controlplane's API loop, which
+then merges queued tokens into one message and admits new streams only
+between its turns, so of many concurrent requests the first stream far
+ahead of the last (benchmarks/control_plane.py and token_path_cpu.py pace it).
 
 Every rank records, per step, its arrival time (time.monotonic, comparable
 across processes on Linux), step_id and the serialized ControlMessage's size;
@@ -46,6 +53,8 @@ from kvloom.worker.v1 import worker_pb2
 CONNECT = "/kvloom.worker.v1.WorkerControl/Connect"
 DEFAULT_TOKEN = 42
 HEARTBEAT_S = 0.5
+# --step-ms: at most a second a step (a 500-step window is then ~8 minutes).
+MAX_STEP_MS = 1000.0
 # Large enough for any step the benchmarks send.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -122,6 +131,7 @@ class NullRank:
         token: int = DEFAULT_TOKEN,
         record: bool = True,
         options: list | None = None,
+        pace_s: float = 0.0,
     ):
         self.address = address
         self.rank = rank
@@ -129,6 +139,8 @@ class NullRank:
         self.token = token
         self.record = record
         self.options = GRPC_OPTIONS if options is None else options
+        self.pace_s = pace_s
+        self.next_reply = 0.0
         self.mirror = RequestMirror()
         self.is_output = False
         self.world_size = 0
@@ -242,6 +254,8 @@ class NullRank:
             if self.record:
                 self.steps.append((so.step_id, arrival, nbytes))
             return
+        if self.pace_s:
+            await self._pace()
         sampling = self.mirror.sampling(so)
         reply = worker_pb2.WorkerMessage(call_id=msg.call_id)
         out = reply.model_runner_output
@@ -254,6 +268,15 @@ class NullRank:
         if self.record:
             num_reqs = len(so.scheduled_new_reqs) + len(so.scheduled_cached_reqs.req_ids)
             self.steps.append((so.step_id, arrival, nbytes, num_reqs, len(sampling), written))
+
+    async def _pace(self) -> None:
+        """Until pace_s after the previous reply, as a forward pass of that
+        length would space them (the reply latency recorded includes it)."""
+        now = time.monotonic()
+        if self.next_reply > now:
+            await asyncio.sleep(self.next_reply - now)
+        # No catching up after a late step: replies never come in bursts.
+        self.next_reply = max(now, self.next_reply) + self.pace_s
 
     def log(self) -> dict:
         return {"rank": self.rank, "output": self.is_output, "steps": self.steps,
@@ -295,6 +318,19 @@ def parse_ranks(text: str) -> list[int]:
     return out
 
 
+def parse_step_ms(text: str) -> float:
+    """--step-ms of every script that paces a null rank: 0 (answer at once)
+    to MAX_STEP_MS; NaN, infinities and negatives are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= MAX_STEP_MS:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(
+            f"bad --step-ms {text!r}: must be in 0..{MAX_STEP_MS:g} (ms)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--controlplane", required=True, help="the worker port, host:port")
@@ -303,7 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(the others run elsewhere, e.g. the output rank in a process of its own)")
     p.add_argument("--num-blocks", type=int, default=1 << 16, help="KV blocks each rank reports")
     p.add_argument("--token", type=int, default=DEFAULT_TOKEN, help="the token every step samples")
-    p.add_argument("--log", type=Path, help="write every rank's step records here (JSON)")
+    p.add_argument("--step-ms", type=parse_step_ms, default=0.0,
+                   help="the output rank's least time between two replies, a forward "
+                        f"pass (0: at once; at most {MAX_STEP_MS:g})")
+    p.add_argument("--log", type=Path, help="write every rank's step records here (JSON); "
+                   "without it no records are kept")
     args = p.parse_args(argv)
 
     async def run() -> list[NullRank]:
@@ -313,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         ranks = args.ranks if args.ranks is not None else args.world_size
         return await serve_ranks(args.controlplane, ranks, stop,
-                                 num_blocks=args.num_blocks, token=args.token)
+                                 num_blocks=args.num_blocks, token=args.token,
+                                 record=args.log is not None, pace_s=args.step_ms / 1e3)
 
     ranks = asyncio.run(run())
     for r in ranks:

@@ -46,9 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as a script: benchmarks.recovery_netns
 
-from kvloom_cli import launcher  # noqa: E402
 from kvloom.client import AsyncKvloomClient  # noqa: E402
 from kvloom.common.default_model import default_model_dir  # noqa: E402
+from kvloom_cli import launcher  # noqa: E402
 
 PROGRESS = 8
 

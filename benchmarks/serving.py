@@ -5,8 +5,8 @@ Against a running cluster:
         --concurrency 8 --prompt-len 128 --max-tokens 64 --json out.json
 
 Or launching local clusters one layout (TPxPP) after another and printing one
-combined table:
-    python benchmarks/serving.py --launch --layouts 1x1,2x1,1x2 --num-requests 32
+combined table (TP must divide the model's heads: the default SmolLM2's 9):
+    python benchmarks/serving.py --launch --layouts 1x1,3x1,1x2 --num-requests 32
 --scheduling async,serial runs every layout twice, with async scheduling (the
 default) and with --no-async-scheduling, side by side. Served tokens/s next to
 transformers' generate on an embedded model chosen by name:

@@ -40,8 +40,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloom_cli import launcher
 from kvloom.client import READY_SERVICE, AsyncKvloomClient, KvloomError, default_server
+from kvloom_cli import launcher
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvloom_cli import launcher
 from kvloom.common.default_model import default_model_dir
+from kvloom_cli import launcher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from benchmarks.serving import parse_layouts  # noqa: E402

@@ -82,8 +82,8 @@ from benchmarks.structured_report import (  # noqa: E402
     format_cluster,
     format_summary,
 )
-from kvloom_cli import launcher  # noqa: E402
 from kvloom.client import AsyncKvloomClient, KvloomError  # noqa: E402
+from kvloom_cli import launcher  # noqa: E402
 
 NUM_CONSTRAINED = 16
 NUM_UNCONSTRAINED = 16

@@ -41,7 +41,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -63,58 +62,25 @@ from benchmarks.control_plane import (  # noqa: E402
     Proc,
     machine_busy_s,
     max_tokens_for,
+    parse_running,
     spawn,
     start_controlplane,
     wait_serving,
-    write_null_checkpoint,
 )
-from benchmarks.null_worker import NullRank  # noqa: E402
-from kvloom_cli.launcher import Ports, pick_free_ports  # noqa: E402
+from benchmarks.null_checkpoint import write_null_checkpoint  # noqa: E402
+from benchmarks.null_worker import parse_step_ms  # noqa: E402
 from kvloom.v1 import generation_pb2 as pb  # noqa: E402
 from kvloom.v1 import generation_pb2_grpc  # noqa: E402
+from kvloom_cli.launcher import Ports, pick_free_ports  # noqa: E402
 
 PATHS = ("kvloom.v1", "vllm")
 GOAL_US = 10.0  # the issue's target for the VllmEngine path
 
 
-class PacedRank(NullRank):
-    """A null rank whose output replies at most once per `period_s`, like a
-    forward pass of that length; the replies themselves are NullRank's."""
-
-    def __init__(self, address: str, period_s: float):
-        super().__init__(address, 0, record=False)
-        self.period_s = period_s
-        self.next_reply = 0.0
-
-    async def _step(self, msg, nbytes: int, arrival: float) -> None:
-        if self.is_output:
-            now = time.monotonic()
-            if self.next_reply > now:
-                await asyncio.sleep(self.next_reply - now)
-            # No catching up after a late step: replies never come in bursts.
-            self.next_reply = max(now, self.next_reply) + self.period_s
-        await super()._step(msg, nbytes, arrival)
-
-
-async def serve_paced_rank(address: str, period_s: float) -> int:
-    """The null rank's process: until SIGTERM or the controlplane ends the stream."""
-    rank = PacedRank(address, period_s)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    runner = asyncio.create_task(rank.run())
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait([runner, stopper], return_when=asyncio.FIRST_COMPLETED)
-    await rank.close()
-    await asyncio.gather(runner, return_exceptions=True)
-    stopper.cancel()
-    return 0
-
-
 def start_paced_rank(worker_address: str, step_ms: float, log: Path) -> Proc:
-    return spawn("null rank", [sys.executable, "-m", "benchmarks.token_path_cpu",
-                               "--serve-null-rank", worker_address, "--step-ms", str(step_ms)],
+    """The one null rank, in a process of its own, replying at most every `step_ms`."""
+    return spawn("null rank", [sys.executable, "-m", "benchmarks.null_worker", "--controlplane",
+                               worker_address, "--world-size", "1", "--step-ms", str(step_ms)],
                  log)
 
 
@@ -315,16 +281,6 @@ def format_table(rows: list[dict]) -> str:
 # ---- the command line ------------------------------------------------------------------
 
 
-def parse_running(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"bad --running {text!r}: e.g. 256,64")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--running", type=parse_running, default=[256, 64],
@@ -334,9 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens each request streams before the window opens")
     p.add_argument("--steps", type=int, default=300, help="decode steps in the window")
     p.add_argument("--quick", action="store_true", help="--warmup 10 --steps 80")
-    p.add_argument("--step-ms", type=float, default=30.0,
+    p.add_argument("--step-ms", type=parse_step_ms, default=30.0,
                    help="the null rank's least time between two replies (a forward pass)")
-    p.add_argument("--serve-null-rank", metavar="WORKER_ADDRESS", help=argparse.SUPPRESS)
     p.add_argument("--model", dest="tokenizer_from",
                    help="checkpoint whose config and tokenizer to use; default: the embedded "
                         "SmolLM2-135M (the kvloom.v1 path detokenizes with it)")
@@ -352,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warmup, args.steps = 10, 80
     if args.rounds < 1:
         build_parser().error("--rounds must be at least 1")
-    if args.tokenizer_from is None and not args.serve_null_rank:
+    if args.tokenizer_from is None:
         from kvloom.common.default_model import default_model_dir
 
         args.tokenizer_from = str(default_model_dir())
@@ -361,8 +316,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.serve_null_rank:  # the null rank's own process (start_paced_rank)
-        return asyncio.run(serve_paced_rank(args.serve_null_rank, args.step_ms / 1e3))
     results = run(args)
     rows = summary(results)
     print(format_table(rows))

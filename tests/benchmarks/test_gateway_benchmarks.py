@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import gateway, serving, token_path_cpu
 from benchmarks.serving import RequestRecord
+from tests.benchmarks.script_runner import read_json, run_script
 
 
 def test_gateway_quick_flags_and_the_serving_prompts():
@@ -106,13 +107,12 @@ def test_token_path_summary_takes_the_median_and_checks_the_goal():
 
 
 @pytest.mark.slow
-def test_token_path_runs_both_apis(tiny_model_dir, tmp_path, capsys):
+def test_token_path_runs_both_apis(tiny_model_dir, tmp_path):
     out = tmp_path / "tp.json"
-    code = token_path_cpu.main(["--model", tiny_model_dir, "--running", "8", "--rounds", "1",
-                                "--warmup", "3", "--steps", "20", "--step-ms", "5",
-                                "--out", str(out)])
-    assert code == 0
-    payload = json.loads(out.read_text())
+    done = run_script("token_path_cpu", "--model", tiny_model_dir, "--running", "8",
+                      "--rounds", "1", "--warmup", "3", "--steps", "20", "--step-ms", "5",
+                      "--out", str(out))
+    payload = read_json(out)
     assert [r["path"] for r in payload["results"]] == ["kvloom.v1", "vllm"]
     for r in payload["results"]:
         # The stream that opens the window advances at least --steps before it
@@ -120,7 +120,14 @@ def test_token_path_runs_both_apis(tiny_model_dir, tmp_path, capsys):
         # message puts it ahead), so the window holds about, not exactly,
         # running x steps tokens. Half of that still proves all 8 streamed.
         assert r["tokens"] >= 8 * 20 // 2 and r["us_per_token"]["controlplane"] > 0
-    assert "8 running: vllm / kvloom.v1" in capsys.readouterr().out
+    assert "8 running: vllm / kvloom.v1" in done.stdout
+
+
+@pytest.mark.parametrize("hostile", ["-1", "-inf", "nan", "inf", "1e9", "1001", "fast", ""])
+def test_token_path_refuses_a_hostile_step_ms(hostile, capsys):
+    with pytest.raises(SystemExit) as info:
+        token_path_cpu.parse_args(["--model", "/m", f"--step-ms={hostile}"])
+    assert info.value.code == 2 and "bad --step-ms" in capsys.readouterr().err
 
 
 def test_gateway_refuses_to_start_without_smg(monkeypatch, capsys):

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks import model_families
+from kvloom_testing.families import TINY_FAMILIES
 
 TINY = ["--hidden", "64", "--intermediate", "96", "--layers", "2", "--heads", "4",
         "--kv-heads", "2", "--sliding-window", "8", "--decodes", "2", "--context", "20",
@@ -47,3 +48,17 @@ def test_small_run_times_each_family_beside_llama(tmp_path, capsys, backend):
 def test_bad_flags_are_refused(flags, message):
     with pytest.raises(SystemExit, match=message):
         model_families.main(flags)
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_every_family_gets_one_layer_type_per_layer(family):
+    """A family whose tiny config lists layer_types gets a list as long as
+    --layers (transformers refuses any other length: the default 8 layers
+    failed on ministral and gemma3-multimodal)."""
+    args = model_families.build_parser().parse_args(["--layers", "3"])
+    overrides = model_families.family_overrides(family, args)
+    _, fields = TINY_FAMILIES[family]
+    fields = fields.get("text_config", fields)  # a wrapper's layers are its text model's
+    if "layer_types" in fields or "layer_types" in overrides:
+        assert len(overrides.get("layer_types", fields["layer_types"])) == 3
+    assert overrides["num_hidden_layers"] == 3

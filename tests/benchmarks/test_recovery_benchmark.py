@@ -6,32 +6,30 @@ otherwise). Its flags refuse hostile values before anything starts."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import recovery
 from kvloom_testing.netns import netns_unavailable
+from tests.benchmarks.script_runner import read_json, run_script
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
-def test_the_netns_cases_measure_a_cut_and_a_restart(tiny_model_dir, tmp_path, capsys):
+def test_the_netns_cases_measure_a_cut_and_a_restart(tiny_model_dir, tmp_path):
     out = tmp_path / "recovery.json"
-    assert recovery.main(["--model", tiny_model_dir, "--layouts", "", "--netns",
-                          "host-cut,cp-kill", "--repeats", "1", "--cut-s", "4",
-                          "--num-requests", "2", "--prompt-len", "6", "--json", str(out)]) == 0
-    rows = {r["case"]: r for r in json.loads(out.read_text())["netns"]}
+    done = run_script("recovery", "--model", tiny_model_dir, "--layouts", "", "--netns",
+                      "host-cut,cp-kill", "--repeats", "1", "--cut-s", "4",
+                      "--num-requests", "2", "--prompt-len", "6", "--json", str(out),
+                      timeout=300)
+    rows = {r["case"]: r for r in read_json(out)["netns"]}
     cut, kill = rows["host-cut"], rows["cp-kill"]
     # The pause covers the cut; the group failed and re-formed once in it.
     assert all(p >= 4.0 for p in cut["pause_s"]) and cut["reform_s"] > 0
     assert all(h < cut["cut_s"] for h in cut["heal_to_next_token_s"])
     assert kill["in_flight"] == ["UNAVAILABLE"] and kill["weights_reused"]
     assert 0 < kill["restart_to_first_token_s"] < 60
-    table = capsys.readouterr().out
+    table = done.stdout
     assert "host-cut" in table and "cp-kill" in table and "restart->token s" in table
 
 
@@ -68,13 +66,11 @@ def test_local_and_ray_restarts_are_measured_side_by_side(tiny_model_dir, tmp_pa
     # A process of its own: Ray reads its authentication settings (the test
     # head's token) once, when it is first imported.
     out = tmp_path / "recovery.json"
-    done = subprocess.run(
-        [sys.executable, str(Path(recovery.__file__)), "--model", tiny_model_dir, "--layouts",
-         "2x1", "--placement", "local,ray", "--kills", "1", "--num-requests", "2",
-         "--prompt-len", "6", "--max-tokens", "40", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())["kill"]
+    done = run_script("recovery", "--model", tiny_model_dir, "--layouts", "2x1",
+                      "--placement", "local,ray", "--kills", "1", "--num-requests", "2",
+                      "--prompt-len", "6", "--max-tokens", "40", "--json", str(out),
+                      timeout=600)
+    rows = read_json(out)["kill"]
     assert [r["placement"] for r in rows] == ["local", "ray"]
     for row in rows:  # the benchmark itself exits when tokens differ
         assert row["tokens_match_undisturbed"] and row["recoveries"] == 1

@@ -61,35 +61,4 @@ def test_benchmarks_reach_no_private_name():
     assert not offenders, offenders
 
 
-def _benchmark_imports(tree: ast.Module) -> set[str]:
-    """The benchmarks/ modules a module imports, TYPE_CHECKING blocks included."""
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "benchmarks":
-                out |= {a.name for a in node.names}
-            elif node.module.startswith("benchmarks."):
-                out.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names
-                    if a.name.startswith("benchmarks.")}
-    return out
-
-
-def test_benchmarks_import_each_other_one_way_only():
-    """No cycle among benchmarks/ modules (control_plane.py and its report
-    imported each other): a shared piece lives in the module below both."""
-    graph = {name.removesuffix(".py"): _benchmark_imports(tree)
-             for name, tree in _modules().items()}
-    cycles = []
-
-    def visit(node: str, path: list[str]) -> None:
-        for dep in sorted(graph.get(node, ())):
-            if dep in path:
-                cycles.append(" -> ".join([*path[path.index(dep):], dep]))
-            else:
-                visit(dep, [*path, dep])
-
-    for name in graph:
-        visit(name, [name])
-    assert not cycles, cycles
+# Cycles among benchmarks/ modules (and everywhere else): tests/test_import_layers.py.

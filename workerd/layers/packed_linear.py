@@ -10,12 +10,16 @@ This is how inference engines run linear layers on CPU (torch.compile's
 weight freezing uses these very ops); transformers' `generate` does not.
 
 The ops are torch's own (`torch.ops.mkldnn._reorder_linear_weight` and
-`_linear_pointwise`), float32 only: oneDNN's bf16 path needs AVX512-BF16 and
-the development machines cannot check it, so bf16 and every CUDA rank keep
-F.linear. Packing replaces the layer's weight (the plain copy is freed, so a
-rank holds its weights once), except where a weight is shared: a tied LM
-head packs a second copy and the embedding keeps the plain one. A packed model cannot be loaded
-into again; workers load once, then pack.
+`_linear_pointwise`), in float32 and, where the CPU has native bf16
+(AVX-512 BF16 or AMX; workerd/cpu_features.py), in bfloat16: there packed
+bf16 ran 1.2-2.1x plain bf16 F.linear and 1.6-2.1x packed float32 on
+SmolLM2's shapes at 16 and 128 rows (docs/benchmarks.md, "bf16 on CPU").
+Without native bf16 oneDNN emulates it, so bf16 keeps F.linear there;
+float16 and every CUDA rank keep F.linear. Packing replaces the layer's
+weight (the plain copy is freed, so a rank holds its weights once), except
+where a weight is shared: a tied LM head packs a second copy and the
+embedding keeps the plain one. A packed model cannot be loaded into again;
+workers load once, then pack.
 
 A mixture of experts (workerd/layers/moe.py) stacks its experts' weights
 [E, out, in]; it declares them through PackableExperts, and each expert's
@@ -30,6 +34,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workerd.cpu_features import isa_summary, native_bf16
 
 _MKLDNN = torch.ops.mkldnn
 _LINEAR = getattr(_MKLDNN, "_linear_pointwise", None)
@@ -95,12 +101,17 @@ class PackableExperts(ABC):
         """Every packed expert weight this layer holds."""
 
 
-def packing_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why this rank keeps F.linear, or None when it packs its weights."""
+def packing_unavailable(device: torch.device, dtype: torch.dtype,
+                        flags: frozenset[str] | None = None) -> str | None:
+    """Why this rank keeps F.linear, or None when it packs its weights.
+    flags: the CPU's feature flags (default: this machine's)."""
     if device.type != "cpu":
         return f"device {device.type} (packing is a CPU path)"
-    if dtype != torch.float32:
-        return f"dtype {dtype} (packed only in float32)"
+    if dtype == torch.bfloat16 and not native_bf16(flags):
+        return (f"dtype {dtype} on a CPU without native bf16 ({isa_summary(flags)}; packed "
+                f"bf16 needs AVX-512 BF16 or AMX)")
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (packed in float32 and bfloat16 only)"
     if _LINEAR is None or _REORDER is None or not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN linear ops"
     return None

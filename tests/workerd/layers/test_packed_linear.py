@@ -18,6 +18,7 @@ from kvloom_testing.checkpoints import make_tiny_llama
 from kvloom_testing.families import make_tiny_checkpoint
 from kvloom_testing.inprocess import runner_limits
 from tests.integration.reference import hf_greedy
+from workerd.cpu_features import isa_summary, native_bf16
 from workerd.distributed.parallel_state import single_process_state
 from workerd.layers import packed_linear
 from workerd.layers.linear import (
@@ -47,10 +48,51 @@ needs_packing = pytest.mark.skipif(packing_unavailable(CPU, torch.float32) is no
                                    reason="this torch build has no oneDNN linear ops")
 
 
-def test_packing_is_a_cpu_float32_path():
+def test_packing_is_a_cpu_path_in_float32_and_native_bf16():
     assert "cuda" in packing_unavailable(torch.device("cuda", 0), torch.float32)
-    assert "bfloat16" in packing_unavailable(CPU, torch.bfloat16)
     assert "float16" in packing_unavailable(CPU, torch.float16)
+    # bf16 is packed only where the CPU does bf16 natively: oneDNN emulates it elsewhere.
+    why = packing_unavailable(CPU, torch.bfloat16, frozenset({"avx2", "avx512f"}))
+    assert "without native bf16 (avx512f;" in why
+    for native in ({"avx512_bf16"}, {"amx_bf16"}):
+        assert packing_unavailable(CPU, torch.bfloat16, frozenset(native)) == \
+            packing_unavailable(CPU, torch.float32)
+
+
+NATIVE_BF16 = native_bf16()
+needs_native_bf16 = pytest.mark.skipif(
+    not NATIVE_BF16 or packing_unavailable(CPU, torch.bfloat16) is not None,
+    reason=f"packed bf16 needs AVX-512 BF16 or AMX; this CPU: {isa_summary()}")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_packed_bf16_layers_compute_what_bf16_f_linear_computes(bias, rows):
+    layers = _layers(bias)
+    g = torch.Generator().manual_seed(rows)
+    with torch.inference_mode():
+        for name, module in layers.items():
+            module.to(torch.bfloat16)
+            in_features = 40 if name == "row" else 24
+            x = torch.randn(rows, 2 * in_features, generator=g)[:, ::2].bfloat16()
+            exact = F.linear(x.float(), module.weight.float(),
+                             None if getattr(module, "bias", None) is None else module.bias.float())
+            plain = _apply(name, module, x).float()
+            pack_linear_weights(module, rows, min_elements=0)
+            assert module.packed_weight is not None and module.packed_weight.dtype == torch.bfloat16
+            got = _apply(name, module, x).float()
+            want = exact[:, :37] if name == "lm_head" else exact
+            # Both round a float32 sum to bf16 once: within a bf16 ulp or two of
+            # the exact product, as plain bf16 F.linear is.
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+            torch.testing.assert_close(got, plain, rtol=2 ** -7, atol=1e-2)
+            # The tolerance catches a wrong weight: one output row's weights
+            # off by a quarter give a product outside it.
+            off = want.clone()
+            off[:, 0] += 0.25 * x.float()[:, : (24 if name == "lm_head" else in_features)].sum(1)
+            with pytest.raises(AssertionError):
+                torch.testing.assert_close(got, off, rtol=2 ** -7, atol=1e-2)
 
 
 def _layers(bias: bool):

@@ -3,7 +3,7 @@
     python benchmarks/attention_kernels.py [--heads 9 --kv-heads 3 --head-dim 64] \\
         [--decodes 12 --context-range 20,240] [--chunks 60:0,20:100] \\
         [--block-size 16] [--iters 100] [--repeats 3] [--threads 1] \\
-        [--sliding-window 0] [--soft-cap 0] \\
+        [--sliding-window 0] [--soft-cap 0] [--dtype float32] \\
         [--json benchmarks/results/attention_kernels.json]
 
 Builds one step the way a served SmolLM2 step looks (default: 12 decodes at
@@ -20,6 +20,10 @@ and checks the two outputs agree. Medians over --repeats of --iters calls.
 --sliding-window W and --soft-cap C (0: none) time a layer of that kind
 (Mistral's window, Gemma 2's cap): both backends plan for it, and the
 query-key pairs count only the keys inside the window.
+--dtype bfloat16 times both on a bf16 cache and bf16 q/k/v (the torch
+backend is what a bf16 CPU rank ran before the kernel's bf16 entry point);
+the CPU's instruction set is printed beside the numbers, since bf16 speed
+depends on it (AVX-512 BF16 or not).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
 from kvloom_testing.attention import build_attn_metadata  # noqa: E402
+from workerd.cpu_features import isa_summary  # noqa: E402
 from workerd.layers.attention.cpu import CpuAttentionBackend  # noqa: E402
 from workerd.layers.attention.interface import AttentionLayerKind  # noqa: E402
 from workerd.layers.attention.torch_sdpa import build_plan, paged_attention  # noqa: E402
@@ -62,9 +67,10 @@ def build_step(args, rng: random.Random):
     md, _ = build_attn_metadata([c for c, _ in reqs], [n for _, n in reqs], tables, bs)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
-    fused = torch.randn(md.num_actual_tokens, h + 2 * kvh, d, generator=gen)
+    dtype = getattr(torch, args.dtype)
+    fused = torch.randn(md.num_actual_tokens, h + 2 * kvh, d, generator=gen).to(dtype)
     q, k, v = fused.split([h, kvh, kvh], dim=1)
-    cache = torch.randn(2, len(blocks), bs, kvh, d, generator=gen)
+    cache = torch.randn(2, len(blocks), bs, kvh, d, generator=gen).to(dtype)
     return md, q, k, v, cache
 
 
@@ -86,7 +92,7 @@ def run(args) -> dict:
     torch_plan = build_plan(md, n, width, kind)
     ref = paged_attention(q, k, v, cache.clone(), md, scale, torch_plan)
     out = cpu.forward(q, k, v, cache.clone(), md, scale, cpu.build_plan(md, n, kind))
-    max_diff = (out - ref).abs().max().item()
+    max_diff = (out.float() - ref.float()).abs().max().item()
     samples = {"torch plan": [], "torch": [], "cpu": []}
     for _ in range(args.repeats):
         samples["torch plan"].append(_timed(lambda: build_plan(md, n, width, kind), args.iters))
@@ -97,7 +103,7 @@ def run(args) -> dict:
             args.iters))
     ms = {name: statistics.median(vals) for name, vals in samples.items()}
     return {
-        "tokens": n, "requests": md.num_reqs,
+        "tokens": n, "requests": md.num_reqs, "dtype": args.dtype, "isa": isa_summary(),
         # Keys each query attends: its position + 1, at most the window.
         "query_key_pairs": sum(min(p, window or p) for ql, s in zip(
             md.query_lens_cpu, md.seq_lens_cpu, strict=True) for p in range(s - ql + 1, s + 1)),
@@ -124,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attend within a window of W tokens (0: the whole context)")
     p.add_argument("--soft-cap", type=float, default=0.0, metavar="C",
                    help="soft-cap the logits at C (0: none)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="q, k, v and the KV cache (both backends)")
     p.add_argument("--json", type=Path)
     return p
 
@@ -140,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     result = run(args)
     print(f"{result['requests']} requests, {result['tokens']} tokens, "
-          f"{result['query_key_pairs']} query-key pairs per KV head")
+          f"{result['query_key_pairs']} query-key pairs per KV head; {args.dtype} on a CPU "
+          f"with {result['isa']}")
     print(f"{'what':<12} {'ms (median)':>12}")
     for name, value in result["ms"].items():
         print(f"{name:<12} {value:>12.3f}")

@@ -22,6 +22,18 @@ def test_attention_kernels(tmp_path):
     assert result["max_abs_diff"] < 1e-4
 
 
+def test_attention_kernels_in_bf16(tmp_path):
+    out = tmp_path / "attn.json"
+    run_script("attention_kernels", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+               "--decodes", "2", "--context-range", "5,40", "--chunks", "7:0",
+               "--block-size", "4", "--iters", "2", "--repeats", "1", "--dtype", "bfloat16",
+               "--json", str(out))
+    result = read_json(out)
+    assert result["dtype"] == "bfloat16" and result["isa"]
+    # Both round their output to bf16: within a couple of its ulps.
+    assert result["max_abs_diff"] < 0.05
+
+
 def test_decode_roofline(tiny_model_dir, tmp_path):
     out = tmp_path / "roofline.json"
     run_script("decode_roofline", "--model", tiny_model_dir, "--batch-sizes", "1",

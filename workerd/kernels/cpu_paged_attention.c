@@ -1,4 +1,4 @@
-/* Paged attention for CPU ranks in float32: kvloom's `cpu` attention backend
+/* Paged attention for CPU ranks in float32 or bfloat16: kvloom's `cpu` attention backend
  * (workerd/kernels/loader.py compiles it with the other kernels once per
  * machine and calls it through ctypes; no torch headers, so it builds quickly
  * with the machine's own compiler).
@@ -17,6 +17,15 @@
  * none) turns each scaled score s into c * tanh(s / c) before the online
  * maximum sees it.
  *
+ * One algorithm for both element types: kvloom_paged_attention_f32 and _bf16
+ * are the same always-inlined function with the element type a constant (so
+ * each compiles to its own specialised code), over attend_G_<type> from one
+ * macro whose only type-dependent steps are loading 8 elements as 8 floats
+ * and storing an output float. bf16 (q, k, v, the cache, the rotary tables,
+ * the output) is read by shifting its bits into a float's high half (exact)
+ * and written rounded to nearest even, as torch rounds; scores, the online
+ * softmax and the weighted sums are float32 in both.
+ *
  * Every index that comes from the step's metadata is checked before anything
  * is written (slots, block ids, lengths): a bad step is refused with an error
  * code, never turned into an out-of-bounds read or write. With a window only
@@ -27,9 +36,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
 #include "cpu_math.h"
 
 #define KEYS_PER_CHUNK 16
+
+/* The typed loads and stores of attend_G_<type> (cpu_bf16.h's conversions). */
+static inline v8 load8_f32(const float *p) { return get8(p, 0, 0); }
+static inline v8 load8_bf16(const bf16 *p) { return get8(p, 0, 1); }
+
+static inline float store_f32(float x) { return x; }
+static inline bf16 store_bf16(float x) { return f32_to_bf16(x); }
 
 enum {
     KV_OK = 0,
@@ -82,11 +99,11 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
  * of V rows, two 8-wide column slices at a time (again 2G chains, each
  * probability broadcast once). Single-chain loops were much slower: every
  * FMA waited for the previous one (docs/benchmarks.md, CPU kernels). */
-#define DEFINE_ATTEND(G)                                                                    \
-    static void attend_##G(const float *q, int64_t head_dim, const float *k_cache,         \
-                           const float *v_cache, int64_t row_stride, const int64_t *blocks, \
+#define DEFINE_ATTEND(G, T, SUFFIX)                                                         \
+    static void attend_##G##_##SUFFIX(const float *q, int64_t head_dim, const void *k_cache,\
+                           const void *v_cache, int64_t row_stride, const int64_t *blocks,  \
                            int64_t block_size, int64_t first, int64_t num_keys, float cap,  \
-                           float *acc, float *out, int64_t out_head_stride) {               \
+                           float *acc, void *out, int64_t out_head_stride) {                \
         const int64_t nv = head_dim / 8;                                                    \
         float m[G], l[G], s[G][KEYS_PER_CHUNK];                                             \
         for (int g = 0; g < G; g++) {                                                       \
@@ -100,16 +117,15 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
             if (n > KEYS_PER_CHUNK) n = KEYS_PER_CHUNK;                                     \
             if (n > num_keys - start) n = num_keys - start;                                 \
             int64_t slot = blocks[start / block_size] * block_size + in_block;              \
-            const float *k = k_cache + slot * row_stride;                                   \
-            const float *v = v_cache + slot * row_stride;                                   \
+            const T *k = (const T *)k_cache + slot * row_stride;                            \
+            const T *v = (const T *)v_cache + slot * row_stride;                            \
             int64_t j = 0;                                                                  \
             for (; j + 1 < n; j += 2) {                                                     \
-                const v8 *k0 = (const v8 *)(k + j * row_stride);                            \
-                const v8 *k1 = (const v8 *)(k + (j + 1) * row_stride);                      \
+                const T *k0 = k + j * row_stride, *k1 = k0 + row_stride;                    \
                 v8 a0[G], a1[G];                                                            \
                 for (int g = 0; g < G; g++) a0[g] = a1[g] = (v8){0};                        \
                 for (int64_t c = 0; c < nv; c++) {                                          \
-                    v8 x0 = k0[c], x1 = k1[c];                                              \
+                    v8 x0 = load8_##SUFFIX(k0 + 8 * c), x1 = load8_##SUFFIX(k1 + 8 * c);    \
                     for (int g = 0; g < G; g++) {                                           \
                         v8 qg = ((const v8 *)(q + g * head_dim))[c];                        \
                         a0[g] += qg * x0;                                                   \
@@ -122,12 +138,13 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                 }                                                                           \
             }                                                                               \
             if (j < n) {                                                                    \
-                const v8 *k0 = (const v8 *)(k + j * row_stride);                            \
+                const T *k0 = k + j * row_stride;                                           \
                 v8 a0[G];                                                                   \
                 for (int g = 0; g < G; g++) a0[g] = (v8){0};                                \
                 for (int64_t c = 0; c < nv; c++)                                            \
                     for (int g = 0; g < G; g++)                                             \
-                        a0[g] += ((const v8 *)(q + g * head_dim))[c] * k0[c];               \
+                        a0[g] += ((const v8 *)(q + g * head_dim))[c] *                      \
+                                 load8_##SUFFIX(k0 + 8 * c);                                \
                 for (int g = 0; g < G; g++) s[g][j] = hsum(a0[g]);                          \
             }                                                                               \
             if (cap > 0.0f) {                                                               \
@@ -165,8 +182,8 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                     b1[g] = ((v8 *)(acc + g * head_dim))[c + 1];                            \
                 }                                                                           \
                 for (int64_t i = 0; i < n; i++) {                                           \
-                    const v8 *vi = (const v8 *)(v + i * row_stride);                        \
-                    v8 y0 = vi[c], y1 = vi[c + 1];                                          \
+                    const T *vi = v + i * row_stride + 8 * c;                               \
+                    v8 y0 = load8_##SUFFIX(vi), y1 = load8_##SUFFIX(vi + 8);                \
                     for (int g = 0; g < G; g++) {                                           \
                         float p = s[g][i];                                                  \
                         b0[g] += p * y0;                                                    \
@@ -183,38 +200,137 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                 for (int g = 0; g < G; g++) b0[g] = ((v8 *)(acc + g * head_dim))[c];        \
                 for (int64_t i = 0; i < n; i++)                                             \
                     for (int g = 0; g < G; g++)                                             \
-                        b0[g] += s[g][i] * ((const v8 *)(v + i * row_stride))[c];           \
+                        b0[g] += s[g][i] * load8_##SUFFIX(v + i * row_stride + 8 * c);      \
                 for (int g = 0; g < G; g++) ((v8 *)(acc + g * head_dim))[c] = b0[g];        \
             }                                                                               \
             start += n;                                                                     \
         }                                                                                   \
         for (int g = 0; g < G; g++) {                                                       \
             float inv = 1.0f / l[g];                                                        \
-            float *o = out + g * out_head_stride;                                           \
+            T *o = (T *)out + g * out_head_stride;                                          \
             const float *ag = acc + g * head_dim;                                           \
-            for (int64_t d = 0; d < head_dim; d++) o[d] = ag[d] * inv;                      \
+            for (int64_t d = 0; d < head_dim; d++) o[d] = store_##SUFFIX(ag[d] * inv);      \
         }                                                                                   \
     }
 
-DEFINE_ATTEND(1)
-DEFINE_ATTEND(2)
-DEFINE_ATTEND(3)
-DEFINE_ATTEND(4)
+DEFINE_ATTEND(1, float, f32)
+DEFINE_ATTEND(2, float, f32)
+DEFINE_ATTEND(3, float, f32)
+DEFINE_ATTEND(4, float, f32)
+DEFINE_ATTEND(1, bf16, bf16)
+DEFINE_ATTEND(2, bf16, bf16)
+DEFINE_ATTEND(3, bf16, bf16)
+DEFINE_ATTEND(4, bf16, bf16)
 
-typedef void (*attend_fn)(const float *, int64_t, const float *, const float *, int64_t,
-                          const int64_t *, int64_t, int64_t, int64_t, float, float *, float *,
+typedef void (*attend_fn)(const float *, int64_t, const void *, const void *, int64_t,
+                          const int64_t *, int64_t, int64_t, int64_t, float, float *, void *,
                           int64_t);
 
-/* x (head_dim floats) rotated as HF's NeoX-style rotary does: the two halves
- * of the head as a pair, x * cos + swap_halves(x) * signed_sin, signed_sin
- * being sin with its first half negated (workerd/layers/rotary.py). */
-static inline void rotate(const float *x, const float *cos, const float *signed_sin,
-                          int64_t head_dim, float scale, float *dst) {
+/* [is_bf16][group width]: the widths the caller splits a GQA group into. */
+static const attend_fn ATTEND[2][5] = {
+    {NULL, attend_1_f32, attend_2_f32, attend_3_f32, attend_4_f32},
+    {NULL, attend_1_bf16, attend_2_bf16, attend_3_bf16, attend_4_bf16},
+};
+
+/* x (head_dim elements) rotated as HF's NeoX-style rotary does: the two
+ * halves of the head as a pair, x * cos + swap_halves(x) * signed_sin,
+ * signed_sin being sin with its first half negated (workerd/layers/rotary.py).
+ * x and the tables are src_bf16's type, dst dst_bf16's; the math is float32
+ * and dst rounded once. */
+static inline void rotate(const void *x, const void *cos, const void *signed_sin,
+                          int64_t head_dim, float scale, void *dst, int src_bf16,
+                          int dst_bf16) {
     int64_t half = head_dim / 2;
+    /* Two loops, each over contiguous elements, so both vectorize. */
     for (int64_t d = 0; d < half; d++)
-        dst[d] = (x[d] * cos[d] + x[d + half] * signed_sin[d]) * scale;
+        put_elem(dst, d, (get_elem(x, d, src_bf16) * get_elem(cos, d, src_bf16) +
+                          get_elem(x, d + half, src_bf16) * get_elem(signed_sin, d, src_bf16)) *
+                             scale, dst_bf16);
     for (int64_t d = half; d < head_dim; d++)
-        dst[d] = (x[d] * cos[d] + x[d - half] * signed_sin[d]) * scale;
+        put_elem(dst, d, (get_elem(x, d, src_bf16) * get_elem(cos, d, src_bf16) +
+                          get_elem(x, d - half, src_bf16) * get_elem(signed_sin, d, src_bf16)) *
+                             scale, dst_bf16);
+}
+
+/* The body of both entry points below, inlined into each with is_bf16 a
+ * constant: the element type of q, k, v, kv_cache, the rotary tables and
+ * out. Strides are in elements. */
+static inline __attribute__((always_inline)) int paged_attention(
+    const void *q, int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+    int64_t v_stride, void *kv_cache, int64_t num_blocks, int64_t block_size,
+    const int64_t *slot_mapping, int64_t num_tokens, int64_t num_actual_tokens,
+    const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
+    const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float soft_cap,
+    const void *rope_cos, const void *rope_sin, void *out, const int is_bf16) {
+    if (num_reqs < 0 || num_tokens < num_actual_tokens || num_actual_tokens < 0 ||
+        num_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || num_heads % num_kv_heads || block_size <= 0 ||
+        num_blocks < 0 || bt_cols < 0 || bt_stride < bt_cols)
+        return KV_ERR_SHAPE;
+    if (window < 0 || !(soft_cap >= 0.0f) || isinf(soft_cap)) return KV_ERR_KIND;
+    int rc = check_step(num_reqs, num_actual_tokens, query_start_loc, seq_lens, block_table,
+                        bt_stride, bt_cols, num_blocks, block_size, slot_mapping, window);
+    if (rc != KV_OK) return rc;
+    const size_t esize = is_bf16 ? sizeof(bf16) : sizeof(float);
+    /* Element offsets into the caller's arrays, as byte pointers. */
+#define AT(p, i) ((const char *)(p) + (size_t)(i) * esize)
+#define AT_MUT(p, i) ((char *)(p) + (size_t)(i) * esize)
+    int64_t group = num_heads / num_kv_heads;
+    /* The widest specialization that divides the group; a group of 8 runs
+     * as two of 4, one of 5 as five of 1. */
+    int64_t sub = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+    attend_fn attend = ATTEND[is_bf16][sub];
+    int64_t width = num_kv_heads * head_dim; /* one slot's K (or V) */
+    float *scratch = malloc(sizeof(float) * 2 * sub * head_dim);
+    if (scratch == NULL) return KV_ERR_NOMEM;
+    float *qs = scratch, *acc = qs + sub * head_dim;
+
+    void *k_cache = kv_cache, *v_cache = AT_MUT(kv_cache, num_blocks * block_size * width);
+    for (int64_t t = 0; t < num_actual_tokens; t++) {
+        void *k_slot = AT_MUT(k_cache, slot_mapping[t] * width);
+        if (rope_cos == NULL) {
+            memcpy(k_slot, AT(k, t * k_stride), esize * width);
+        } else {
+            for (int64_t h = 0; h < num_kv_heads; h++)
+                rotate(AT(k, t * k_stride + h * head_dim), AT(rope_cos, t * head_dim),
+                       AT(rope_sin, t * head_dim), head_dim, 1.0f,
+                       AT_MUT(k_slot, h * head_dim), is_bf16, is_bf16);
+        }
+        memcpy(AT_MUT(v_cache, slot_mapping[t] * width), AT(v, t * v_stride), esize * width);
+    }
+    for (int64_t r = 0; r < num_reqs; r++) {
+        int64_t first = query_start_loc[r], ql = query_start_loc[r + 1] - first;
+        int64_t first_pos = seq_lens[r] - ql;
+        const int64_t *blocks = block_table + r * bt_stride;
+        for (int64_t i = 0; i < ql; i++) {
+            int64_t t = first + i;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                for (int64_t g0 = 0; g0 < group; g0 += sub) {
+                    int64_t head = h * group + g0;
+                    const void *qt = AT(q, t * q_stride + head * head_dim);
+                    if (rope_cos == NULL) {
+                        for (int64_t e = 0; e < sub * head_dim; e++)
+                            qs[e] = get_elem(qt, e, is_bf16) * scale;
+                    } else {
+                        for (int64_t g = 0; g < sub; g++)
+                            rotate(AT(qt, g * head_dim), AT(rope_cos, t * head_dim),
+                                   AT(rope_sin, t * head_dim), head_dim, scale,
+                                   qs + g * head_dim, is_bf16, 0);
+                    }
+                    attend(qs, head_dim, AT(k_cache, h * head_dim), AT(v_cache, h * head_dim),
+                           width, blocks, block_size, first_key(first_pos + i, window),
+                           first_pos + i + 1, soft_cap, acc,
+                           AT_MUT(out, t * num_heads * head_dim + head * head_dim), head_dim);
+                }
+            }
+        }
+    }
+    free(scratch);
+    memset(AT_MUT(out, num_actual_tokens * num_heads * head_dim), 0,
+           esize * (num_tokens - num_actual_tokens) * num_heads * head_dim);
+#undef AT
+#undef AT_MUT
+    return KV_OK;
 }
 
 /* q: [num_tokens, num_heads, head_dim] rows q_stride apart (heads contiguous);
@@ -227,72 +343,23 @@ static inline void rotate(const float *x, const float *cos, const float *signed_
  * logit soft cap, 0 for none;
  * out: [num_tokens, num_heads * head_dim] contiguous, rows past
  * num_actual_tokens (padding) set to 0. Returns KV_OK or an error code, in
- * which case nothing has been written. */
-int kvloom_paged_attention_f32(
-    const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
-    int64_t v_stride, float *kv_cache, int64_t num_blocks, int64_t block_size,
-    const int64_t *slot_mapping, int64_t num_tokens, int64_t num_actual_tokens,
-    const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
-    const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float soft_cap,
-    const float *rope_cos, const float *rope_sin, float *out) {
-    if (num_reqs < 0 || num_tokens < num_actual_tokens || num_actual_tokens < 0 ||
-        num_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || num_heads % num_kv_heads || block_size <= 0 ||
-        num_blocks < 0 || bt_cols < 0 || bt_stride < bt_cols)
-        return KV_ERR_SHAPE;
-    if (window < 0 || !(soft_cap >= 0.0f) || isinf(soft_cap)) return KV_ERR_KIND;
-    int rc = check_step(num_reqs, num_actual_tokens, query_start_loc, seq_lens, block_table,
-                        bt_stride, bt_cols, num_blocks, block_size, slot_mapping, window);
-    if (rc != KV_OK) return rc;
-    int64_t group = num_heads / num_kv_heads;
-    /* The widest specialization that divides the group; a group of 8 runs
-     * as two of 4, one of 5 as five of 1. */
-    int64_t sub = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
-    attend_fn attend = sub == 4 ? attend_4 : sub == 3 ? attend_3 : sub == 2 ? attend_2 : attend_1;
-    int64_t width = num_kv_heads * head_dim; /* one slot's K (or V) */
-    float *scratch = malloc(sizeof(float) * 2 * sub * head_dim);
-    if (scratch == NULL) return KV_ERR_NOMEM;
-    float *qs = scratch, *acc = qs + sub * head_dim;
+ * which case nothing has been written. All float32 here; in
+ * kvloom_paged_attention_bf16 every one of these arrays is bfloat16. */
+#define PAGED_ATTENTION_ENTRY(SUFFIX, T, IS_BF16)                                              \
+    int kvloom_paged_attention_##SUFFIX(                                                       \
+        const T *q, int64_t q_stride, const T *k, int64_t k_stride, const T *v,                \
+        int64_t v_stride, T *kv_cache, int64_t num_blocks, int64_t block_size,                 \
+        const int64_t *slot_mapping, int64_t num_tokens, int64_t num_actual_tokens,            \
+        const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,             \
+        const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,     \
+        int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float soft_cap,   \
+        const T *rope_cos, const T *rope_sin, T *out) {                                        \
+        return paged_attention(q, q_stride, k, k_stride, v, v_stride, kv_cache, num_blocks,    \
+                               block_size, slot_mapping, num_tokens, num_actual_tokens,        \
+                               query_start_loc, seq_lens, num_reqs, block_table, bt_stride,    \
+                               bt_cols, num_heads, num_kv_heads, head_dim, scale, window,      \
+                               soft_cap, rope_cos, rope_sin, out, IS_BF16);                    \
+    }
 
-    float *k_cache = kv_cache, *v_cache = kv_cache + num_blocks * block_size * width;
-    for (int64_t t = 0; t < num_actual_tokens; t++) {
-        float *k_slot = k_cache + slot_mapping[t] * width;
-        if (rope_cos == NULL) {
-            memcpy(k_slot, k + t * k_stride, sizeof(float) * width);
-        } else {
-            for (int64_t h = 0; h < num_kv_heads; h++)
-                rotate(k + t * k_stride + h * head_dim, rope_cos + t * head_dim,
-                       rope_sin + t * head_dim, head_dim, 1.0f, k_slot + h * head_dim);
-        }
-        memcpy(v_cache + slot_mapping[t] * width, v + t * v_stride, sizeof(float) * width);
-    }
-    for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t first = query_start_loc[r], ql = query_start_loc[r + 1] - first;
-        int64_t first_pos = seq_lens[r] - ql;
-        const int64_t *blocks = block_table + r * bt_stride;
-        for (int64_t i = 0; i < ql; i++) {
-            int64_t t = first + i;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                for (int64_t g0 = 0; g0 < group; g0 += sub) {
-                    int64_t head = h * group + g0;
-                    const float *qt = q + t * q_stride + head * head_dim;
-                    if (rope_cos == NULL) {
-                        for (int64_t e = 0; e < sub * head_dim; e++) qs[e] = qt[e] * scale;
-                    } else {
-                        for (int64_t g = 0; g < sub; g++)
-                            rotate(qt + g * head_dim, rope_cos + t * head_dim,
-                                   rope_sin + t * head_dim, head_dim, scale, qs + g * head_dim);
-                    }
-                    attend(qs, head_dim, k_cache + h * head_dim, v_cache + h * head_dim, width,
-                           blocks, block_size, first_key(first_pos + i, window),
-                           first_pos + i + 1, soft_cap, acc,
-                           out + t * num_heads * head_dim + head * head_dim, head_dim);
-                }
-            }
-        }
-    }
-    free(scratch);
-    memset(out + num_actual_tokens * num_heads * head_dim, 0,
-           sizeof(float) * (num_tokens - num_actual_tokens) * num_heads * head_dim);
-    return KV_OK;
-}
+PAGED_ATTENTION_ENTRY(f32, float, 0)
+PAGED_ATTENTION_ENTRY(bf16, bf16, 1)

@@ -34,7 +34,7 @@ from kvloom.common.default_model import cache_root
 
 KERNELS_DIR = Path(__file__).resolve().parent
 SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_paged_attention.c", "cpu_elementwise.c"))
-HEADERS = (KERNELS_DIR / "cpu_math.h",)
+HEADERS = (KERNELS_DIR / "cpu_math.h", KERNELS_DIR / "cpu_bf16.h")
 # No -ffast-math: a shared object built with it may switch the whole process
 # to flush-to-zero when loaded (GCC 12 links crtfastmath.o), changing
 # torch's own results.
@@ -49,9 +49,19 @@ _SIGNATURES = {
     "kvloom_paged_attention_f32": (ctypes.c_int, [
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
         _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR]),
+    # The same arguments, the arrays bfloat16.
+    "kvloom_paged_attention_bf16": (ctypes.c_int, [
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR]),
     "kvloom_rms_norm_f32": (None, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
     "kvloom_silu_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
     "kvloom_gelu_tanh_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    # The elementwise kernels again with bfloat16 arrays (the last norm's weight float32).
+    "kvloom_rms_norm_bf16": (None, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
+    "kvloom_rms_norm_bf16_f32_weight": (None, [
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
+    "kvloom_silu_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+    "kvloom_gelu_tanh_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR]),
 }
 
 
@@ -64,9 +74,14 @@ class CpuKernels:
     """The loaded library's entry points (ctypes functions with their types)."""
 
     paged_attention: ctypes._CFuncPtr
+    paged_attention_bf16: ctypes._CFuncPtr
     rms_norm: ctypes._CFuncPtr
     silu_and_mul: ctypes._CFuncPtr
     gelu_tanh_and_mul: ctypes._CFuncPtr
+    rms_norm_bf16: ctypes._CFuncPtr
+    rms_norm_bf16_f32_weight: ctypes._CFuncPtr
+    silu_and_mul_bf16: ctypes._CFuncPtr
+    gelu_tanh_and_mul_bf16: ctypes._CFuncPtr
 
 
 def _cpu_flags() -> str:

@@ -9,9 +9,10 @@ forward_native.
 
 Which ranks run the C code is rank_kernels' one rule, the same switch as
 the attention kernel's: a rank whose attention resolved to the cpu backend
-(a float32 CPU rank whose kernels build, and which did not ask for
-`--attention-backend torch`) runs every C kernel, any other rank none, so
-`torch` stays the pure-PyTorch reference end to end.
+(a float32 or bfloat16 CPU rank whose kernels build, and which did not ask
+for `--attention-backend torch`) runs every C kernel, any other rank none,
+so `torch` stays the pure-PyTorch reference end to end. An op whose C code
+does not read a rank's dtype hands those calls to its torch code itself.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def rank_kernels(device: torch.device, dtype: torch.dtype,
                  attention_backend: str) -> CpuKernels | None:
     """The C kernels this rank's custom ops run, or None for their torch code;
     attention_backend is the resolved name (resolve_attention_backend's)."""
-    if attention_backend != "cpu" or device.type != "cpu" or dtype != torch.float32:
+    if (attention_backend != "cpu" or device.type != "cpu"
+            or dtype not in (torch.float32, torch.bfloat16)):
         return None
     return load_kernels()  # cached: the library the attention backend loaded
 

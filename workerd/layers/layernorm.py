@@ -3,8 +3,9 @@ norm(x + residual) while handing the updated residual stream on.
 
 A custom op (workerd/layers/custom_op.py): on a rank that runs kvloom's C
 kernels (workerd/kernels/ops.py) the add and the norm are one C call, HF's
-arithmetic up to an ulp or two of summation order; everywhere else the
-torch code below, which is bitwise HF's."""
+arithmetic up to an ulp or two of summation order (in bf16 with HF's rounding
+points, so within one bf16 ulp); everywhere else the torch code below, which
+is bitwise HF's."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class RMSNorm(CustomOp):
         self._offset_applied = True
         if self.cast_after_weight and self.weight.dtype != torch.float32:
             # 1.0 + w.float() in float32, as transformers' Gemma: the 16-bit
-            # weight keeps w (the C kernel never runs on 16-bit ranks).
+            # weight keeps w, and the C kernel multiplies by this one too.
             self._weight_f32 = self.weight.float() + self.weight_offset
         elif self.weight_offset:
             self.weight.data.add_(self.weight_offset)
@@ -84,5 +85,7 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        fused = cpu_ops.rms_norm(self.kernels, x, self.weight, self.eps, residual)
+        weight = self.weight if self._weight_f32 is None else self._weight_f32
+        fused = cpu_ops.rms_norm(self.kernels, x, weight, self.eps, residual,
+                                 self.cast_after_weight)
         return self.forward_native(x, residual) if fused is None else fused

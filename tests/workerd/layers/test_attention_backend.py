@@ -52,16 +52,17 @@ def no_compiler(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("requested", ["auto", "", "torch"])
-def test_cpu_in_16_bits_resolves_to_torch(requested, flashinfer_present):
-    assert resolve_attention_backend(requested, CPU, torch.bfloat16) == "torch"
+def test_cpu_in_float16_resolves_to_torch(requested, flashinfer_present):
     assert resolve_attention_backend(requested, CPU, torch.float16) == "torch"
 
 
 @pytest.mark.parametrize("requested", ["auto", ""])
-def test_auto_on_a_float32_cpu_takes_the_cpu_kernel(requested, flashinfer_present):
-    assert resolve_attention_backend(requested, CPU, torch.float32) == "cpu"
-    assert resolve_attention_backend("torch", CPU, torch.float32) == "torch"
-    assert resolve_attention_backend("cpu", CPU, torch.float32) == "cpu"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_on_a_float32_or_bf16_cpu_takes_the_cpu_kernel(requested, dtype,
+                                                            flashinfer_present):
+    assert resolve_attention_backend(requested, CPU, dtype) == "cpu"
+    assert resolve_attention_backend("torch", CPU, dtype) == "torch"
+    assert resolve_attention_backend("cpu", CPU, dtype) == "cpu"
 
 
 def test_auto_without_a_compiler_keeps_torch_and_says_why(no_compiler, caplog):
@@ -81,14 +82,14 @@ def test_cpu_without_a_compiler_says_what_to_install(no_compiler):
 
 
 @pytest.mark.parametrize("device,dtype,named", [
-    (CPU, torch.bfloat16, "cpu / bfloat16"), (CPU, torch.float16, "cpu / float16"),
-    (CUDA, torch.float32, "cuda / float32")])
+    (CPU, torch.float16, "cpu / float16"), (CUDA, torch.float32, "cuda / float32"),
+    (CUDA, torch.bfloat16, "cuda / bfloat16")])
 def test_cpu_backend_where_it_cannot_run_is_refused(device, dtype, named):
     with pytest.raises(ValueError) as err:
         resolve_attention_backend("cpu", device, dtype)
     assert str(err.value) == (
-        f"attention backend 'cpu' runs on a CPU worker in float32, not {named}; use --dtype "
-        f"float32 or --attention-backend torch (or auto)")
+        f"attention backend 'cpu' runs on a CPU worker in float32 or bfloat16, not {named}; "
+        f"use --dtype float32 or bfloat16, or --attention-backend torch (or auto)")
 
 
 def test_auto_on_cuda_takes_flashinfer_only_where_it_runs(flashinfer_present):

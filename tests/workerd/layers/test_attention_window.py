@@ -5,7 +5,10 @@ written out directly. Windows not aligned to the block size, prompts longer
 than the window, chunked prefill crossing its edge (the backend writing its
 own cache step by step), mixed decode + prefill batches, GQA; a cap that
 changes the output (the negative control); blocks wholly before every
-query's window filled with NaN and never read; hostile kinds refused."""
+query's window filled with NaN and never read; hostile kinds refused. The
+cpu kernel runs each case in bfloat16 too (the same values rounded to bf16
+first, the reference over exactly those), within bf16's tolerance, which an
+off-by-one window exceeds."""
 
 from __future__ import annotations
 
@@ -34,9 +37,26 @@ KINDS = {
 }
 
 
-@pytest.fixture(params=["torch", "cpu"], scope="module")
-def backend(request):
-    return TorchAttentionBackend() if request.param == "torch" else CpuAttentionBackend()
+# The bf16 output is float32's rounded once (2^-9), plus summation order.
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1e-4, rtol=8e-3)}
+
+
+@pytest.fixture(params=[("torch", torch.float32), ("cpu", torch.float32),
+                        ("cpu", torch.bfloat16)],
+                ids=["torch", "cpu", "cpu-bf16"], scope="module")
+def variant(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def backend(variant):
+    return TorchAttentionBackend() if variant[0] == "torch" else CpuAttentionBackend()
+
+
+@pytest.fixture(scope="module")
+def dtype(variant):
+    """The dtype of q, k, v and the cache the backend is handed."""
+    return variant[1]
 
 
 def reference(q, keys, values, kind: AttentionLayerKind) -> torch.Tensor:
@@ -63,7 +83,8 @@ class Requests:
     """Requests whose every token has its K/V fixed up front (token order),
     each with a scattered block table, over one shared cache."""
 
-    def __init__(self, lengths: list[int], seed: int, spread: float = 1.0):
+    def __init__(self, lengths: list[int], seed: int, spread: float = 1.0,
+                 dtype: torch.dtype = torch.float32):
         gen = torch.Generator().manual_seed(seed)
         num_blocks = sum(-(-n // BLOCK) for n in lengths) + 3
         perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -77,6 +98,9 @@ class Requests:
         self.v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in lengths]
         # Garbage, not zeros, where nothing was written: an unmasked read shows.
         self.cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen) * 50
+        # In the backend's dtype: the reference reads the very values it does.
+        self.q, self.k, self.v = ([t.to(dtype) for t in ts] for ts in (self.q, self.k, self.v))
+        self.cache = self.cache.to(dtype)
         self.computed = [0] * len(lengths)
 
     def prefill_cache(self, r: int, n: int) -> None:
@@ -131,10 +155,11 @@ _STEPS = {
 @pytest.mark.parametrize("case", list(_STEPS))
 @pytest.mark.parametrize("kind_name", list(KINDS))
 @torch.inference_mode()
-def test_one_step_matches_the_reference(backend, case, kind_name):
+def test_one_step_matches_the_reference(backend, case, kind_name, dtype):
     kind = KINDS[kind_name]
     steps = _STEPS[case]
-    reqs = Requests([c + n for c, n in steps], seed=sum(map(ord, case + kind_name)), spread=2.0)
+    reqs = Requests([c + n for c, n in steps], seed=sum(map(ord, case + kind_name)), spread=2.0,
+                    dtype=dtype)
     rows = list(range(len(steps)))
     for r, (c, _) in enumerate(steps):
         reqs.prefill_cache(r, c)
@@ -142,33 +167,33 @@ def test_one_step_matches_the_reference(backend, case, kind_name):
     md, q, k, v = reqs.step(rows, scheduled)
     out = _attend(backend, md, q, k, v, reqs.cache, kind)
     torch.testing.assert_close(out.double(), reqs.expected(rows, scheduled, kind),
-                               atol=2e-5, rtol=2e-5)
+                               **TOL[dtype])
 
 
 @pytest.mark.parametrize("kind_name", ["window5", "window5_cap", "window8"])
 @torch.inference_mode()
-def test_chunked_prefill_then_decodes_across_the_window_edge(backend, kind_name):
+def test_chunked_prefill_then_decodes_across_the_window_edge(backend, kind_name, dtype):
     """Two prompts prefilled in chunks of 3, 4 and 6 (the second joining a
     step later), then decoded, the backend writing every step's K/V into
     the cache itself: each step's output is the reference's."""
     kind = KINDS[kind_name]
-    reqs = Requests([13 + 4, 9 + 4], seed=5, spread=2.0)
+    reqs = Requests([13 + 4, 9 + 4], seed=5, spread=2.0, dtype=dtype)
     schedule = [([0], [3]), ([0, 1], [4, 5]), ([0, 1], [6, 4]),
                 ([0, 1], [1, 1]), ([1, 0], [1, 1]), ([0, 1], [1, 1]), ([0, 1], [1, 1])]
     for rows, scheduled in schedule:
         md, q, k, v = reqs.step(rows, scheduled)
         out = _attend(backend, md, q, k, v, reqs.cache, kind)
         torch.testing.assert_close(out.double(), reqs.expected(rows, scheduled, kind),
-                                   atol=2e-5, rtol=2e-5, msg=f"step {rows} {scheduled}")
+                                   **TOL[dtype], msg=f"step {rows} {scheduled}")
         reqs.advance(rows, scheduled)
 
 
 @torch.inference_mode()
-def test_the_cap_changes_the_output(backend):
+def test_the_cap_changes_the_output(backend, dtype):
     """Scores well past the cap: capped and uncapped outputs differ, and each
     is its own reference's (so the cap is applied, and applied correctly)."""
     steps = [(10, 1), (0, 9), (5, 3)]
-    reqs = Requests([c + n for c, n in steps], seed=11, spread=3.0)
+    reqs = Requests([c + n for c, n in steps], seed=11, spread=3.0, dtype=dtype)
     for r, (c, _) in enumerate(steps):
         reqs.prefill_cache(r, c)
     rows, scheduled = [0, 1, 2], [n for _, n in steps]
@@ -182,26 +207,34 @@ def test_the_cap_changes_the_output(backend):
         out_plain = _attend(backend, md, q, k, v, reqs.cache.clone(), plain)
         assert (out_capped - out_plain).abs().max() > 0.1
         torch.testing.assert_close(out_capped.double(), reqs.expected(rows, scheduled, capped),
-                                   atol=2e-5, rtol=2e-5)
+                                   **TOL[dtype])
         torch.testing.assert_close(out_plain.double(), reqs.expected(rows, scheduled, plain),
-                                   atol=2e-5, rtol=2e-5)
+                                   **TOL[dtype])
 
 
 @torch.inference_mode()
-def test_a_window_changes_the_output(backend):
+def test_a_window_changes_the_output(backend, dtype):
     """The negative control for the window: past it, windowed and full
-    attention differ."""
-    reqs = Requests([21], seed=2)
+    attention differ, and a window one token off misses the reference by
+    more than the tolerance the tests above hold each dtype to."""
+    reqs = Requests([21], seed=2, dtype=dtype)
     reqs.prefill_cache(0, 20)
     md, q, k, v = reqs.step([0], [1])
     windowed = _attend(backend, md, q, k, v, reqs.cache.clone(), KINDS["window5"])
     full = _attend(backend, md, q, k, v, reqs.cache.clone(), FULL_ATTENTION)
     assert (windowed - full).abs().max() > 0.05
+    expected = reqs.expected([0], [1], KINDS["window5"])
+    torch.testing.assert_close(windowed.double(), expected, **TOL[dtype])
+    for off_by_one in (4, 6):
+        out = _attend(backend, md, q, k, v, reqs.cache.clone(),
+                      AttentionLayerKind(sliding_window=off_by_one))
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(out.double(), expected, **TOL[dtype])
 
 
 @pytest.mark.parametrize("kind_name", ["window5", "window5_cap", "window1"])
 @torch.inference_mode()
-def test_blocks_before_the_window_are_never_read(backend, kind_name):
+def test_blocks_before_the_window_are_never_read(backend, kind_name, dtype):
     """Every block wholly before a request's earliest query's window is NaN
     (as a freed block reused by anyone may hold): the outputs are finite and
     what the clean cache gives, bit for bit. Decodes of different lengths
@@ -209,7 +242,7 @@ def test_blocks_before_the_window_are_never_read(backend, kind_name):
     kind = KINDS[kind_name]
     window = kind.sliding_window
     steps = [(22, 1), (9, 1), (30, 1), (14, 6), (3, 1)]
-    reqs = Requests([c + n for c, n in steps], seed=17)
+    reqs = Requests([c + n for c, n in steps], seed=17, dtype=dtype)
     for r, (c, _) in enumerate(steps):
         reqs.prefill_cache(r, c)
     rows, scheduled = list(range(len(steps))), [n for _, n in steps]
@@ -227,7 +260,7 @@ def test_blocks_before_the_window_are_never_read(backend, kind_name):
     assert torch.isfinite(out).all()
     assert torch.equal(out, clean)
     torch.testing.assert_close(out.double(), reqs.expected(rows, scheduled, kind),
-                               atol=2e-5, rtol=2e-5)
+                               **TOL[dtype])
     # Nor are their ids read (or checked): whatever the table holds there.
     tables = [[10**6] * (max(c - window + 1, 0) // BLOCK) + t[max(c - window + 1, 0) // BLOCK:]
               for (c, _), t in zip(steps, reqs.tables, strict=True)]

@@ -33,7 +33,10 @@ def flashinfer_present(monkeypatch):
     (CPU, torch.float32, "", True),
     (CPU, torch.float32, "cpu", True),
     (CPU, torch.float32, "torch", False),  # the pure-torch reference, end to end
-    (CPU, torch.bfloat16, "auto", False),
+    (CPU, torch.bfloat16, "auto", True),
+    (CPU, torch.bfloat16, "cpu", True),
+    (CPU, torch.bfloat16, "torch", False),
+    (CPU, torch.float16, "auto", False),  # torch: the kernels read float32 and bfloat16
     (CPU, torch.float16, "torch", False),
     (CUDA, torch.bfloat16, "auto", False),  # flashinfer
     (CUDA, torch.float16, "flashinfer", False),

@@ -6,13 +6,14 @@ vLLM's `--attention-backend` names the kernel family; kvloom has three:
   blocks). Runs everywhere and is the reference the others are checked against.
 * `cpu`: workerd/layers/attention/cpu.py, a C kernel that attends straight
   from the cache blocks, built with the machine's C compiler on first use.
-  CPU, float32; calls it cannot take run the torch code.
+  CPU, float32 or bfloat16; calls it cannot take run the torch code.
 * `flashinfer`: workerd/layers/attention/flashinfer.py, FlashInfer's paged-KV
   kernels. CUDA only, float16/bfloat16 only, and the package is optional,
   so it is imported only once selected.
 
 `auto` picks flashinfer where it can run (a CUDA device, the package imports,
-a dtype its kernels take), cpu on a CPU rank in float32 whose kernel builds,
+a dtype its kernels take), cpu on a CPU rank in float32 or bfloat16 whose
+kernel builds,
 and torch everywhere else. An explicit request that
 cannot be honoured is refused rather than quietly downgraded: whoever asked
 for flashinfer is measuring it.
@@ -45,6 +46,8 @@ from workerd.layers.attention.torch_sdpa import build_plan, paged_attention
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
+# What the cpu kernel takes for q and the cache (cpu_paged_attention.c's entry points).
+_CPU_DTYPES = (torch.float32, torch.bfloat16)
 # What FlashInfer's kernels take for q and the cache.
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -130,12 +133,12 @@ def _resolve_cpu(explicit: bool, device: torch.device, dtype: torch.dtype) -> st
     # kernels' loader off CUDA ranks' start-up path.
     from workerd.kernels.loader import kernels_unavailable
 
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in _CPU_DTYPES:
         if explicit:
             raise ValueError(
-                f"attention backend 'cpu' runs on a CPU worker in float32, not "
+                f"attention backend 'cpu' runs on a CPU worker in float32 or bfloat16, not "
                 f"{device.type} / {str(dtype).removeprefix('torch.')}; use --dtype float32 "
-                f"or --attention-backend torch (or auto)")
+                f"or bfloat16, or --attention-backend torch (or auto)")
         return "torch"
     error = kernels_unavailable()
     if error is not None:

@@ -21,10 +21,13 @@ reason. The fused residual-add + RMSNorm and SiLU-and-mul kernels of the
 same library run on exactly the ranks that resolve to this backend, chosen
 at load by workerd/layers/custom_op.py: one switch for all the C code.
 
-float32 only (the cache, q, k and v), head_dim a multiple of 8; anything else
-(the memory-profiling forward without a cache, say) runs the torch backend's
-code for that call. The kernel checks every index it is given (slots, block
-ids, lengths against the block table) before it writes anything, and a step
+float32 or bfloat16 (the cache, q, k, v and the rotary tables all of one
+dtype; a bf16 call reads bf16 and does its arithmetic in float32, as the
+kernel's f32 and bf16 entry points share one body), head_dim a multiple of
+8; anything else (the memory-profiling forward without a cache, float16)
+runs the torch backend's code for that call. The kernel checks every index
+it is given (slots, block ids, lengths against the block table) before it
+writes anything, and a step
 that fails the check is refused with ValueError rather than read out of
 bounds.
 """
@@ -101,9 +104,9 @@ class CpuAttentionPlan:
         return self._torch_plan
 
 
-def _rows(t: torch.Tensor, head_dim: int) -> bool:
-    """[tokens, heads, head_dim] float32 on the host with heads contiguous."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 3
+def _rows(t: torch.Tensor, dtype: torch.dtype, head_dim: int) -> bool:
+    """[tokens, heads, head_dim] of `dtype` on the host with heads contiguous."""
+    return (t.dtype == dtype and t.device.type == "cpu" and t.dim() == 3
             and t.stride(2) == 1 and t.stride(1) == head_dim)
 
 
@@ -113,7 +116,10 @@ class CpuAttentionBackend(AttentionBackend):
                                          logits_soft_cap=True)
 
     def __init__(self, kv_width: int | None = None) -> None:
-        self._kernel = load_kernels().paged_attention  # KernelUnavailable here, not mid-step
+        kernels = load_kernels()  # KernelUnavailable here, not mid-step
+        # The cache's dtype -> its entry point; any other dtype runs torch code.
+        self._kernels = {torch.float32: kernels.paged_attention,
+                         torch.bfloat16: kernels.paged_attention_bf16}
         self.kv_width = kv_width
 
     def build_plan(self, md: AttentionMetadata, num_tokens: int,
@@ -139,30 +145,34 @@ class CpuAttentionBackend(AttentionBackend):
         cos, sin = rope.cos, rope.signed_sin
         if not (self._takes(q, k, v, kv_cache, md, plan)
                 and cos.shape == sin.shape == (n, 1, head_dim)
-                and cos.dtype == sin.dtype == torch.float32
+                and cos.dtype == sin.dtype == q.dtype
                 and cos.is_contiguous() and sin.is_contiguous()):
             return None
         return self._call(q, k, v, kv_cache, scale, plan, (cos, sin))
 
-    @staticmethod
-    def _takes(q, k, v, kv_cache, md, plan) -> bool:
+    def _takes(self, q, k, v, kv_cache, md, plan) -> bool:
         num_tokens, _, head_dim = q.shape
-        return (kv_cache is not None and kv_cache.numel() > 0 and md.num_reqs > 0
-                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        if kv_cache is None or kv_cache.dtype not in self._kernels:
+            return False
+        dtype = kv_cache.dtype
+        return (kv_cache.numel() > 0 and md.num_reqs > 0
+                and kv_cache.is_contiguous()
                 and kv_cache.device.type == "cpu" and head_dim % 8 == 0
-                and _rows(q, head_dim) and _rows(k, head_dim) and _rows(v, head_dim)
+                and _rows(q, dtype, head_dim) and _rows(k, dtype, head_dim)
+                and _rows(v, dtype, head_dim)
                 and k.shape == v.shape == (num_tokens, *kv_cache.shape[3:])
                 and num_tokens == plan.num_tokens)
 
     def _call(self, q, k, v, kv_cache, scale, plan, rope) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        out = torch.empty(num_tokens, num_heads * head_dim)
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=kv_cache.dtype)
         cos, sin = (None, None) if rope is None else (rope[0].data_ptr(), rope[1].data_ptr())
-        rc = self._kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                          v.stride(0), kv_cache.data_ptr(), num_blocks, block_size, *plan.args,
-                          num_heads, num_kv_heads, head_dim, scale, plan.window, plan.soft_cap,
-                          cos, sin, out.data_ptr())
+        kernel = self._kernels[kv_cache.dtype]
+        rc = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                    v.stride(0), kv_cache.data_ptr(), num_blocks, block_size, *plan.args,
+                    num_heads, num_kv_heads, head_dim, scale, plan.window, plan.soft_cap,
+                    cos, sin, out.data_ptr())
         if rc:
             raise ValueError(f"cpu attention refused the step: {_ERRORS.get(rc, rc)}")
         return out

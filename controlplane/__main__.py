@@ -120,6 +120,7 @@ def build_config(
             model=model_path,
             served_model_name=args.served_model_name or os.path.basename(model_path.rstrip("/")),
             worker_model_path=args.worker_model_path or model_path,
+            checkpoint_dtype=info.checkpoint_dtype,
         ),
         cache=config_from_args(CacheConfig, args,
                                sliding_window=info.sliding_window_all_layers),

@@ -23,16 +23,20 @@ class ModelConfig:
     worker_model_path: str = option(
         "", "the checkpoint path as the workers see it; empty = --model"
     )
-    dtype: str = option("float32", "weights and activations", choices=(
-        "float32", "bfloat16", "float16"))
+    dtype: str = option(
+        "auto", "weights, activations and KV cache; auto: the checkpoint's 16-bit dtype as "
+        "bfloat16 when every rank runs bf16 natively (a CPU with AVX-512 BF16 or AMX, a CUDA "
+        "device), else float32", choices=("auto", "float32", "bfloat16", "float16"))
+    # Resolved from config.json: its dtype if kvloom loads it, else "".
+    checkpoint_dtype: str = ""
     seed: int = option(0, "seed of the workers' default generator", ge=0)
     # Resolved by each worker (auto: flashinfer on a CUDA device where the
-    # package imports and the dtype is 16-bit, cpu on a float32 CPU worker
-    # whose kernel builds, else torch); see
+    # package imports and the dtype is 16-bit, cpu on a float32 or bfloat16
+    # CPU worker whose kernel builds, else torch); see
     # workerd/layers/attention/backend.py.
     attention_backend: str = option(
         "auto", "workers' attention kernels: auto, torch (plain PyTorch, the reference), "
-        "cpu (a C kernel built on the worker: CPU, float32, needs a C compiler) or "
+        "cpu (a C kernel built on the worker: CPU, float32 or bfloat16, needs a C compiler) or "
         "flashinfer (CUDA, float16/bfloat16, needs flashinfer-python)",
         choices=("auto", "torch", "cpu", "flashinfer"))
     # vLLM's flag. Graphs are captured only where they apply (a CUDA worker,

@@ -45,10 +45,15 @@ class ModelInfo:
     # else None: the block pool frees blocks that left it, which a model with
     # any full-attention layer cannot (that layer reads every key).
     sliding_window_all_layers: int | None = None
+    # config.json's dtype (transformers 5's "dtype", or the older
+    # "torch_dtype") when it is one kvloom loads, else "": --dtype auto reads it.
+    checkpoint_dtype: str = ""
 
 
 # generation_config.json keys that become defaults of the same-named knobs.
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# What the workers load a model in (workerd/worker.py's dtypes).
+LOADABLE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _as_ids(value, where: str) -> set[int]:
@@ -98,7 +103,20 @@ def read_model_info(model_path: str) -> ModelInfo:
         num_hidden_layers=parsed.num_hidden_layers,
         sampling_defaults=defaults,
         sliding_window_all_layers=all_layers_window(parsed),
+        checkpoint_dtype=checkpoint_dtype(config),
     )
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """The dtype a checkpoint's weights are stored in, as config.json states
+    it (a multimodal wrapper's, else its text_config's), when it is one of
+    LOADABLE_DTYPES; "" otherwise (absent, or e.g. float64)."""
+    for source in (config, config.get("text_config")):
+        if isinstance(source, dict):
+            stated = source.get("dtype", source.get("torch_dtype"))
+            if isinstance(stated, str):
+                return stated if stated in LOADABLE_DTYPES else ""
+    return ""
 
 
 def all_layers_window(parsed: ModelConfig) -> int | None:

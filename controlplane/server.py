@@ -249,7 +249,9 @@ class ControlPlane:
         # lets requests wait through a recovery): a re-forming group is
         # unhealthy, so the gateway routes new work to other replicas.
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
-            VllmEngineService(generation, self.readiness.reason, self.kv_events, offload), api)
+            VllmEngineService(generation, self.readiness.reason, self.kv_events, offload,
+                              model_dtype=lambda: self.executor.status().model_dtype),
+            api)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, api)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,

@@ -64,6 +64,7 @@ from workerd.connection import (
     TlsRefused,
     channel_credentials,
 )
+from workerd.distributed.devices import device_native_bf16
 from workerd.worker import Worker
 
 logger = logging.getLogger("workerd")
@@ -404,6 +405,7 @@ def _register_request(me: RegistrationConfig, rank: int) -> worker_pb2.RegisterR
         dist_port=me.dist_port or free_port(""),
         instance_id=INSTANCE_ID,
         node_id=me.node_id,
+        native_bf16=device_native_bf16(me.device),
     )
     if rank >= 0:
         request.rank = rank

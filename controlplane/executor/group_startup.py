@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from controlplane.config import (
@@ -22,6 +22,7 @@ from controlplane.config import (
     SchedulerConfig,
     WorkerGroupConfig,
 )
+from controlplane.executor.model_dtype import resolve_dtype
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from kvloom.worker.v1 import worker_pb2
 
@@ -63,10 +64,20 @@ class GroupStartup:
         self.cfg = workers
         self.model = model
         self.cache = cache
+        # The dtype the ranks load the model in ("" until the first start-up).
+        self.dtype = ""
 
-    async def run(self, master_addr: str, master_port: int) -> int:
-        """Bring every attached rank to serving; the KV blocks each rank allocated."""
+    async def run(self, master_addr: str, master_port: int,
+                  native_bf16: Mapping[int, bool]) -> int:
+        """Bring every attached rank to serving; the KV blocks each rank
+        allocated. native_bf16: each rank's report, for --dtype auto."""
         par, cfg = self.parallel, self.cfg
+        if not self.dtype:
+            # Once per controlplane: a group re-formed around a replaced rank
+            # keeps the dtype its requests were computed in.
+            self.dtype, why = resolve_dtype(self.model.dtype, self.model.checkpoint_dtype,
+                                            native_bf16)
+            logger.info("the model runs in %s (%s)", self.dtype, why)
         t0 = time.monotonic()
         await self._init_distributed(master_addr, master_port)
         logger.info("group formed: world size %d (%.1f s)", par.world_size, time.monotonic() - t0)
@@ -74,7 +85,7 @@ class GroupStartup:
         load = worker_pb2.ControlMessage(
             load_model=worker_pb2.LoadModel(
                 model_path=self.model.worker_model_path,
-                dtype=self.model.dtype,
+                dtype=self.dtype,
                 pp_layer_partition=list(par.pp_layer_partition),
                 seed=self.model.seed,
                 attention_backend=self.model.attention_backend,

@@ -170,6 +170,7 @@ class Executor(StepExecutor):
                 steps_in_flight=self._steps_in_flight,
                 num_gpu_blocks=self._num_gpu_blocks,
                 grammar_mask_bytes=self._grammar_mask_bytes,
+                model_dtype=self._group_startup.dtype,
             )
 
     # ---- registration (called by worker_service on the loop) -------------
@@ -264,7 +265,9 @@ class Executor(StepExecutor):
                 await asyncio.sleep(delay)
             master = self._handles[0]
             # Where rank 0 was seen, not what it claims (registration.py).
-            num_blocks = await self._group_startup.run(master.peer_host, master.dist_port)
+            num_blocks = await self._group_startup.run(
+                master.peer_host, master.dist_port,
+                {rank: h.native_bf16 for rank, h in self._handles.items()})
         except WorkerGroupFailed as exc:
             self.fail_group(str(exc))
             return

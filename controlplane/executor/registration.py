@@ -58,6 +58,8 @@ class WorkerHandle:
     # Where its stream came from (observed_host): rank 0's is the rendezvous
     # address. `host` is what the worker claims, for display.
     peer_host: str = ""
+    # Whether its device runs bf16 natively (--dtype auto reads it).
+    native_bf16: bool = False
     # Serialized ControlMessages for this worker's stream; None ends the stream.
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_seen: float = field(default_factory=time.monotonic)
@@ -187,7 +189,7 @@ def new_handle(req: worker_pb2.RegisterRequest, peer: str, rank: int) -> WorkerH
         )
     return WorkerHandle(rank=rank, host=req.host, device=req.device, dist_port=req.dist_port,
                         pid=req.pid, instance_id=req.instance_id, node_id=req.node_id,
-                        peer_host=seen)
+                        peer_host=seen, native_bf16=req.native_bf16)
 
 
 def claim_differs(claimed: str, observed: str) -> bool:

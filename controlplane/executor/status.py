@@ -77,6 +77,9 @@ class ExecutorStatus:
     num_gpu_blocks: int = 0
     # Bytes of GrammarMasks written to the output rank since start (structured outputs).
     grammar_mask_bytes: int = 0
+    # The dtype the ranks load the model in (--dtype auto resolved; "" before
+    # the first start-up).
+    model_dtype: str = ""
 
     @property
     def step_in_flight(self) -> bool:

@@ -13,7 +13,8 @@ from kvloom.common.config_args import flag_of, option_fields
 from tests.checkpoints import config_only_checkpoint
 
 # Fields that are no flag: build_config resolves them at start-up.
-RESOLVED = {("SchedulerConfig", "max_model_len"), ("CacheConfig", "sliding_window")}
+RESOLVED = {("SchedulerConfig", "max_model_len"), ("CacheConfig", "sliding_window"),
+            ("ModelConfig", "checkpoint_dtype")}
 
 # Every spelling the launcher, compose file, Helm chart and tests pass today.
 DEPLOYED_FLAGS = [

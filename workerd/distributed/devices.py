@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from workerd.cpu_features import native_bf16
+
 # Locks live as long as their process: the kernel drops an flock when the
 # file descriptor closes, also on SIGKILL, so a restarted rank can claim again.
 _held: dict[str, int] = {}
@@ -38,6 +40,17 @@ def resolve_device(spec: str, rank: int, env: dict[str, str] | None = None) -> t
                              f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         return torch.device("cuda", int(local))
     return torch.device("cuda", rank % count)
+
+
+def device_native_bf16(spec: str) -> bool:
+    """Whether the device `spec` (--device) names runs bf16 matmuls natively:
+    what this rank reports at registration (RegisterRequest.native_bf16),
+    which the controlplane's --dtype auto reads."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return spec == "cpu" and native_bf16()
 
 
 def claim_device(device: torch.device, rank: int, lock_dir: Path | None = None,

@@ -57,17 +57,21 @@ def model_info_response(config: ControlPlaneConfig, info: ModelInfo, tokenizer,
 
 def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | None,
                          started_at: float,
-                         constrained_decoding_start: str = "") -> vpb.GetServerInfoResponse:
+                         constrained_decoding_start: str = "",
+                         model_dtype: str = "") -> vpb.GetServerInfoResponse:
     """constrained_decoding_start: "first_token" with a grammar backend, else
     "" (the gateway's `constrained_decoding_start` worker label: with
-    first_token it leads a forced tool call's grammar with the thought)."""
+    first_token it leads a forced tool call's grammar with the thought).
+    model_dtype: what the ranks run ("": --dtype as given, auto before the
+    group's first start); the KV cache is kept in the same dtype."""
+    model_dtype = model_dtype or config.model.dtype
     return vpb.GetServerInfoResponse(
         active_requests=stats.num_running_reqs + stats.num_waiting_reqs if stats else 0,
         uptime_seconds=time.monotonic() - started_at,
         server_type="kvloom",
         data_parallel_size=1,
-        kv_cache_dtype=config.model.dtype,
-        model_dtype=config.model.dtype,
+        kv_cache_dtype=model_dtype,
+        model_dtype=model_dtype,
         block_size=config.cache.block_size,
         max_num_seqs=config.scheduler.max_num_seqs,
         constrained_decoding_start=constrained_decoding_start,

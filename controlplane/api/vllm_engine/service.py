@@ -65,7 +65,8 @@ INLINE_MAX_LOGPROB_ENTRIES = 512
 
 class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, edge: GenerationService, readiness: Callable[[], str | None],
-                 kv_events: KvEventPublisher, offload: Offload | None = None):
+                 kv_events: KvEventPublisher, offload: Offload | None = None,
+                 model_dtype: Callable[[], str] | None = None):
         # The kvloom.v1 edge: its config, tokenizer, limits, admission rules,
         # engine and InFlight are this service's too.
         self.edge = edge
@@ -77,6 +78,9 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.offload = offload if offload is not None else Offload()
         self._started = time.monotonic()
         self._throughput = info.ThroughputMeter()
+        # The dtype the ranks run (--dtype auto resolved at the group's start;
+        # "" before it): what GetServerInfo reports, else --dtype itself.
+        self._model_dtype = model_dtype or (lambda: "")
         self._bundle: asyncio.Future | None = None
 
     # ---- Generate and Abort --------------------------------------------------
@@ -176,7 +180,8 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetServerInfo(self, request, context):
         return info.server_info_response(self.edge.config, self.engine.last_stats,
                                          self._started,
-                                         constrained_decoding_start(self.edge.limits))
+                                         constrained_decoding_start(self.edge.limits),
+                                         self._model_dtype())
 
     async def GetLoads(self, request, context):
         if request.HasField("dp_rank") and request.dp_rank != 0:

@@ -21,7 +21,7 @@ PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "rank", "host", "device", "auth_token", "pid", "dist_port", "instance_id", "node_id")
+    __slots__ = ("protocol_version", "rank", "host", "device", "auth_token", "pid", "dist_port", "instance_id", "node_id", "native_bf16")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class RegisterRequest(_message.Message):
     DIST_PORT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_BF16_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     rank: int
     host: str
@@ -40,7 +41,8 @@ class RegisterRequest(_message.Message):
     dist_port: int
     instance_id: str
     node_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., auth_token: _Optional[str] = ..., pid: _Optional[int] = ..., dist_port: _Optional[int] = ..., instance_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    native_bf16: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ..., auth_token: _Optional[str] = ..., pid: _Optional[int] = ..., dist_port: _Optional[int] = ..., instance_id: _Optional[str] = ..., node_id: _Optional[str] = ..., native_bf16: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("rank", "world_size")

@@ -288,8 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--linear-kernels", type=parse_kernels, default=["onednn"],
-                   help="onednn (weights packed at load, the worker's default on CPU "
-                        "float32), aten (F.linear), or both: one runner each, alternated")
+                   help="onednn (weights packed at load, the worker's default on CPU in "
+                        "float32, and in bf16 where it is native), aten (F.linear), or both: "
+                        "one runner each, alternated")
     p.add_argument("--attention-backend", choices=("auto", "torch", "cpu"), default="auto",
                    help="as the workers' flag; auto: the cpu kernels where they build")
     p.add_argument("--seed", type=int, default=0)

@@ -72,17 +72,23 @@ def _worst_gap(model, prompt: list[int], tokens: list[int]) -> float:
     return float((logits.max(dim=1).values - chosen).max())
 
 
-def test_bfloat16_cpu_kernels_are_greedy_up_to_bf16_noise(tiny_model_dir, capsys):
-    executor = InProcessExecutor(tiny_model_dir, num_gpu_blocks=64, dtype="bfloat16",
-                                 attention_backend="cpu")
+def bf16_greedy(model_dir: str, prompts: dict[str, list[int]], max_tokens: int, *,
+                max_num_batched_tokens: int = 64, **executor) -> dict[str, list[int]]:
+    """Greedy tokens of every prompt, batched through the real scheduler and a
+    bf16 worker (InProcessExecutor options in `executor`)."""
+    runner = InProcessExecutor(model_dir, num_gpu_blocks=64, dtype="bfloat16", **executor)
     try:
-        assert executor.runner.kv_caches[0].dtype == torch.bfloat16
-        sched = make_scheduler(executor, max_num_batched_tokens=64)
-        arrivals = {0: [make_request(p, max_tokens=MAX_TOKENS, req_id=r, ignore_eos=True,
-                                     temperature=0.0) for r, p in PROMPTS.items()]}
-        tokens = output_tokens(run_to_completion(sched, executor, arrivals))
+        assert runner.runner.kv_caches[0].dtype == torch.bfloat16
+        sched = make_scheduler(runner, max_num_batched_tokens=max_num_batched_tokens)
+        arrivals = {0: [make_request(p, max_tokens=max_tokens, req_id=r, ignore_eos=True,
+                                     temperature=0.0) for r, p in prompts.items()]}
+        return output_tokens(run_to_completion(sched, runner, arrivals))
     finally:
-        executor.close()
+        runner.close()
+
+
+def test_bfloat16_cpu_kernels_are_greedy_up_to_bf16_noise(tiny_model_dir, capsys):
+    tokens = bf16_greedy(tiny_model_dir, PROMPTS, MAX_TOKENS, attention_backend="cpu")
     f32 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     agree = {}
     for req_id, prompt in PROMPTS.items():

@@ -12,10 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvloom_testing.families import TINY_FAMILIES, make_tiny_checkpoint
-from kvloom_testing.inprocess import InProcessExecutor, output_tokens, run_to_completion
-from kvloom_testing.scheduler import make_scheduler
-from tests.controlplane.core.helpers import make_request
-from tests.inprocess.test_bf16 import LOGIT_NOISE, _worst_gap
+from tests.inprocess.test_bf16 import LOGIT_NOISE, _worst_gap, bf16_greedy
 
 PROMPTS = {"a": [5, 9, 40, 41, 77, 12, 3, 8, 99, 100, 31], "b": [7, 7, 120, 6, 43, 2, 19]}
 MAX_TOKENS = 12
@@ -32,15 +29,8 @@ MOE_FAMILIES = {"mixtral", "qwen3-moe", "qwen2-moe"}
 def test_a_family_serves_in_bf16_with_the_cpu_kernels(family, tmp_path):
     model_dir = str(make_tiny_checkpoint(tmp_path, family, seed=7))
     # Blocks of 4 and chunks of 8: windows cross blocks, prompts are chunked.
-    executor = InProcessExecutor(model_dir, block_size=4, num_gpu_blocks=64, dtype="bfloat16")
-    try:
-        assert executor.runner.kv_caches[0].dtype == torch.bfloat16
-        sched = make_scheduler(executor, max_num_batched_tokens=8)
-        arrivals = {0: [make_request(p, max_tokens=MAX_TOKENS, req_id=r, ignore_eos=True,
-                                     temperature=0.0) for r, p in PROMPTS.items()]}
-        tokens = output_tokens(run_to_completion(sched, executor, arrivals))
-    finally:
-        executor.close()
+    tokens = bf16_greedy(model_dir, PROMPTS, MAX_TOKENS, max_num_batched_tokens=8,
+                         block_size=4)
     f32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     noise = MOE_LOGIT_NOISE if family in MOE_FAMILIES else LOGIT_NOISE
     for req_id, prompt in PROMPTS.items():

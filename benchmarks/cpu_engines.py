@@ -429,8 +429,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The numeric flags' bounds: a value that would hang the run or swamp the
+# machine is refused before any engine starts.
+BOUNDS = {"threads": (1, 256), "num_requests": (1, 4096), "concurrency": (1, 256),
+          "warmup": (0, 4096), "ready_timeout": (1, 3600), "vllm_kv_gib": (1, 1024)}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    for name, (lo, hi) in BOUNDS.items():
+        value = vars(args)[name]
+        if value is not None and not lo <= value <= hi:  # NaN fails both
+            raise SystemExit(f"cpu_engines: --{name.replace('_', '-')} {value} is outside "
+                             f"{lo}..{hi}")
     if unknown := [e for e in args.engines if e not in ENGINES]:
         raise SystemExit(f"cpu_engines: unknown engines {unknown}; known: {', '.join(ENGINES)}")
     from kvloom.common.embedded_models import is_model_name, resolve_model

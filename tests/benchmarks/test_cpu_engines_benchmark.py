@@ -44,3 +44,15 @@ def test_cpu_engines_kvloom_only(tiny_model_dir, tmp_path):
     for line in ("vllm-bfloat16: not run: no --vllm-bin", "llamacpp-bf16: not run"):
         assert line in done.stdout
     assert payload["cpu"]["isa"] in done.stdout
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--threads", "0"), ("--num-requests", "0"), ("--num-requests", "100000"),
+    ("--concurrency", "0"), ("--warmup", "-1"), ("--ready-timeout", "nan"),
+    ("--ready-timeout", "0"), ("--vllm-kv-gib", "0"),
+])
+def test_a_hostile_numeric_flag_is_refused_before_anything_starts(flag, value):
+    from benchmarks.cpu_engines import parse_args
+
+    with pytest.raises(SystemExit, match=f"{flag} .* is outside"):
+        parse_args(["--model", "/nonexistent", flag, value])

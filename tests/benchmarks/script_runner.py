@@ -7,14 +7,22 @@ that each file of benchmarks/ is such a script or a helper listed here."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
+# The scripts that serve through the SMG gateway's OpenAI API.
+needs_gateway = pytest.mark.skipif(
+    shutil.which("smg") is None or importlib.util.find_spec("openai") is None,
+    reason="needs the smg gateway and the openai client (pip install smg openai)")
 
 # Modules of benchmarks/ that are no script of their own, and the scripts
 # whose smoke tests exercise them.

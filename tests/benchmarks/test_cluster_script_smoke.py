@@ -7,13 +7,10 @@ runs are in their own test modules."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-
 import pytest
 
 from benchmarks.control_plane import DEFAULT_STEP_MS
-from tests.benchmarks.script_runner import read_json, run_script
+from tests.benchmarks.script_runner import needs_gateway, read_json, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +100,7 @@ def test_recovery_kills_a_rank_once(tiny_model_dir, tmp_path):
     assert 0 < row["kill_to_next_token_s"][0]["median"] < 60
 
 
-@pytest.mark.skipif(shutil.which("smg") is None or importlib.util.find_spec("openai") is None,
-                    reason="needs the smg gateway and the openai client (pip install smg openai)")
+@needs_gateway
 def test_gateway(tiny_model_dir, tmp_path):
     out = tmp_path / "gateway.json"
     done = run_script("gateway", "--model", tiny_model_dir, "--num-requests", "2",

@@ -5,18 +5,14 @@ each engine is a `kvloom up` of its own (controlplane, rank, gateway)."""
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
-
 import pytest
 
-from tests.benchmarks.script_runner import read_json, run_script
+from tests.benchmarks.script_runner import needs_gateway, read_json, run_script
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(shutil.which("smg") is None or importlib.util.find_spec("openai") is None,
-                    reason="needs the smg gateway and the openai client (pip install smg openai)")
+@needs_gateway
 def test_cpu_engines_kvloom_only(tiny_model_dir, tmp_path):
     out = tmp_path / "cpu_engines.json"
     done = run_script("cpu_engines", "--model", tiny_model_dir, "--num-requests", "2",

@@ -24,7 +24,15 @@
  * and storing an output float. bf16 (q, k, v, the cache, the rotary tables,
  * the output) is read by shifting its bits into a float's high half (exact)
  * and written rounded to nearest even, as torch rounds; scores, the online
- * softmax and the weighted sums are float32 in both.
+ * softmax and the weighted sums are float32 in both. A bf16 q is rounded to
+ * bf16 after its rotation (as a bf16 model's rotary output is) and each
+ * score scaled; a float32 q is scaled before the walk. Where the compiler
+ * targets AVX-512 BF16, bf16 runs cpu_attend_avx512bf16.h's walk instead.
+ *
+ * A call's (query token, KV head) units are shared among torch's OpenMP
+ * threads (loader.py links the library against the libgomp torch loaded);
+ * every unit is computed the same way whichever thread takes it, so the
+ * results do not depend on the thread count.
  *
  * Every index that comes from the step's metadata is checked before anything
  * is written (slots, block ids, lengths): a bad step is refused with an error
@@ -40,6 +48,8 @@
 #include "cpu_math.h"
 
 #define KEYS_PER_CHUNK 16
+
+#include "cpu_attend_avx512bf16.h"
 
 /* The typed loads and stores of attend_G_<type> (cpu_bf16.h's conversions). */
 static inline v8 load8_f32(const float *p) { return get8(p, 0, 0); }
@@ -64,6 +74,24 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
     int64_t k = window > 0 ? pos + 1 - window : 0;
     return k > 0 ? k : 0;
 }
+
+/* The threads a call runs on: torch's own OpenMP pool when built with
+ * -fopenmp (the worker has loaded torch's libgomp by then, and the kernel's
+ * library binds to that same copy, so the two never compete for cores), as
+ * many as torch is set to use; one for a call too small to share. */
+#ifdef _OPENMP
+#include <omp.h>
+static int parallel_threads(int64_t units) {
+    int n = omp_get_max_threads();
+    return units < 2 ? 1 : (n < units ? n : (int)units);
+}
+static int thread_index(void) { return omp_get_thread_num(); }
+static int thread_count(void) { return omp_get_num_threads(); }
+#else
+static int parallel_threads(int64_t units) { (void)units; return 1; }
+static int thread_index(void) { return 0; }
+static int thread_count(void) { return 1; }
+#endif
 
 static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t *query_start_loc,
                       const int64_t *seq_lens, const int64_t *block_table, int64_t bt_stride,
@@ -102,8 +130,9 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
 #define DEFINE_ATTEND(G, T, SUFFIX)                                                         \
     static void attend_##G##_##SUFFIX(const float *q, int64_t head_dim, const void *k_cache,\
                            const void *v_cache, int64_t row_stride, const int64_t *blocks,  \
-                           int64_t block_size, int64_t first, int64_t num_keys, float cap,  \
-                           float *acc, void *out, int64_t out_head_stride) {                \
+                           int64_t block_size, int64_t first, int64_t num_keys,             \
+                           float qk_scale, float cap, float *acc, void *out,                \
+                           int64_t out_head_stride) {                                       \
         const int64_t nv = head_dim / 8;                                                    \
         float m[G], l[G], s[G][KEYS_PER_CHUNK];                                             \
         for (int g = 0; g < G; g++) {                                                       \
@@ -147,6 +176,9 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                                  load8_##SUFFIX(k0 + 8 * c);                                \
                 for (int g = 0; g < G; g++) s[g][j] = hsum(a0[g]);                          \
             }                                                                               \
+            if (qk_scale != 1.0f)                                                           \
+                for (int g = 0; g < G; g++)                                                 \
+                    for (int64_t i = 0; i < n; i++) s[g][i] *= qk_scale;                    \
             if (cap > 0.0f) {                                                               \
                 const float inv_cap = 1.0f / cap;                                           \
                 for (int g = 0; g < G; g++)                                                 \
@@ -223,8 +255,8 @@ DEFINE_ATTEND(3, bf16, bf16)
 DEFINE_ATTEND(4, bf16, bf16)
 
 typedef void (*attend_fn)(const float *, int64_t, const void *, const void *, int64_t,
-                          const int64_t *, int64_t, int64_t, int64_t, float, float *, void *,
-                          int64_t);
+                          const int64_t *, int64_t, int64_t, int64_t, float, float, float *,
+                          void *, int64_t);
 
 /* [is_bf16][group width]: the widths the caller splits a GQA group into. */
 static const attend_fn ATTEND[2][5] = {
@@ -280,52 +312,84 @@ static inline __attribute__((always_inline)) int paged_attention(
      * as two of 4, one of 5 as five of 1. */
     int64_t sub = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
     attend_fn attend = ATTEND[is_bf16][sub];
+#ifdef KVLOOM_HAVE_DPBF16
+    static const attend_fn ATTEND_DP[5] = {NULL, attend_dp_1, attend_dp_2, attend_dp_3,
+                                           attend_dp_4};
+    if (is_bf16 && head_dim % 32 == 0 && head_dim <= 32 * MAX_DP_PAIRS) attend = ATTEND_DP[sub];
+#endif
     int64_t width = num_kv_heads * head_dim; /* one slot's K (or V) */
-    float *scratch = malloc(sizeof(float) * 2 * sub * head_dim);
-    if (scratch == NULL) return KV_ERR_NOMEM;
-    float *qs = scratch, *acc = qs + sub * head_dim;
-
-    void *k_cache = kv_cache, *v_cache = AT_MUT(kv_cache, num_blocks * block_size * width);
-    for (int64_t t = 0; t < num_actual_tokens; t++) {
-        void *k_slot = AT_MUT(k_cache, slot_mapping[t] * width);
-        if (rope_cos == NULL) {
-            memcpy(k_slot, AT(k, t * k_stride), esize * width);
-        } else {
-            for (int64_t h = 0; h < num_kv_heads; h++)
-                rotate(AT(k, t * k_stride + h * head_dim), AT(rope_cos, t * head_dim),
-                       AT(rope_sin, t * head_dim), head_dim, 1.0f,
-                       AT_MUT(k_slot, h * head_dim), is_bf16, is_bf16);
-        }
-        memcpy(AT_MUT(v_cache, slot_mapping[t] * width), AT(v, t * v_stride), esize * width);
+    /* The work comes in units of one query token and one KV head, each
+     * independent of the others once the step's K/V are in the cache. */
+    int64_t units = num_actual_tokens * num_kv_heads;
+    int threads = parallel_threads(units);
+    float *scratch = malloc(sizeof(float) * 2 * sub * head_dim * threads);
+    int64_t *req_of = malloc(sizeof(int64_t) * (num_actual_tokens > 0 ? num_actual_tokens : 1));
+    if (scratch == NULL || req_of == NULL) {
+        free(scratch);
+        free(req_of);
+        return KV_ERR_NOMEM;
     }
-    for (int64_t r = 0; r < num_reqs; r++) {
-        int64_t first = query_start_loc[r], ql = query_start_loc[r + 1] - first;
-        int64_t first_pos = seq_lens[r] - ql;
-        const int64_t *blocks = block_table + r * bt_stride;
-        for (int64_t i = 0; i < ql; i++) {
-            int64_t t = first + i;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                for (int64_t g0 = 0; g0 < group; g0 += sub) {
-                    int64_t head = h * group + g0;
-                    const void *qt = AT(q, t * q_stride + head * head_dim);
-                    if (rope_cos == NULL) {
-                        for (int64_t e = 0; e < sub * head_dim; e++)
-                            qs[e] = get_elem(qt, e, is_bf16) * scale;
-                    } else {
-                        for (int64_t g = 0; g < sub; g++)
-                            rotate(AT(qt, g * head_dim), AT(rope_cos, t * head_dim),
-                                   AT(rope_sin, t * head_dim), head_dim, scale,
-                                   qs + g * head_dim, is_bf16, 0);
-                    }
-                    attend(qs, head_dim, AT(k_cache, h * head_dim), AT(v_cache, h * head_dim),
-                           width, blocks, block_size, first_key(first_pos + i, window),
-                           first_pos + i + 1, soft_cap, acc,
-                           AT_MUT(out, t * num_heads * head_dim + head * head_dim), head_dim);
+    for (int64_t r = 0; r < num_reqs; r++)
+        for (int64_t t = query_start_loc[r]; t < query_start_loc[r + 1]; t++) req_of[t] = r;
+    void *k_cache = kv_cache, *v_cache = AT_MUT(kv_cache, num_blocks * block_size * width);
+    int64_t next_unit = 0; /* the units not yet taken, shared by the threads */
+    /* float32 scales q before the walk (its results as they always were);
+     * bf16 rounds the rotated q to bf16, as the reference's bf16 q is, and
+     * scales each score, as the reference's attention does. */
+    const float q_scale = is_bf16 ? 1.0f : scale, qk_scale = is_bf16 ? scale : 1.0f;
+
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = thread_index(), nt = thread_count();
+        float *qs = scratch + (size_t)tid * 2 * sub * head_dim, *acc = qs + sub * head_dim;
+        /* The step's K/V into their slots, a contiguous share of the tokens
+         * each, all of them written before any thread reads the cache. */
+        for (int64_t t = num_actual_tokens * tid / nt, end = num_actual_tokens * (tid + 1) / nt;
+             t < end; t++) {
+            void *k_slot = AT_MUT(k_cache, slot_mapping[t] * width);
+            if (rope_cos == NULL) {
+                memcpy(k_slot, AT(k, t * k_stride), esize * width);
+            } else {
+                for (int64_t h = 0; h < num_kv_heads; h++)
+                    rotate(AT(k, t * k_stride + h * head_dim), AT(rope_cos, t * head_dim),
+                           AT(rope_sin, t * head_dim), head_dim, 1.0f,
+                           AT_MUT(k_slot, h * head_dim), is_bf16, is_bf16);
+            }
+            memcpy(AT_MUT(v_cache, slot_mapping[t] * width), AT(v, t * v_stride),
+                   esize * width);
+        }
+#pragma omp barrier
+        /* Units taken one at a time from a shared counter: a decode's unit
+         * costs its context length, so a static split would leave a thread
+         * idle behind the longest requests. */
+        for (int64_t u; (u = __atomic_fetch_add(&next_unit, 1, __ATOMIC_RELAXED)) < units;) {
+            int64_t t = u / num_kv_heads, h = u % num_kv_heads, r = req_of[t];
+            int64_t ql = query_start_loc[r + 1] - query_start_loc[r];
+            int64_t pos = seq_lens[r] - ql + (t - query_start_loc[r]);
+            const int64_t *blocks = block_table + r * bt_stride;
+            for (int64_t g0 = 0; g0 < group; g0 += sub) {
+                int64_t head = h * group + g0;
+                const void *qt = AT(q, t * q_stride + head * head_dim);
+                if (rope_cos == NULL) {
+                    for (int64_t e = 0; e < sub * head_dim; e++)
+                        qs[e] = get_elem(qt, e, is_bf16) * q_scale;
+                } else {
+                    for (int64_t g = 0; g < sub; g++)
+                        rotate(AT(qt, g * head_dim), AT(rope_cos, t * head_dim),
+                               AT(rope_sin, t * head_dim), head_dim, q_scale,
+                               qs + g * head_dim, is_bf16, 0);
+                    if (is_bf16)
+                        for (int64_t e = 0; e < sub * head_dim; e++) qs[e] = round_to(qs[e], 1);
                 }
+                attend(qs, head_dim, AT(k_cache, h * head_dim), AT(v_cache, h * head_dim),
+                       width, blocks, block_size, first_key(pos, window), pos + 1, qk_scale,
+                       soft_cap, acc, AT_MUT(out, t * num_heads * head_dim + head * head_dim),
+                       head_dim);
             }
         }
     }
     free(scratch);
+    free(req_of);
     memset(AT_MUT(out, num_actual_tokens * num_heads * head_dim), 0,
            esize * (num_tokens - num_actual_tokens) * num_heads * head_dim);
 #undef AT

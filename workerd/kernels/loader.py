@@ -30,15 +30,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels bind to)
+
 from kvloom.common.default_model import cache_root
 
 KERNELS_DIR = Path(__file__).resolve().parent
 SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_paged_attention.c", "cpu_elementwise.c"))
-HEADERS = (KERNELS_DIR / "cpu_math.h", KERNELS_DIR / "cpu_bf16.h")
+HEADERS = tuple(KERNELS_DIR / name for name in (
+    "cpu_math.h", "cpu_bf16.h", "cpu_attend_avx512bf16.h"))
 # No -ffast-math: a shared object built with it may switch the whole process
 # to flush-to-zero when loaded (GCC 12 links crtfastmath.o), changing
 # torch's own results.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+# The attention kernel shares a call's work among OpenMP threads. The library
+# needs libgomp.so.1, and the one already in the process is torch's (imported
+# above, before any kernel is loaded), so both use one pool of threads: the
+# kernel's never spin against torch's for the same cores. A compiler without
+# OpenMP builds the kernels single-threaded instead.
+OPENMP_FLAGS = ("-fopenmp",)
 COMPILE_TIMEOUT_S = 120.0
 LIBRARY_NAME = "kvloom_cpu_kernels"
 logger = logging.getLogger(__name__)
@@ -102,8 +111,15 @@ def _compile(compiler: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=out.stem, suffix=".tmp.so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
-                              capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        for extra in (OPENMP_FLAGS, ()):
+            done = subprocess.run([compiler, *CFLAGS, *extra, "-o", tmp, *map(str, SOURCES),
+                                   "-lm"], capture_output=True, text=True,
+                                  timeout=COMPILE_TIMEOUT_S)
+            if done.returncode == 0:
+                if not extra:
+                    logger.warning("%s cannot build with %s; the attention kernel runs on "
+                                   "one thread", compiler, " ".join(OPENMP_FLAGS))
+                break
         if done.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed to build {LIBRARY_NAME}: "
                                     f"{done.stderr.strip()[-500:]}")
@@ -130,7 +146,8 @@ def load_kernels() -> CpuKernels:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelUnavailable(f"{compiler} --version failed: {exc}") from None
     key = hashlib.sha256("\0".join([
-        *(p.read_text() for p in (*SOURCES, *HEADERS)), " ".join(CFLAGS), path, *version,
+        *(p.read_text() for p in (*SOURCES, *HEADERS)), " ".join(CFLAGS + OPENMP_FLAGS), path,
+        *version,
         platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"{LIBRARY_NAME}-{key}.so"
     if not target.exists():

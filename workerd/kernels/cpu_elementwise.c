@@ -20,7 +20,9 @@
  * a rounding boundary (tests/workerd/kernels/test_cpu_ops.py).
  *
  * Each kernel is one row loop over cpu_bf16.h's element access, inlined into
- * its float32 and bf16 entry points with is_bf16 a constant.
+ * its float32 and bf16 entry points with is_bf16 a constant; a call's rows
+ * are shared among torch's threads when it is large enough (cpu_parallel.h),
+ * each row computed the same way on any of them.
  */
 
 #include <stddef.h>
@@ -28,6 +30,12 @@
 
 #include "cpu_bf16.h"
 #include "cpu_math.h"
+#include "cpu_parallel.h"
+
+/* A call's rows are shared among threads only past this many elements: below
+ * it (a decode step's norms) waking a second thread costs more than it saves. */
+#define MIN_PARALLEL_ELEMENTS 16384
+#define NOINLINE static __attribute__((noinline))
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -76,27 +84,66 @@ INLINE void rms_norm_rows(const void *x, int64_t x_stride, const void *residual,
     }
 }
 
+/* The three norms' specialisations of rms_norm_rows. */
+enum norm_kind { NORM_F32, NORM_BF16, NORM_BF16_F32_WEIGHT };
+
+/* One thread's rows. A function of its own, taking its pointers as plain
+ * arguments: inside an OpenMP region GCC reaches the captured variables
+ * through a pointer and left the row loops unvectorized (2-4x slower). */
+NOINLINE void rms_norm_part(const void *x, int64_t x_stride, const void *residual,
+                            int64_t r_stride, const void *weight, int64_t rows, int64_t hidden,
+                            float eps, void *out, void *new_residual, enum norm_kind kind) {
+    if (kind == NORM_F32)
+        rms_norm_rows(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
+                      new_residual, 0, 0, 1);
+    else if (kind == NORM_BF16)  /* Llama's: bf16 weight, the normalised x rounded before it */
+        rms_norm_rows(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
+                      new_residual, 1, 1, 1);
+    else  /* Gemma's and OLMo 2's: a float32 weight ((1 + w) for Gemma), one rounding */
+        rms_norm_rows(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
+                      new_residual, 1, 0, 0);
+}
+
+static void rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
+                     const void *weight, int64_t rows, int64_t hidden, float eps, void *out,
+                     void *new_residual, enum norm_kind kind) {
+    int threads = rows * hidden < MIN_PARALLEL_ELEMENTS ? 1 : parallel_threads(rows, 2);
+    if (threads == 1) {
+        rms_norm_part(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
+                      new_residual, kind);
+        return;
+    }
+    const size_t es = kind == NORM_F32 ? sizeof(float) : sizeof(bf16);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t b, e;
+        thread_share(rows, thread_index(), thread_count(), &b, &e);
+        rms_norm_part((const char *)x + b * x_stride * es,
+                      x_stride, residual ? (const char *)residual + b * r_stride * es : NULL,
+                      r_stride, weight, e - b, hidden, eps, (char *)out + b * hidden * es,
+                      new_residual ? (char *)new_residual + b * hidden * es : NULL, kind);
+    }
+}
+
 void kvloom_rms_norm_f32(const float *x, int64_t x_stride, const float *residual,
                          int64_t r_stride, const float *weight, int64_t rows, int64_t hidden,
                          float eps, float *out, float *new_residual) {
-    rms_norm_rows(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
-                  new_residual, 0, 0, 1);
+    rms_norm(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out, new_residual,
+             NORM_F32);
 }
 
-/* Llama's bf16 norm: bf16 weight, the normalised x rounded before it. */
 void kvloom_rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *residual,
                           int64_t r_stride, const bf16 *weight, int64_t rows, int64_t hidden,
                           float eps, bf16 *out, bf16 *new_residual) {
-    rms_norm_rows(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
-                  new_residual, 1, 1, 1);
+    rms_norm(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out, new_residual,
+             NORM_BF16);
 }
 
-/* Gemma's and OLMo 2's: a float32 weight ((1 + w) for Gemma), one rounding. */
 void kvloom_rms_norm_bf16_f32_weight(const bf16 *x, int64_t x_stride, const bf16 *residual,
                                      int64_t r_stride, const float *weight, int64_t rows,
                                      int64_t hidden, float eps, bf16 *out, bf16 *new_residual) {
-    rms_norm_rows(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
-                  new_residual, 1, 0, 0);
+    rms_norm(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out, new_residual,
+             NORM_BF16_F32_WEIGHT);
 }
 
 enum activation { SILU, GELU_TANH };
@@ -128,22 +175,50 @@ INLINE void gated_rows(const void *x, int64_t x_stride, int64_t rows, int64_t in
     }
 }
 
+/* One thread's rows (a function of its own for rms_norm_part's reason). */
+NOINLINE void gated_part(const void *x, int64_t x_stride, int64_t rows, int64_t inter,
+                         void *out, enum activation act, int is_bf16) {
+    if (act == SILU)
+        is_bf16 ? gated_rows(x, x_stride, rows, inter, out, SILU, 1)
+                : gated_rows(x, x_stride, rows, inter, out, SILU, 0);
+    else
+        is_bf16 ? gated_rows(x, x_stride, rows, inter, out, GELU_TANH, 1)
+                : gated_rows(x, x_stride, rows, inter, out, GELU_TANH, 0);
+}
+
+static void gated(const void *x, int64_t x_stride, int64_t rows, int64_t inter, void *out,
+                  enum activation act, int is_bf16) {
+    int threads = rows * inter < MIN_PARALLEL_ELEMENTS ? 1 : parallel_threads(rows, 2);
+    if (threads == 1) {
+        gated_part(x, x_stride, rows, inter, out, act, is_bf16);
+        return;
+    }
+    const size_t es = is_bf16 ? sizeof(bf16) : sizeof(float);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t b, e;
+        thread_share(rows, thread_index(), thread_count(), &b, &e);
+        gated_part((const char *)x + b * x_stride * es, x_stride, e - b, inter,
+                   (char *)out + b * inter * es, act, is_bf16);
+    }
+}
+
 void kvloom_silu_and_mul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
                              float *out) {
-    gated_rows(x, x_stride, rows, inter, out, SILU, 0);
+    gated(x, x_stride, rows, inter, out, SILU, 0);
 }
 
 void kvloom_silu_and_mul_bf16(const bf16 *x, int64_t x_stride, int64_t rows, int64_t inter,
                               bf16 *out) {
-    gated_rows(x, x_stride, rows, inter, out, SILU, 1);
+    gated(x, x_stride, rows, inter, out, SILU, 1);
 }
 
 void kvloom_gelu_tanh_and_mul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
                                   float *out) {
-    gated_rows(x, x_stride, rows, inter, out, GELU_TANH, 0);
+    gated(x, x_stride, rows, inter, out, GELU_TANH, 0);
 }
 
 void kvloom_gelu_tanh_and_mul_bf16(const bf16 *x, int64_t x_stride, int64_t rows,
                                    int64_t inter, bf16 *out) {
-    gated_rows(x, x_stride, rows, inter, out, GELU_TANH, 1);
+    gated(x, x_stride, rows, inter, out, GELU_TANH, 1);
 }

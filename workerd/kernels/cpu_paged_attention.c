@@ -46,6 +46,7 @@
 
 #include "cpu_bf16.h"
 #include "cpu_math.h"
+#include "cpu_parallel.h"
 
 #define KEYS_PER_CHUNK 16
 
@@ -75,23 +76,6 @@ static inline int64_t first_key(int64_t pos, int64_t window) {
     return k > 0 ? k : 0;
 }
 
-/* The threads a call runs on: torch's own OpenMP pool when built with
- * -fopenmp (the worker has loaded torch's libgomp by then, and the kernel's
- * library binds to that same copy, so the two never compete for cores), as
- * many as torch is set to use; one for a call too small to share. */
-#ifdef _OPENMP
-#include <omp.h>
-static int parallel_threads(int64_t units) {
-    int n = omp_get_max_threads();
-    return units < 2 ? 1 : (n < units ? n : (int)units);
-}
-static int thread_index(void) { return omp_get_thread_num(); }
-static int thread_count(void) { return omp_get_num_threads(); }
-#else
-static int parallel_threads(int64_t units) { (void)units; return 1; }
-static int thread_index(void) { return 0; }
-static int thread_count(void) { return 1; }
-#endif
 
 static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t *query_start_loc,
                       const int64_t *seq_lens, const int64_t *block_table, int64_t bt_stride,
@@ -321,7 +305,7 @@ static inline __attribute__((always_inline)) int paged_attention(
     /* The work comes in units of one query token and one KV head, each
      * independent of the others once the step's K/V are in the cache. */
     int64_t units = num_actual_tokens * num_kv_heads;
-    int threads = parallel_threads(units);
+    int threads = parallel_threads(units, 2);
     float *scratch = malloc(sizeof(float) * 2 * sub * head_dim * threads);
     int64_t *req_of = malloc(sizeof(int64_t) * (num_actual_tokens > 0 ? num_actual_tokens : 1));
     if (scratch == NULL || req_of == NULL) {
@@ -344,8 +328,9 @@ static inline __attribute__((always_inline)) int paged_attention(
         float *qs = scratch + (size_t)tid * 2 * sub * head_dim, *acc = qs + sub * head_dim;
         /* The step's K/V into their slots, a contiguous share of the tokens
          * each, all of them written before any thread reads the cache. */
-        for (int64_t t = num_actual_tokens * tid / nt, end = num_actual_tokens * (tid + 1) / nt;
-             t < end; t++) {
+        int64_t begin, end;
+        thread_share(num_actual_tokens, tid, nt, &begin, &end);
+        for (int64_t t = begin; t < end; t++) {
             void *k_slot = AT_MUT(k_cache, slot_mapping[t] * width);
             if (rope_cos == NULL) {
                 memcpy(k_slot, AT(k, t * k_stride), esize * width);

@@ -253,3 +253,29 @@ def test_norm_weights_of_another_dtype_get_none(kernels, x_dtype, weight_dtype,
                                                 cast_after_weight):
     x, weight = torch.randn(4, 16, dtype=x_dtype), torch.randn(16, dtype=weight_dtype)
     assert cpu_ops.rms_norm(kernels, x, weight, 1e-6, None, cast_after_weight) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_calls_shared_among_threads_give_the_same_bits(kernels, dtype):
+    """Calls past MIN_PARALLEL_ELEMENTS share their rows among torch's
+    threads (each thread a contiguous share of the rows, with its own offsets
+    into every array): one thread and two give the same bits, residual stream
+    included, on strided inputs and an odd row count."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(37, 2 * 1536 + 8, generator=g) * 4).to(dtype)[:, 8:]
+    h = torch.randn(37, 600, generator=g).to(dtype)[:, :576]
+    res = torch.randn(37, 700, generator=g).to(dtype)[:, 100:676]
+    w = torch.randn(576, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append((cpu_ops.silu_and_mul(kernels, x), cpu_ops.gelu_tanh_and_mul(kernels, x),
+                        *cpu_ops.rms_norm(kernels, h, w, 1e-5, res)))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*got, strict=True):
+        assert torch.equal(one, two)
+    # And right, not merely repeatable: the norm's new residual is x + residual.
+    torch.testing.assert_close(got[1][3].float(), (h.float() + res.float()).to(dtype).float())

@@ -106,8 +106,9 @@ NOINLINE void rms_norm_part(const void *x, int64_t x_stride, const void *residua
 
 static void rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
                      const void *weight, int64_t rows, int64_t hidden, float eps, void *out,
-                     void *new_residual, enum norm_kind kind) {
-    int threads = rows * hidden < MIN_PARALLEL_ELEMENTS ? 1 : parallel_threads(rows, 2);
+                     void *new_residual, enum norm_kind kind, int64_t num_threads) {
+    int threads = rows * hidden < MIN_PARALLEL_ELEMENTS ? 1
+                                                        : parallel_threads(rows, 2, num_threads);
     if (threads == 1) {
         rms_norm_part(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out,
                       new_residual, kind);
@@ -127,23 +128,24 @@ static void rms_norm(const void *x, int64_t x_stride, const void *residual, int6
 
 void kvloom_rms_norm_f32(const float *x, int64_t x_stride, const float *residual,
                          int64_t r_stride, const float *weight, int64_t rows, int64_t hidden,
-                         float eps, float *out, float *new_residual) {
+                         float eps, float *out, float *new_residual, int64_t num_threads) {
     rms_norm(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out, new_residual,
-             NORM_F32);
+             NORM_F32, num_threads);
 }
 
 void kvloom_rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *residual,
                           int64_t r_stride, const bf16 *weight, int64_t rows, int64_t hidden,
-                          float eps, bf16 *out, bf16 *new_residual) {
+                          float eps, bf16 *out, bf16 *new_residual, int64_t num_threads) {
     rms_norm(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out, new_residual,
-             NORM_BF16);
+             NORM_BF16, num_threads);
 }
 
 void kvloom_rms_norm_bf16_f32_weight(const bf16 *x, int64_t x_stride, const bf16 *residual,
                                      int64_t r_stride, const float *weight, int64_t rows,
-                                     int64_t hidden, float eps, bf16 *out, bf16 *new_residual) {
+                                     int64_t hidden, float eps, bf16 *out, bf16 *new_residual,
+                                     int64_t num_threads) {
     rms_norm(x, x_stride, residual, r_stride, weight, rows, hidden, eps, out, new_residual,
-             NORM_BF16_F32_WEIGHT);
+             NORM_BF16_F32_WEIGHT, num_threads);
 }
 
 enum activation { SILU, GELU_TANH };
@@ -187,8 +189,9 @@ NOINLINE void gated_part(const void *x, int64_t x_stride, int64_t rows, int64_t 
 }
 
 static void gated(const void *x, int64_t x_stride, int64_t rows, int64_t inter, void *out,
-                  enum activation act, int is_bf16) {
-    int threads = rows * inter < MIN_PARALLEL_ELEMENTS ? 1 : parallel_threads(rows, 2);
+                  enum activation act, int is_bf16, int64_t num_threads) {
+    int threads = rows * inter < MIN_PARALLEL_ELEMENTS ? 1
+                                                       : parallel_threads(rows, 2, num_threads);
     if (threads == 1) {
         gated_part(x, x_stride, rows, inter, out, act, is_bf16);
         return;
@@ -204,21 +207,21 @@ static void gated(const void *x, int64_t x_stride, int64_t rows, int64_t inter, 
 }
 
 void kvloom_silu_and_mul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
-                             float *out) {
-    gated(x, x_stride, rows, inter, out, SILU, 0);
+                             float *out, int64_t num_threads) {
+    gated(x, x_stride, rows, inter, out, SILU, 0, num_threads);
 }
 
 void kvloom_silu_and_mul_bf16(const bf16 *x, int64_t x_stride, int64_t rows, int64_t inter,
-                              bf16 *out) {
-    gated(x, x_stride, rows, inter, out, SILU, 1);
+                              bf16 *out, int64_t num_threads) {
+    gated(x, x_stride, rows, inter, out, SILU, 1, num_threads);
 }
 
 void kvloom_gelu_tanh_and_mul_f32(const float *x, int64_t x_stride, int64_t rows, int64_t inter,
-                                  float *out) {
-    gated(x, x_stride, rows, inter, out, GELU_TANH, 0);
+                                  float *out, int64_t num_threads) {
+    gated(x, x_stride, rows, inter, out, GELU_TANH, 0, num_threads);
 }
 
 void kvloom_gelu_tanh_and_mul_bf16(const bf16 *x, int64_t x_stride, int64_t rows,
-                                   int64_t inter, bf16 *out) {
-    gated(x, x_stride, rows, inter, out, GELU_TANH, 1);
+                                   int64_t inter, bf16 *out, int64_t num_threads) {
+    gated(x, x_stride, rows, inter, out, GELU_TANH, 1, num_threads);
 }

@@ -278,7 +278,8 @@ static inline __attribute__((always_inline)) int paged_attention(
     const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,
     const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float soft_cap,
-    const void *rope_cos, const void *rope_sin, void *out, const int is_bf16) {
+    const void *rope_cos, const void *rope_sin, void *out, int64_t num_threads,
+    const int is_bf16) {
     if (num_reqs < 0 || num_tokens < num_actual_tokens || num_actual_tokens < 0 ||
         num_kv_heads <= 0 || head_dim <= 0 || head_dim % 8 || num_heads % num_kv_heads || block_size <= 0 ||
         num_blocks < 0 || bt_cols < 0 || bt_stride < bt_cols)
@@ -305,7 +306,7 @@ static inline __attribute__((always_inline)) int paged_attention(
     /* The work comes in units of one query token and one KV head, each
      * independent of the others once the step's K/V are in the cache. */
     int64_t units = num_actual_tokens * num_kv_heads;
-    int threads = parallel_threads(units, 2);
+    int threads = parallel_threads(units, 2, num_threads);
     float *scratch = malloc(sizeof(float) * 2 * sub * head_dim * threads);
     int64_t *req_of = malloc(sizeof(int64_t) * (num_actual_tokens > 0 ? num_actual_tokens : 1));
     if (scratch == NULL || req_of == NULL) {
@@ -391,7 +392,8 @@ static inline __attribute__((always_inline)) int paged_attention(
  * window: the layer's sliding window in tokens, 0 for none; soft_cap: its
  * logit soft cap, 0 for none;
  * out: [num_tokens, num_heads * head_dim] contiguous, rows past
- * num_actual_tokens (padding) set to 0. Returns KV_OK or an error code, in
+ * num_actual_tokens (padding) set to 0; num_threads: how many threads may
+ * share the call (torch's count). Returns KV_OK or an error code, in
  * which case nothing has been written. All float32 here; in
  * kvloom_paged_attention_bf16 every one of these arrays is bfloat16. */
 #define PAGED_ATTENTION_ENTRY(SUFFIX, T, IS_BF16)                                              \
@@ -402,12 +404,12 @@ static inline __attribute__((always_inline)) int paged_attention(
         const int64_t *query_start_loc, const int64_t *seq_lens, int64_t num_reqs,             \
         const int64_t *block_table, int64_t bt_stride, int64_t bt_cols, int64_t num_heads,     \
         int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, float soft_cap,   \
-        const T *rope_cos, const T *rope_sin, T *out) {                                        \
+        const T *rope_cos, const T *rope_sin, T *out, int64_t num_threads) {                   \
         return paged_attention(q, q_stride, k, k_stride, v, v_stride, kv_cache, num_blocks,    \
                                block_size, slot_mapping, num_tokens, num_actual_tokens,        \
                                query_start_loc, seq_lens, num_reqs, block_table, bt_stride,    \
                                bt_cols, num_heads, num_kv_heads, head_dim, scale, window,      \
-                               soft_cap, rope_cos, rope_sin, out, IS_BF16);                    \
+                               soft_cap, rope_cos, rope_sin, out, num_threads, IS_BF16);       \
     }
 
 PAGED_ATTENTION_ENTRY(f32, float, 0)

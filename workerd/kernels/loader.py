@@ -53,24 +53,27 @@ LIBRARY_NAME = "kvloom_cpu_kernels"
 logger = logging.getLogger(__name__)
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-# name -> (restype, argtypes), as declared in the sources.
+# name -> (restype, argtypes), as declared in the sources. Each takes last the
+# threads it may use (torch.get_num_threads() at the call).
 _SIGNATURES = {
     "kvloom_paged_attention_f32": (ctypes.c_int, [
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR]),
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR, _I64]),
     # The same arguments, the arrays bfloat16.
     "kvloom_paged_attention_bf16": (ctypes.c_int, [
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
-        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR]),
-    "kvloom_rms_norm_f32": (None, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
-    "kvloom_silu_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
-    "kvloom_gelu_tanh_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+        _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32, _PTR, _PTR, _PTR, _I64]),
+    "kvloom_rms_norm_f32": (None, [
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64]),
+    "kvloom_silu_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
+    "kvloom_gelu_tanh_and_mul_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
     # The elementwise kernels again with bfloat16 arrays (the last norm's weight float32).
-    "kvloom_rms_norm_bf16": (None, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
+    "kvloom_rms_norm_bf16": (None, [
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64]),
     "kvloom_rms_norm_bf16_f32_weight": (None, [
-        _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR]),
-    "kvloom_silu_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR]),
-    "kvloom_gelu_tanh_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR]),
+        _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64]),
+    "kvloom_silu_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
+    "kvloom_gelu_tanh_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
 }
 
 

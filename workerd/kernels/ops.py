@@ -56,13 +56,14 @@ def rms_norm(kernels: CpuKernels, x: torch.Tensor, weight: torch.Tensor, eps: fl
     out = torch.empty(rows, hidden, dtype=x.dtype)
     if residual is None:
         kernel(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), rows, hidden, eps,
-               out.data_ptr(), None)
+               out.data_ptr(), None, torch.get_num_threads())
         return out
     if not (_rows(residual, hidden) and residual.dtype == x.dtype and residual.shape[0] == rows):
         return None
     new_residual = torch.empty(rows, hidden, dtype=x.dtype)
     kernel(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-           weight.data_ptr(), rows, hidden, eps, out.data_ptr(), new_residual.data_ptr())
+           weight.data_ptr(), rows, hidden, eps, out.data_ptr(), new_residual.data_ptr(),
+           torch.get_num_threads())
     return out, new_residual
 
 
@@ -86,5 +87,5 @@ def _gated(kernel_f32, kernel_bf16, x: torch.Tensor) -> torch.Tensor | None:
         return None
     kernel = kernel_f32 if x.dtype == torch.float32 else kernel_bf16
     out = torch.empty(x.shape[0], inter, dtype=x.dtype)
-    kernel(x.data_ptr(), x.stride(0), x.shape[0], inter, out.data_ptr())
+    kernel(x.data_ptr(), x.stride(0), x.shape[0], inter, out.data_ptr(), torch.get_num_threads())
     return out

@@ -172,7 +172,7 @@ class CpuAttentionBackend(AttentionBackend):
         rc = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                     v.stride(0), kv_cache.data_ptr(), num_blocks, block_size, *plan.args,
                     num_heads, num_kv_heads, head_dim, scale, plan.window, plan.soft_cap,
-                    cos, sin, out.data_ptr())
+                    cos, sin, out.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"cpu attention refused the step: {_ERRORS.get(rc, rc)}")
         return out

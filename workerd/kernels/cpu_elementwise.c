@@ -89,7 +89,8 @@ enum norm_kind { NORM_F32, NORM_BF16, NORM_BF16_F32_WEIGHT };
 
 /* One thread's rows. A function of its own, taking its pointers as plain
  * arguments: inside an OpenMP region GCC reaches the captured variables
- * through a pointer and left the row loops unvectorized (2-4x slower). */
+ * through a pointer and left the row loops unvectorized (docs/benchmarks.md,
+ * "Threads and the AVX-512 BF16 walk"). */
 NOINLINE void rms_norm_part(const void *x, int64_t x_stride, const void *residual,
                             int64_t r_stride, const void *weight, int64_t rows, int64_t hidden,
                             float eps, void *out, void *new_residual, enum norm_kind kind) {

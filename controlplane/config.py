@@ -62,6 +62,15 @@ class CacheConfig:
         0, "KV cache bytes per rank; 0 = derived from device memory", ge=0)
     gpu_memory_utilization: float = option(
         0.9, "share of device memory a rank may use (weights, activations, KV)", gt=0, le=1)
+    # vLLM's flags (its OffloadingConnector, native backend): a host tier below
+    # the prefix cache (controlplane/core/kv_offload.py).
+    kv_offloading_size: float = option(
+        0.0, "GiB of host memory, over all ranks, that keep KV blocks evicted from the "
+        "prefix cache and load them back on a later hit instead of recomputing them; "
+        "0 = no tier", ge=0, le=4096)
+    kv_offloading_backend: str = option(
+        "native", "where the host tier lives: native (host memory beside each rank's KV cache)",
+        choices=("native",))
     # vLLM's CacheConfig.sliding_window. Not a flag: __main__ takes it from the
     # checkpoint (ModelInfo.sliding_window_all_layers), the window when every
     # layer slides, else None; with it the block pool frees blocks that left

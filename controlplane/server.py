@@ -168,7 +168,7 @@ class ControlPlane:
 
     # Called on the worker plane's loop; readiness and health live on the api loop.
     def _on_group_ready(self, num_blocks: int) -> None:
-        self.engine.group_ready(num_blocks)
+        self.engine.group_ready(num_blocks, self.executor.status().num_offload_slots)
         self._refresh_readiness()
 
     def _on_group_failed(self, reason: str, kind: FailureKind | None = None) -> None:

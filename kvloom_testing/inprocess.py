@@ -119,6 +119,7 @@ def handshake(
     master_port: int | None = None,
     call_ids: Callable[[], int] | None = None,
     attention_backend: str = "",
+    num_offload_slots: int = 0,
 ) -> int:
     """The group start-up on one rank; returns the KV block count it was given.
 
@@ -159,7 +160,8 @@ def handshake(
         )
     )
     num_blocks = num_gpu_blocks or profile.memory_profile.num_blocks
-    call(init_kv_cache=worker_pb2.InitKVCache(num_blocks=num_blocks, block_size=block_size))
+    call(init_kv_cache=worker_pb2.InitKVCache(num_blocks=num_blocks, block_size=block_size,
+                                              num_offload_slots=num_offload_slots))
     return num_blocks
 
 
@@ -210,6 +212,7 @@ class InProcessExecutor(StepExecutor):
         seed: int = 0,
         dtype: str = "float32",
         attention_backend: str = "",
+        num_offload_slots: int = 0,
         on_failed: Callable[[str, FailureKind], None] | None = None,
     ):
         if num_gpu_blocks is None and not kv_cache_memory_bytes:
@@ -221,8 +224,11 @@ class InProcessExecutor(StepExecutor):
             seed=seed,
             dtype=dtype,
             attention_backend=attention_backend,
+            num_offload_slots=num_offload_slots,
         )
         self.model = model
+        # The host tier's blocks on the worker (make_scheduler gives the scheduler as many).
+        self.num_offload_slots = num_offload_slots
         self.block_size = block_size
         self._call_ids = itertools.count(1)
         self.worker: Worker | None = None

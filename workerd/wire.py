@@ -10,6 +10,8 @@ from __future__ import annotations
 from kvloom.worker.v1 import worker_pb2
 from workerd.runner.sched_output import (
     CachedRequestData,
+    KVBlockCopies,
+    KVConnectorMetadata,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -88,7 +90,18 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         finished_req_ids=set(msg.finished_req_ids),
         preempted_req_ids=set(msg.preempted_req_ids),
         constrained_req_ids=list(msg.constrained_req_ids),
+        kv_connector_metadata=_kv_connector_metadata_from_proto(msg),
     )
+
+
+def _kv_connector_metadata_from_proto(msg: worker_pb2.SchedulerOutput
+                                      ) -> KVConnectorMetadata | None:
+    if not msg.HasField("kv_connector_metadata"):
+        return None
+    pb = msg.kv_connector_metadata
+    return KVConnectorMetadata(
+        stores=KVBlockCopies(list(pb.stores.block_ids), list(pb.stores.tier_slots)),
+        loads=KVBlockCopies(list(pb.loads.block_ids), list(pb.loads.tier_slots)))
 
 
 def _fill_token_logprobs(entry: TokenLogprobs | None, pb: worker_pb2.TokenLogprobs) -> None:

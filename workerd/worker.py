@@ -187,8 +187,11 @@ class Worker:
         )
 
     def init_kv_cache(self, cmd: worker_pb2.InitKVCache) -> worker_pb2.WorkerMessage:
-        self._require_runner().init_kv_cache(cmd.num_blocks, cmd.block_size)
-        logger.info("KV cache allocated: %d blocks x %d tokens", cmd.num_blocks, cmd.block_size)
+        self._require_runner().init_kv_cache(cmd.num_blocks, cmd.block_size,
+                                             cmd.num_offload_slots)
+        logger.info("KV cache allocated: %d blocks x %d tokens%s", cmd.num_blocks,
+                    cmd.block_size, f"; host tier {cmd.num_offload_slots} blocks"
+                    if cmd.num_offload_slots else "")
         return _ack()
 
     def execute_model(self, cmd: worker_pb2.SchedulerOutput) -> worker_pb2.WorkerMessage | None:

@@ -19,7 +19,7 @@ hash stays cached until eviction.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from controlplane.core.kv_events import (
     AllBlocksCleared,
@@ -143,6 +143,9 @@ class BlockPool:
         self.enable_kv_cache_events = enable_kv_cache_events
         # Recorded since the last take_events(); always empty with events off.
         self.kv_event_queue: list[KVCacheEvent] = []
+        # Told (block id, hash) of every cached block as it is evicted, before
+        # the block is handed out (the host tier stores it: core/kv_offload.py).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -158,10 +161,13 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(n)
         cache = self.cached_block_hash_to_block
         evicted: list[int] | None = [] if self.enable_kv_cache_events else None
+        on_evict = self.on_evict
         for block in blocks:
             if block.block_hash is not None:
                 if evicted is not None:
                     evicted.append(external_block_hash(block.block_hash))
+                if on_evict is not None:
+                    on_evict(block.block_id, block.block_hash)
                 del cache[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1

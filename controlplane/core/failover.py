@@ -51,6 +51,13 @@ def replace_kv_pool(sched: Scheduler, num_gpu_blocks: int) -> list[Request]:
     # Cumulative counters: metrics take deltas and must not see them restart.
     new.prefix_cache_queries = old.prefix_cache_queries
     new.prefix_cache_hits = old.prefix_cache_hits
+    new.external_queries = old.external_queries
+    new.external_hits = old.external_hits
+    # The host tier is the same size on the new group's ranks, and as empty
+    # (reset_for_recompute reset it with the prefix cache).
+    if old.offload is not None:
+        new.offload = old.offload
+        new.block_pool.on_evict = old.offload.on_evict
     sched.kv_cache_manager, sched.num_gpu_blocks = new, num_gpu_blocks
     too_big = [r for r in sched.requests.values()
                if new.blocks_needed(r.num_prompt_tokens, r.max_tokens) > num_gpu_blocks]

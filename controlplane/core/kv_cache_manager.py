@@ -50,6 +50,8 @@ from __future__ import annotations
 from controlplane.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
 from controlplane.core.kv_cache_utils import blocks_needed, cdiv, update_block_hashes
 from controlplane.core.kv_events import BlockStored, KVCacheEvent, external_block_hash
+from controlplane.core.kv_offload import OffloadingScheduler
+from controlplane.core.outputs import KVConnectorMetadata
 from controlplane.core.request import Request
 
 _NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
@@ -65,6 +67,7 @@ class KVCacheManager:
         step_tokens: int = 0,
         *,
         enable_kv_cache_events: bool = False,
+        num_offload_slots: int = 0,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -82,6 +85,11 @@ class KVCacheManager:
         # Record prefix-cache events (core/kv_events.py) for take_events.
         self.enable_kv_cache_events = enable_kv_cache_events
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        # The prefix cache's host tier (core/kv_offload.py); None: none.
+        self.offload: OffloadingScheduler | None = None
+        if num_offload_slots and enable_caching:
+            self.offload = OffloadingScheduler(num_offload_slots)
+            self.block_pool.on_evict = self.offload.on_evict
         # req_id -> blocks in token order (shared prefix blocks first); the
         # first num_skipped_blocks of them are NULL_BLOCK.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -93,6 +101,10 @@ class KVCacheManager:
         # Cumulative token counts over admissions (new and resumed requests).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Prompt tokens looked up in the host tier (past the pool's hit), and
+        # loaded from it instead of computed.
+        self.external_queries = 0
+        self.external_hits = 0
 
     # -- queries ---------------------------------------------------------
 
@@ -136,13 +148,7 @@ class KVCacheManager:
             return [], 0
         block_size = self.block_size
         hashes = update_block_hashes(request, block_size)
-        max_hit_blocks = (request.num_tokens - 1) // block_size
-        num_blocks = self.block_pool.num_blocks
-        if cdiv(request.num_tokens, block_size) > num_blocks:
-            # A context longer than the pool (a window model's): the hit and
-            # the first chunk must fit it (module docstring).
-            room = num_blocks - cdiv(self.step_tokens, block_size)
-            max_hit_blocks = max(0, min(max_hit_blocks, room))
+        max_hit_blocks = self._max_hit_blocks(request)
         lookup = self.block_pool.cached_block_hash_to_block.get
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
@@ -151,6 +157,46 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * block_size
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        block_size = self.block_size
+        max_hit_blocks = (request.num_tokens - 1) // block_size
+        num_blocks = self.block_pool.num_blocks
+        if cdiv(request.num_tokens, block_size) > num_blocks:
+            # A context longer than the pool (a window model's): the hit and
+            # the first chunk must fit it (module docstring).
+            room = num_blocks - cdiv(self.step_tokens, block_size)
+            max_hit_blocks = max(0, min(max_hit_blocks, room))
+        return max_hit_blocks
+
+    def get_offloaded_tokens(self, request: Request, num_local_blocks: int) -> int:
+        """Tokens the host tier holds right after the pool's hit of
+        num_local_blocks blocks (get_computed_blocks'): whole blocks, within
+        the same cap as a local hit (the last prompt token is computed)."""
+        if self.offload is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        hashes = update_block_hashes(request, self.block_size)
+        hit = self.offload.num_hit_blocks(hashes[num_local_blocks:self._max_hit_blocks(request)])
+        return hit * self.block_size
+
+    def load_offloaded(self, request: Request, num_local_blocks: int, num_tokens: int) -> None:
+        """After allocate_slots admitted request with get_offloaded_tokens'
+        num_tokens as computed: load them into the blocks allocated for them
+        (the ones right after the local hit), before this step's forward."""
+        if self.offload is None or request.sampling_params.prompt_logprobs is not None:
+            return
+        self.external_queries += request.num_tokens - num_local_blocks * self.block_size
+        if not num_tokens:
+            return
+        end = num_local_blocks + num_tokens // self.block_size
+        hashes = update_block_hashes(request, self.block_size)[num_local_blocks:end]
+        blocks = self.req_to_blocks[request.request_id][num_local_blocks:end]
+        self.offload.load(hashes, [b.block_id for b in blocks])
+        self.external_hits += num_tokens
+
+    def take_connector_metadata(self) -> KVConnectorMetadata | None:
+        """This step's copies to and from the host tier (None: nothing moves)."""
+        return self.offload.take_step() if self.offload is not None else None
 
     # -- allocation ------------------------------------------------------
 
@@ -330,7 +376,13 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(blocks[num_skipped:]))
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached hash, the host tier's too (only when no block
+        is in use)."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.reset()
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         """Prefix-cache events since the last call (vLLM's name); always

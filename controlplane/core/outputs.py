@@ -67,6 +67,19 @@ class PromptLogprobsWindow(NamedTuple):
 
 
 @dataclass(slots=True)
+class KVConnectorMetadata:
+    """A step's copies between the KV cache and the host tier
+    (core/kv_offload.py), as pairs (block id, tier slot). Every rank runs
+    them before the step's forward: stores, then loads."""
+
+    stores: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step as every worker receives it: the wire contract and nothing else
     (executor/wire.py converts it field for field; num_scheduled_tokens
@@ -85,6 +98,8 @@ class SchedulerOutput:
     # Requests that sample a grammar-constrained token this step, in the order
     # of the step's GrammarMasks (set by the engine after scheduling).
     constrained_req_ids: list[str] = field(default_factory=list)
+    # The step's KV connector instructions; None when nothing moves.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

@@ -19,11 +19,21 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # The host tier (core/kv_offload.py): cumulative prompt tokens looked up
+    # in it past the pool's hit and loaded from it; blocks stored and loaded;
+    # slots in use and in all (0 without a tier).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_stores: int = 0
+    kv_offload_loads: int = 0
+    kv_offload_used_slots: int = 0
+    kv_offload_slots: int = 0
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
         """The scheduler's state now (a Scheduler; not imported: it imports this)."""
         kv = scheduler.kv_cache_manager
+        offload = kv.offload
         return cls(
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting),
@@ -33,4 +43,10 @@ class SchedulerStats:
             num_preemptions=scheduler.num_preemptions,
             num_free_blocks=kv.get_num_free_blocks(),
             num_total_blocks=kv.num_total_blocks,
+            external_prefix_cache_queries=kv.external_queries,
+            external_prefix_cache_hits=kv.external_hits,
+            kv_offload_stores=offload.num_stored if offload else 0,
+            kv_offload_loads=offload.num_loaded if offload else 0,
+            kv_offload_used_slots=offload.num_used_slots if offload else 0,
+            kv_offload_slots=offload.num_slots if offload else 0,
         )

@@ -53,7 +53,6 @@ from controlplane.core.request import (
     finish_reason_of,
     grammar_error,
     grammar_status_after,
-    min_tokens_stop_ids,
 )
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
@@ -73,6 +72,7 @@ class Scheduler:
         *,
         placeholders: bool = False,
         num_micro_batches: int = 1,
+        num_offload_slots: int = 0,
     ) -> None:
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
@@ -86,7 +86,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             cache_config.sliding_window, max_step_tokens(scheduler_config),
-            enable_kv_cache_events=cache_config.enable_kv_cache_events)
+            enable_kv_cache_events=cache_config.enable_kv_cache_events,
+            num_offload_slots=num_offload_slots)
         self.requests: dict[str, Request] = {}
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -168,6 +169,11 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
+    @property
+    def num_offload_slots(self) -> int:
+        offload = self.kv_cache_manager.offload
+        return offload.num_slots if offload is not None else 0
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -192,6 +198,7 @@ class Scheduler:
         advances here, as in vLLM: tokens count as computed once the step
         carrying them is sent."""
         t_start = time.monotonic()
+        kv = self.kv_cache_manager
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
@@ -209,9 +216,8 @@ class Scheduler:
         self.step_id += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
-        so = SchedulerOutput(
-            self.step_id, new_reqs, cached, num_scheduled, total, finished, preempted
-        )
+        so = SchedulerOutput(self.step_id, new_reqs, cached, num_scheduled, total, finished,
+                             preempted, kv_connector_metadata=kv.take_connector_metadata())
         expected = expected_reply(so, self.requests)
         # After every preemption of the step is settled.
         self._advance_placeholders(expected)
@@ -331,6 +337,9 @@ class Scheduler:
                 # once that step's token is in (the engine's next update).
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(request)
+            # The host tier's blocks right after the pool's count as computed too.
+            num_external = kv.get_offloaded_tokens(request, len(hit_blocks))
+            num_hit += num_external
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -340,45 +349,17 @@ class Scheduler:
                 num_new = budget
             if kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
                 break
+            kv.load_offloaded(request, len(hit_blocks), num_external)
             waiting.pop()
             running.append(request)
             request.status = _RUNNING
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            self._emit_admitted(request, num_hit, new_reqs, cached)
+            self.worker_requests.emit_admitted(request, kv.get_block_ids(request.request_id),
+                                               num_hit, new_reqs, cached)
             request.num_computed_tokens = num_hit + num_new
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-
-    def _emit_admitted(
-        self,
-        request: Request,
-        num_computed: int,
-        new_reqs: list[NewRequestData],
-        cached: CachedRequestData,
-    ) -> None:
-        """Full data for workers that do not hold the request; for one back from
-        preemption (workers kept its state, tokens included) the replacement
-        block list."""
-        req_id = request.request_id
-        block_ids = self.kv_cache_manager.get_block_ids(req_id)
-        if not self.worker_requests.holds(request):
-            new_reqs.append(
-                NewRequestData(
-                    req_id,
-                    request.prompt_token_ids,
-                    list(request.output_token_ids),
-                    request.sampling_params,
-                    block_ids,
-                    num_computed,
-                    min_tokens_stop_ids(request),
-                )
-            )
-        else:
-            cached.req_ids.append(req_id)
-            cached.resumed_from_preemption.append(True)
-            cached.new_block_ids.append(block_ids)
-            cached.num_computed_tokens.append(num_computed)
 
     def _pop_victim(self) -> tuple[Request, int]:
         running = self.running

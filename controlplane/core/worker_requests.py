@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from controlplane.core.request import Request
+from controlplane.core.outputs import CachedRequestData, NewRequestData
+from controlplane.core.request import Request, min_tokens_stop_ids
 
 
 class WorkerRequests:
@@ -32,6 +33,23 @@ class WorkerRequests:
 
     def holds(self, request: Request) -> bool:
         return self._held.get(request.request_id) is request
+
+    def emit_admitted(self, request: Request, block_ids: list[int], num_computed: int,
+                      new_reqs: list[NewRequestData], cached: CachedRequestData) -> None:
+        """An admitted request in the step's diff: in full for workers that do
+        not hold it; for one back from preemption (the workers kept its
+        state, tokens included) the replacement block list."""
+        req_id = request.request_id
+        if not self.holds(request):
+            new_reqs.append(NewRequestData(
+                req_id, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, block_ids, num_computed,
+                min_tokens_stop_ids(request)))
+        else:
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(True)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_computed)
 
     def step_scheduled(self, new: Iterable[Request], finished: set[str]) -> None:
         """A step sends `new` in full and `finished` as finished. Workers drop

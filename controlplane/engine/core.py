@@ -142,8 +142,9 @@ class EngineCore(InternalErrors):
         """End requests that met a stop rule outside the engine (stop strings)."""
         self.input_queue.put((_Kind.FINISH, (list(request_ids), RequestStatus.FINISHED_STOPPED)))
 
-    def group_ready(self, num_gpu_blocks: int) -> None:
-        self.input_queue.put((_Kind.GROUP_READY, num_gpu_blocks))
+    def group_ready(self, num_gpu_blocks: int, num_offload_slots: int = 0) -> None:
+        """num_offload_slots: the host tier's blocks on every rank (0: none)."""
+        self.input_queue.put((_Kind.GROUP_READY, (num_gpu_blocks, num_offload_slots)))
 
     def group_failed(self, reason: str, kind: str = "worker_error") -> None:
         """The executor's report (kind: its FailureKind value, the recoveries'
@@ -250,11 +251,12 @@ class EngineCore(InternalErrors):
         elif kind is _Kind.FINISH:
             self._finish(*payload)
         elif kind is _Kind.GROUP_READY and self.recovery.holding:
-            self._resume(payload)
+            self._resume(payload[0])  # the scheduler keeps its (emptied) host tier
         elif kind is _Kind.GROUP_READY:
             self._forget_worker_state()  # a new group holds no request state
-            self._new_scheduler(payload)
-            logger.info("engine ready: scheduler over %d KV blocks", payload)
+            self._new_scheduler(*payload)
+            logger.info("engine ready: scheduler over %d KV blocks%s", payload[0],
+                        f", host tier of {payload[1]}" if payload[1] else "")
             # Start-up garbage (model info, tokenizer, protobuf pools) is long
             # lived: freeze it so full collections during steps skip it.
             gc.collect()
@@ -312,12 +314,13 @@ class EngineCore(InternalErrors):
         if outputs:
             self._emit(outputs, None)
 
-    def _new_scheduler(self, num_gpu_blocks: int) -> None:
+    def _new_scheduler(self, num_gpu_blocks: int, num_offload_slots: int = 0) -> None:
         pipelined = self.max_steps_in_flight > 1
         self.scheduler = Scheduler(
             self.scheduler_config, self.cache_config, num_gpu_blocks,
             placeholders=pipelined and self.pipeline_parallel_size == 1,
             num_micro_batches=self.pipeline_parallel_size if pipelined else 1,
+            num_offload_slots=num_offload_slots,
         )
         self.generation += 1
         self.last_stats = self.scheduler.make_stats()

@@ -29,7 +29,7 @@ class InternalErrors:
     exit_process: Callable[[int], object]
     _emit: Callable[[list[EngineCoreOutput], StepRecord | None], None]
     _forget_worker_state: Callable[[], None]
-    _new_scheduler: Callable[[int], None]
+    _new_scheduler: Callable[[int, int], None]
     def _fail_request(self, request: Request, exc: Exception) -> None:
         """Adding one request raised: that request fails, the others go on."""
         logger.error("engine failed to add request %r; failing it", request.request_id,
@@ -72,7 +72,8 @@ class InternalErrors:
         try:
             on_workers = sched.worker_requests.ids()
             self._forget_worker_state()
-            self._new_scheduler(sched.num_gpu_blocks)
+            # Its host tier starts empty: the workers' slots are simply overwritten.
+            self._new_scheduler(sched.num_gpu_blocks, sched.num_offload_slots)
             inherit_worker_ids(self.scheduler, on_workers)
             reason = internal_reason(exc)
             outputs = [error_output(r, reason, EngineErrorCode.INTERNAL) for r in live.values()]

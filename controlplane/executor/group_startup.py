@@ -66,6 +66,9 @@ class GroupStartup:
         self.cache = cache
         # The dtype the ranks load the model in ("" until the first start-up).
         self.dtype = ""
+        # The host tier's size in blocks (the same on every rank), from the
+        # last profile: --kv-offloading-size over a block's bytes on all ranks.
+        self.num_offload_slots = 0
 
     async def run(self, master_addr: str, master_port: int,
                   native_bf16: Mapping[int, bool]) -> int:
@@ -106,7 +109,8 @@ class GroupStartup:
         num_blocks = await self._profile_memory()
         init = worker_pb2.ControlMessage(
             init_kv_cache=worker_pb2.InitKVCache(
-                num_blocks=num_blocks, block_size=self.cache.block_size
+                num_blocks=num_blocks, block_size=self.cache.block_size,
+                num_offload_slots=self.num_offload_slots,
             )
         )
         await self.calls.call_all(init, cfg.startup_timeout_s, "init_kv_cache")
@@ -145,6 +149,9 @@ class GroupStartup:
         )
         replies = await self.calls.call_all(profile, self.cfg.startup_timeout_s, "profile_memory")
         per_rank = {rank: r.memory_profile.num_blocks for rank, r in replies.items()}
+        self.num_offload_slots = offload_slots(
+            self.cache.kv_offloading_size,
+            sum(r.memory_profile.bytes_per_block for r in replies.values()))
         weights = {rank: round(r.memory_profile.weights_bytes / 2**20, 1)
                    for rank, r in sorted(replies.items())}
         num_blocks = min(per_rank.values())
@@ -153,6 +160,26 @@ class GroupStartup:
         if self.cache.num_gpu_blocks_override:
             num_blocks = self.cache.num_gpu_blocks_override
             logger.info("KV blocks overridden to %d", num_blocks)
+        if self.num_offload_slots:
+            logger.info("host tier of the prefix cache: %d blocks (%.2f GiB over all ranks)",
+                        self.num_offload_slots, self.cache.kv_offloading_size)
+        elif self.cache.kv_offloading_size:
+            logger.warning("--kv-offloading-size %g GiB holds no whole block (%d bytes over "
+                           "all ranks): no host tier", self.cache.kv_offloading_size,
+                           sum(r.memory_profile.bytes_per_block for r in replies.values()))
         if num_blocks < 1:
             raise WorkerGroupFailed(f"no KV cache block fits on some rank: {per_rank}")
         return num_blocks
+
+
+# The tier's slot count travels as a uint32 and the scheduler keeps a free
+# list of them: far above any real host tier (2^24 blocks of 16 tokens).
+MAX_OFFLOAD_SLOTS = 1 << 24
+
+
+def offload_slots(size_gib: float, bytes_per_block_all_ranks: int) -> int:
+    """How many blocks a host tier of size_gib GiB (over all ranks) holds,
+    each block taking bytes_per_block_all_ranks summed over the ranks."""
+    if size_gib <= 0 or bytes_per_block_all_ranks <= 0:
+        return 0
+    return min(int(size_gib * 2**30) // bytes_per_block_all_ranks, MAX_OFFLOAD_SLOTS)

@@ -171,6 +171,7 @@ class Executor(StepExecutor):
                 num_gpu_blocks=self._num_gpu_blocks,
                 grammar_mask_bytes=self._grammar_mask_bytes,
                 model_dtype=self._group_startup.dtype,
+                num_offload_slots=self._group_startup.num_offload_slots,
             )
 
     # ---- registration (called by worker_service on the loop) -------------

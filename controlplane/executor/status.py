@@ -80,6 +80,8 @@ class ExecutorStatus:
     # The dtype the ranks load the model in (--dtype auto resolved; "" before
     # the first start-up).
     model_dtype: str = ""
+    # Blocks the prefix cache's host tier holds on every rank (0: none).
+    num_offload_slots: int = 0
 
     @property
     def step_in_flight(self) -> bool:

@@ -73,6 +73,12 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         out.num_scheduled_tokens.extend([num_scheduled[r] for r in cached.req_ids])
         out.num_new_block_ids.extend([len(b) for b in cached.new_block_ids])
         out.new_block_ids.extend([b for blocks in cached.new_block_ids for b in blocks])
+    meta = so.kv_connector_metadata
+    if meta:
+        pb_meta = msg.kv_connector_metadata
+        for pairs, pb_copies in ((meta.stores, pb_meta.stores), (meta.loads, pb_meta.loads)):
+            pb_copies.block_ids.extend([b for b, _ in pairs])
+            pb_copies.tier_slots.extend([s for _, s in pairs])
     return msg
 
 

@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 # Closed label sets, so a series exists (at 0) before its first event and
 # label cardinality cannot grow with traffic.
 ABORT_SOURCES = ("client_cancel", "deadline", "abort_call")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 FAILURE_REASONS = tuple(kind.value for kind in FailureKind)
 
 # vLLM's buckets, extended downwards where a CPU tiny model is faster than a GPU.
@@ -127,6 +128,21 @@ class ControlPlaneMetrics:
         self.prefix_hits = counter(
             "kvloom_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("kvloom_num_preemptions", "Preemptions by recompute.")
+        # vLLM's names: where admitted prompts' tokens came from, and the host
+        # tier below the prefix cache (--kv-offloading-size).
+        by_source = Counter("kvloom_prompt_tokens_by_source", "Prompt tokens of admitted "
+                            "requests by where their KV came from.", ["model_name", "source"],
+                            registry=reg)
+        self.prompt_by_source = {s: by_source.labels(m, s) for s in PROMPT_SOURCES}
+        self.external_queries = counter(
+            "kvloom_external_prefix_cache_queries",
+            "Prompt tokens looked up in the host tier (past the prefix cache's hit).")
+        self.external_hits = counter(
+            "kvloom_external_prefix_cache_hits", "Prompt tokens loaded from the host tier.")
+        self.offload_stores = counter(
+            "kvloom_kv_offload_stores", "KV blocks copied from the pool into the host tier.")
+        self.offload_loads = counter(
+            "kvloom_kv_offload_loads", "KV blocks copied from the host tier into the pool.")
         success = Counter("kvloom_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(m, r) for r in FINISH_REASONS}
@@ -217,6 +233,15 @@ class ControlPlaneMetrics:
             self.prefix_queries.inc(d.prefix_cache_queries)
             self.prefix_hits.inc(d.prefix_cache_hits)
             self.preemptions.inc(d.num_preemptions)
+            external = d.external_prefix_cache_hits
+            self.prompt_by_source["local_cache_hit"].inc(d.prefix_cache_hits)
+            self.prompt_by_source["external_kv_transfer"].inc(external)
+            self.prompt_by_source["local_compute"].inc(
+                max(0, d.prefix_cache_queries - d.prefix_cache_hits - external))
+            self.external_queries.inc(d.external_prefix_cache_queries)
+            self.external_hits.inc(external)
+            self.offload_stores.inc(d.kv_offload_stores)
+            self.offload_loads.inc(d.kv_offload_loads)
 
     def observe_recovery(self, record: RecoveryRecord) -> None:
         self.recovering.set(1.0 if record.recovering else 0.0)
@@ -315,6 +340,11 @@ class _ScrapeCollector:
              stats.num_waiting_reqs if stats else 0),
             ("kvloom_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
              stats.kv_cache_usage if stats else 0.0),
+            ("kvloom_kv_offload_usage_perc", "Fraction of the host tier's blocks holding KV "
+             "(0-1; 0 without a tier).", stats.kv_offload_used_slots / stats.kv_offload_slots
+             if stats and stats.kv_offload_slots else 0.0),
+            ("kvloom_kv_offload_blocks", "Blocks the host tier holds at most (0: no tier).",
+             stats.kv_offload_slots if stats else 0),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([m], value)

@@ -13,7 +13,7 @@ prometheus_client, so it is tested with fabricated timestamps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from controlplane.core.outputs import EngineCoreOutput
 from controlplane.core.sched_stats import SchedulerStats
@@ -182,6 +182,10 @@ class SchedulerCounts:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_stores: int = 0
+    kv_offload_loads: int = 0
 
 
 class CounterDeltas:
@@ -200,12 +204,9 @@ class CounterDeltas:
             self._generation = generation
             self._prev = SchedulerCounts()
         prev = self._prev
-        cur = SchedulerCounts(
-            stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions
-        )
+        cur = SchedulerCounts(*(getattr(stats, f) for f in _COUNTS))
         self._prev = cur
-        return SchedulerCounts(
-            max(0, cur.prefix_cache_queries - prev.prefix_cache_queries),
-            max(0, cur.prefix_cache_hits - prev.prefix_cache_hits),
-            max(0, cur.num_preemptions - prev.num_preemptions),
-        )
+        return SchedulerCounts(*(max(0, getattr(cur, f) - getattr(prev, f)) for f in _COUNTS))
+
+
+_COUNTS = tuple(f.name for f in fields(SchedulerCounts))

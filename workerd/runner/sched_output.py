@@ -57,6 +57,23 @@ class CachedRequestData:
 
 
 @dataclass(slots=True)
+class KVBlockCopies:
+    """Pair i copies between block_ids[i] and tier_slots[i] (worker.proto)."""
+
+    block_ids: list[int] = field(default_factory=list)
+    tier_slots: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVConnectorMetadata:
+    """A step's copies to and from the host tier, run before its forward:
+    stores, then loads."""
+
+    stores: KVBlockCopies = field(default_factory=KVBlockCopies)
+    loads: KVBlockCopies = field(default_factory=KVBlockCopies)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
@@ -68,6 +85,8 @@ class SchedulerOutput:
     # Requests whose token this step is grammar-constrained, in the order of
     # the step's GrammarMasks: the output rank samples only once those are in.
     constrained_req_ids: list[str] = field(default_factory=list)
+    # The step's KV connector instructions; None when nothing moves.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 @dataclass(slots=True)

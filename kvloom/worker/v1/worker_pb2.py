@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvloom/worker/v1/worker.proto\x12\x10kvloom.worker.v1\"\xd4\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x11\n\tdist_port\x18\x07 \x01(\r\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x13\n\x0bnative_bf16\x18\n \x01(\x08\x42\x07\n\x05_rank\"1\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\"\xae\x01\n\x0fInitDistributed\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x06 \x01(\r\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"\xba\x01\n\tLoadModel\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1a\n\x12pp_layer_partition\x18\x03 \x03(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x06limits\x18\x05 \x01(\x0b\x32\x1e.kvloom.worker.v1.WorkerLimits\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x15\n\renforce_eager\x18\x07 \x01(\x08\"[\n\x0cWorkerLimits\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"b\n\rProfileMemory\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x1d\n\x15kv_cache_memory_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x03 \x01(\x02\"S\n\rMemoryProfile\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\"5\n\x0bInitKVCache\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\"\xcd\x02\n\x15RequestSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xe4\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12@\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\'.kvloom.worker.v1.RequestSamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"\xe0\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1f\n\x17resumed_from_preemption\x18\x02 \x03(\x08\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x07 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x08 \x03(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\rnew_token_idsR\x11num_new_token_ids\"\x9a\x02\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12<\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32 .kvloom.worker.v1.NewRequestData\x12\x42\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32#.kvloom.worker.v1.CachedRequestData\x12\"\n\x1atotal_num_scheduled_tokens\x18\x04 \x01(\r\x12\x18\n\x10\x66inished_req_ids\x18\x05 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x06 \x03(\t\x12\x1b\n\x13\x63onstrained_req_ids\x18\x07 \x03(\t\"K\n\x0cGrammarMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x05masks\x18\x02 \x03(\x0b\x32\x1b.kvloom.worker.v1.TokenMask\"\xa6\x01\n\tTokenMask\x12\x11\n\x07\x62itmask\x18\x01 \x01(\x0cH\x00\x12\x30\n\x07\x61llowed\x18\x02 \x01(\x0b\x32\x1d.kvloom.worker.v1.TokenIdListH\x00\x12\x33\n\ndisallowed\x18\x03 \x01(\x0b\x32\x1d.kvloom.worker.v1.TokenIdListH\x00\x12\x17\n\runconstrained\x18\x04 \x01(\x08H\x00\x42\x06\n\x04mask\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"l\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x32\n\tpositions\x18\x03 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\"\xc5\x01\n\x11ModelRunnerOutput\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66orward_time_s\x18\x03 \x01(\x02\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32 .kvloom.worker.v1.PromptLogprobs\"\x06\n\x04Ping\"\x17\n\x05Reset\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\tResetDone\x12\x11\n\tdist_port\x18\x01 \x01(\r\"4\n\x0bModelLoaded\x12\x0e\n\x06reused\x18\x01 \x01(\x08\x12\x15\n\rweights_bytes\x18\x02 \x01(\x04\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xbf\x04\n\x0e\x43ontrolMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\nregistered\x18\n \x01(\x0b\x32\x1f.kvloom.worker.v1.RegisterReplyH\x00\x12=\n\x10init_distributed\x18\x0b \x01(\x0b\x32!.kvloom.worker.v1.InitDistributedH\x00\x12\x31\n\nload_model\x18\x0c \x01(\x0b\x32\x1b.kvloom.worker.v1.LoadModelH\x00\x12\x39\n\x0eprofile_memory\x18\r \x01(\x0b\x32\x1f.kvloom.worker.v1.ProfileMemoryH\x00\x12\x36\n\rinit_kv_cache\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.InitKVCacheH\x00\x12:\n\rexecute_model\x18\x0f \x01(\x0b\x32!.kvloom.worker.v1.SchedulerOutputH\x00\x12&\n\x04ping\x18\x10 \x01(\x0b\x32\x16.kvloom.worker.v1.PingH\x00\x12.\n\x08shutdown\x18\x11 \x01(\x0b\x32\x1a.kvloom.worker.v1.ShutdownH\x00\x12(\n\x05reset\x18\x12 \x01(\x0b\x32\x17.kvloom.worker.v1.ResetH\x00\x12\x37\n\rgrammar_masks\x18\x13 \x01(\x0b\x32\x1e.kvloom.worker.v1.GrammarMasksH\x00\x42\t\n\x07\x63ommand\"\x05\n\x03\x41\x63k\"(\n\tHeartbeat\x12\x1b\n\x13last_forward_time_s\x18\x01 \x01(\x02\",\n\x0bWorkerError\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd3\x03\n\rWorkerMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08register\x18\n \x01(\x0b\x32!.kvloom.worker.v1.RegisterRequestH\x00\x12$\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x15.kvloom.worker.v1.AckH\x00\x12\x39\n\x0ememory_profile\x18\x0c \x01(\x0b\x32\x1f.kvloom.worker.v1.MemoryProfileH\x00\x12\x42\n\x13model_runner_output\x18\r \x01(\x0b\x32#.kvloom.worker.v1.ModelRunnerOutputH\x00\x12.\n\x05\x65rror\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.WorkerErrorH\x00\x12\x30\n\theartbeat\x18\x0f \x01(\x0b\x32\x1b.kvloom.worker.v1.HeartbeatH\x00\x12\x31\n\nreset_done\x18\x10 \x01(\x0b\x32\x1b.kvloom.worker.v1.ResetDoneH\x00\x12\x35\n\x0cmodel_loaded\x18\x11 \x01(\x0b\x32\x1d.kvloom.worker.v1.ModelLoadedH\x00\x42\t\n\x07payload*\x99\x01\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x16\n\x12PROTOCOL_VERSION_3\x10\x03\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x04\x32\x61\n\rWorkerControl\x12P\n\x07\x43onnect\x12\x1f.kvloom.worker.v1.WorkerMessage\x1a .kvloom.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvloom/worker/v1/worker.proto\x12\x10kvloom.worker.v1\"\xd4\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nauth_token\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x11\n\tdist_port\x18\x07 \x01(\r\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x13\n\x0bnative_bf16\x18\n \x01(\x08\x42\x07\n\x05_rank\"1\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\"\xae\x01\n\x0fInitDistributed\x12\x13\n\x0bmaster_addr\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x06 \x01(\r\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"\xba\x01\n\tLoadModel\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x1a\n\x12pp_layer_partition\x18\x03 \x03(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12.\n\x06limits\x18\x05 \x01(\x0b\x32\x1e.kvloom.worker.v1.WorkerLimits\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x15\n\renforce_eager\x18\x07 \x01(\x08\"[\n\x0cWorkerLimits\x12\x1e\n\x16max_num_batched_tokens\x18\x01 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"b\n\rProfileMemory\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x1d\n\x15kv_cache_memory_bytes\x18\x02 \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x03 \x01(\x02\"S\n\rMemoryProfile\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\"P\n\x0bInitKVCache\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x19\n\x11num_offload_slots\x18\x03 \x01(\r\"\xcd\x02\n\x15RequestSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1b\n\x13min_tokens_stop_ids\x18\x0c \x03(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xe4\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12@\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\'.kvloom.worker.v1.RequestSamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\"\xe0\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1f\n\x17resumed_from_preemption\x18\x02 \x03(\x08\x12\x1b\n\x13num_computed_tokens\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x03(\r\x12\x15\n\rnew_block_ids\x18\x07 \x03(\r\x12\x19\n\x11num_new_block_ids\x18\x08 \x03(\rJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\rnew_token_idsR\x11num_new_token_ids\"\xe0\x02\n\x0fSchedulerOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12<\n\x12scheduled_new_reqs\x18\x02 \x03(\x0b\x32 .kvloom.worker.v1.NewRequestData\x12\x42\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32#.kvloom.worker.v1.CachedRequestData\x12\"\n\x1atotal_num_scheduled_tokens\x18\x04 \x01(\r\x12\x18\n\x10\x66inished_req_ids\x18\x05 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x06 \x03(\t\x12\x1b\n\x13\x63onstrained_req_ids\x18\x07 \x03(\t\x12\x44\n\x15kv_connector_metadata\x18\x08 \x01(\x0b\x32%.kvloom.worker.v1.KVConnectorMetadata\"6\n\rKVBlockCopies\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\ntier_slots\x18\x02 \x03(\r\"v\n\x13KVConnectorMetadata\x12/\n\x06stores\x18\x01 \x01(\x0b\x32\x1f.kvloom.worker.v1.KVBlockCopies\x12.\n\x05loads\x18\x02 \x01(\x0b\x32\x1f.kvloom.worker.v1.KVBlockCopies\"K\n\x0cGrammarMasks\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x05masks\x18\x02 \x03(\x0b\x32\x1b.kvloom.worker.v1.TokenMask\"\xa6\x01\n\tTokenMask\x12\x11\n\x07\x62itmask\x18\x01 \x01(\x0cH\x00\x12\x30\n\x07\x61llowed\x18\x02 \x01(\x0b\x32\x1d.kvloom.worker.v1.TokenIdListH\x00\x12\x33\n\ndisallowed\x18\x03 \x01(\x0b\x32\x1d.kvloom.worker.v1.TokenIdListH\x00\x12\x17\n\runconstrained\x18\x04 \x01(\x08H\x00\x42\x06\n\x04mask\"\x1a\n\x0bTokenIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"l\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x32\n\tpositions\x18\x03 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\"\xc5\x01\n\x11ModelRunnerOutput\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66orward_time_s\x18\x03 \x01(\x02\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.kvloom.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32 .kvloom.worker.v1.PromptLogprobs\"\x06\n\x04Ping\"\x17\n\x05Reset\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1e\n\tResetDone\x12\x11\n\tdist_port\x18\x01 \x01(\r\"4\n\x0bModelLoaded\x12\x0e\n\x06reused\x18\x01 \x01(\x08\x12\x15\n\rweights_bytes\x18\x02 \x01(\x04\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xbf\x04\n\x0e\x43ontrolMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\nregistered\x18\n \x01(\x0b\x32\x1f.kvloom.worker.v1.RegisterReplyH\x00\x12=\n\x10init_distributed\x18\x0b \x01(\x0b\x32!.kvloom.worker.v1.InitDistributedH\x00\x12\x31\n\nload_model\x18\x0c \x01(\x0b\x32\x1b.kvloom.worker.v1.LoadModelH\x00\x12\x39\n\x0eprofile_memory\x18\r \x01(\x0b\x32\x1f.kvloom.worker.v1.ProfileMemoryH\x00\x12\x36\n\rinit_kv_cache\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.InitKVCacheH\x00\x12:\n\rexecute_model\x18\x0f \x01(\x0b\x32!.kvloom.worker.v1.SchedulerOutputH\x00\x12&\n\x04ping\x18\x10 \x01(\x0b\x32\x16.kvloom.worker.v1.PingH\x00\x12.\n\x08shutdown\x18\x11 \x01(\x0b\x32\x1a.kvloom.worker.v1.ShutdownH\x00\x12(\n\x05reset\x18\x12 \x01(\x0b\x32\x17.kvloom.worker.v1.ResetH\x00\x12\x37\n\rgrammar_masks\x18\x13 \x01(\x0b\x32\x1e.kvloom.worker.v1.GrammarMasksH\x00\x42\t\n\x07\x63ommand\"\x05\n\x03\x41\x63k\"(\n\tHeartbeat\x12\x1b\n\x13last_forward_time_s\x18\x01 \x01(\x02\",\n\x0bWorkerError\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd3\x03\n\rWorkerMessage\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x35\n\x08register\x18\n \x01(\x0b\x32!.kvloom.worker.v1.RegisterRequestH\x00\x12$\n\x03\x61\x63k\x18\x0b \x01(\x0b\x32\x15.kvloom.worker.v1.AckH\x00\x12\x39\n\x0ememory_profile\x18\x0c \x01(\x0b\x32\x1f.kvloom.worker.v1.MemoryProfileH\x00\x12\x42\n\x13model_runner_output\x18\r \x01(\x0b\x32#.kvloom.worker.v1.ModelRunnerOutputH\x00\x12.\n\x05\x65rror\x18\x0e \x01(\x0b\x32\x1d.kvloom.worker.v1.WorkerErrorH\x00\x12\x30\n\theartbeat\x18\x0f \x01(\x0b\x32\x1b.kvloom.worker.v1.HeartbeatH\x00\x12\x31\n\nreset_done\x18\x10 \x01(\x0b\x32\x1b.kvloom.worker.v1.ResetDoneH\x00\x12\x35\n\x0cmodel_loaded\x18\x11 \x01(\x0b\x32\x1d.kvloom.worker.v1.ModelLoadedH\x00\x42\t\n\x07payload*\x99\x01\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01\x12\x16\n\x12PROTOCOL_VERSION_2\x10\x02\x12\x16\n\x12PROTOCOL_VERSION_3\x10\x03\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x04\x32\x61\n\rWorkerControl\x12P\n\x07\x43onnect\x12\x1f.kvloom.worker.v1.WorkerMessage\x1a .kvloom.worker.v1.ControlMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvloom.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=4063
-  _globals['_PROTOCOLVERSION']._serialized_end=4216
+  _globals['_PROTOCOLVERSION']._serialized_start=4336
+  _globals['_PROTOCOLVERSION']._serialized_end=4489
   _globals['_REGISTERREQUEST']._serialized_start=52
   _globals['_REGISTERREQUEST']._serialized_end=264
   _globals['_REGISTERREPLY']._serialized_start=266
@@ -48,47 +48,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMORYPROFILE']._serialized_start=876
   _globals['_MEMORYPROFILE']._serialized_end=959
   _globals['_INITKVCACHE']._serialized_start=961
-  _globals['_INITKVCACHE']._serialized_end=1014
-  _globals['_REQUESTSAMPLINGPARAMS']._serialized_start=1017
-  _globals['_REQUESTSAMPLINGPARAMS']._serialized_end=1350
-  _globals['_NEWREQUESTDATA']._serialized_start=1353
-  _globals['_NEWREQUESTDATA']._serialized_end=1581
-  _globals['_CACHEDREQUESTDATA']._serialized_start=1584
-  _globals['_CACHEDREQUESTDATA']._serialized_end=1808
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1811
-  _globals['_SCHEDULEROUTPUT']._serialized_end=2093
-  _globals['_GRAMMARMASKS']._serialized_start=2095
-  _globals['_GRAMMARMASKS']._serialized_end=2170
-  _globals['_TOKENMASK']._serialized_start=2173
-  _globals['_TOKENMASK']._serialized_end=2339
-  _globals['_TOKENIDLIST']._serialized_start=2341
-  _globals['_TOKENIDLIST']._serialized_end=2367
-  _globals['_TOKENLOGPROBS']._serialized_start=2369
-  _globals['_TOKENLOGPROBS']._serialized_end=2460
-  _globals['_PROMPTLOGPROBS']._serialized_start=2462
-  _globals['_PROMPTLOGPROBS']._serialized_end=2570
-  _globals['_MODELRUNNEROUTPUT']._serialized_start=2573
-  _globals['_MODELRUNNEROUTPUT']._serialized_end=2770
-  _globals['_PING']._serialized_start=2772
-  _globals['_PING']._serialized_end=2778
-  _globals['_RESET']._serialized_start=2780
-  _globals['_RESET']._serialized_end=2803
-  _globals['_RESETDONE']._serialized_start=2805
-  _globals['_RESETDONE']._serialized_end=2835
-  _globals['_MODELLOADED']._serialized_start=2837
-  _globals['_MODELLOADED']._serialized_end=2889
-  _globals['_SHUTDOWN']._serialized_start=2891
-  _globals['_SHUTDOWN']._serialized_end=2917
-  _globals['_CONTROLMESSAGE']._serialized_start=2920
-  _globals['_CONTROLMESSAGE']._serialized_end=3495
-  _globals['_ACK']._serialized_start=3497
-  _globals['_ACK']._serialized_end=3502
-  _globals['_HEARTBEAT']._serialized_start=3504
-  _globals['_HEARTBEAT']._serialized_end=3544
-  _globals['_WORKERERROR']._serialized_start=3546
-  _globals['_WORKERERROR']._serialized_end=3590
-  _globals['_WORKERMESSAGE']._serialized_start=3593
-  _globals['_WORKERMESSAGE']._serialized_end=4060
-  _globals['_WORKERCONTROL']._serialized_start=4218
-  _globals['_WORKERCONTROL']._serialized_end=4315
+  _globals['_INITKVCACHE']._serialized_end=1041
+  _globals['_REQUESTSAMPLINGPARAMS']._serialized_start=1044
+  _globals['_REQUESTSAMPLINGPARAMS']._serialized_end=1377
+  _globals['_NEWREQUESTDATA']._serialized_start=1380
+  _globals['_NEWREQUESTDATA']._serialized_end=1608
+  _globals['_CACHEDREQUESTDATA']._serialized_start=1611
+  _globals['_CACHEDREQUESTDATA']._serialized_end=1835
+  _globals['_SCHEDULEROUTPUT']._serialized_start=1838
+  _globals['_SCHEDULEROUTPUT']._serialized_end=2190
+  _globals['_KVBLOCKCOPIES']._serialized_start=2192
+  _globals['_KVBLOCKCOPIES']._serialized_end=2246
+  _globals['_KVCONNECTORMETADATA']._serialized_start=2248
+  _globals['_KVCONNECTORMETADATA']._serialized_end=2366
+  _globals['_GRAMMARMASKS']._serialized_start=2368
+  _globals['_GRAMMARMASKS']._serialized_end=2443
+  _globals['_TOKENMASK']._serialized_start=2446
+  _globals['_TOKENMASK']._serialized_end=2612
+  _globals['_TOKENIDLIST']._serialized_start=2614
+  _globals['_TOKENIDLIST']._serialized_end=2640
+  _globals['_TOKENLOGPROBS']._serialized_start=2642
+  _globals['_TOKENLOGPROBS']._serialized_end=2733
+  _globals['_PROMPTLOGPROBS']._serialized_start=2735
+  _globals['_PROMPTLOGPROBS']._serialized_end=2843
+  _globals['_MODELRUNNEROUTPUT']._serialized_start=2846
+  _globals['_MODELRUNNEROUTPUT']._serialized_end=3043
+  _globals['_PING']._serialized_start=3045
+  _globals['_PING']._serialized_end=3051
+  _globals['_RESET']._serialized_start=3053
+  _globals['_RESET']._serialized_end=3076
+  _globals['_RESETDONE']._serialized_start=3078
+  _globals['_RESETDONE']._serialized_end=3108
+  _globals['_MODELLOADED']._serialized_start=3110
+  _globals['_MODELLOADED']._serialized_end=3162
+  _globals['_SHUTDOWN']._serialized_start=3164
+  _globals['_SHUTDOWN']._serialized_end=3190
+  _globals['_CONTROLMESSAGE']._serialized_start=3193
+  _globals['_CONTROLMESSAGE']._serialized_end=3768
+  _globals['_ACK']._serialized_start=3770
+  _globals['_ACK']._serialized_end=3775
+  _globals['_HEARTBEAT']._serialized_start=3777
+  _globals['_HEARTBEAT']._serialized_end=3817
+  _globals['_WORKERERROR']._serialized_start=3819
+  _globals['_WORKERERROR']._serialized_end=3863
+  _globals['_WORKERMESSAGE']._serialized_start=3866
+  _globals['_WORKERMESSAGE']._serialized_end=4333
+  _globals['_WORKERCONTROL']._serialized_start=4491
+  _globals['_WORKERCONTROL']._serialized_end=4588
 # @@protoc_insertion_point(module_scope)

@@ -119,12 +119,14 @@ class MemoryProfile(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., weights_bytes: _Optional[int] = ...) -> None: ...
 
 class InitKVCache(_message.Message):
-    __slots__ = ("num_blocks", "block_size")
+    __slots__ = ("num_blocks", "block_size", "num_offload_slots")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    num_offload_slots: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_offload_slots: _Optional[int] = ...) -> None: ...
 
 class RequestSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs", "min_tokens", "min_tokens_stop_ids")
@@ -189,7 +191,7 @@ class CachedRequestData(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., resumed_from_preemption: _Optional[_Iterable[bool]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "constrained_req_ids")
+    __slots__ = ("step_id", "scheduled_new_reqs", "scheduled_cached_reqs", "total_num_scheduled_tokens", "finished_req_ids", "preempted_req_ids", "constrained_req_ids", "kv_connector_metadata")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +199,7 @@ class SchedulerOutput(_message.Message):
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_METADATA_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
@@ -204,7 +207,24 @@ class SchedulerOutput(_message.Message):
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
     constrained_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., constrained_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_connector_metadata: KVConnectorMetadata
+    def __init__(self, step_id: _Optional[int] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., total_num_scheduled_tokens: _Optional[int] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., constrained_req_ids: _Optional[_Iterable[str]] = ..., kv_connector_metadata: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ...) -> None: ...
+
+class KVBlockCopies(_message.Message):
+    __slots__ = ("block_ids", "tier_slots")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tier_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., tier_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVConnectorMetadata(_message.Message):
+    __slots__ = ("stores", "loads")
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    stores: KVBlockCopies
+    loads: KVBlockCopies
+    def __init__(self, stores: _Optional[_Union[KVBlockCopies, _Mapping]] = ..., loads: _Optional[_Union[KVBlockCopies, _Mapping]] = ...) -> None: ...
 
 class GrammarMasks(_message.Message):
     __slots__ = ("step_id", "masks")

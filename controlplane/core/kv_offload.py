@@ -1,0 +1,146 @@
+"""The host tier of the prefix cache, scheduler half: the KV connector's first
+user (issue 43; vLLM's OffloadingConnector with its native CPU backend,
+`--kv-offloading-size GIB --kv-offloading-backend native`).
+
+The block pool keeps a freed block's KV reusable until the block is handed
+out again; then its hash is evicted and, without a tier, that prefix is
+prefilled from scratch the next time it is asked for. With a tier, the
+block's KV is copied out first, into one of num_slots host-memory slots that
+every rank holds beside its KV cache (workerd/runner/host_kv_tier.py), and
+a later admission whose prefix hits the pool up to block j and the tier from
+block j on loads those blocks back instead of recomputing them.
+
+The controlplane owns the tier's logic, as it owns the pool's: the map from
+block hash to slot (least recently used first), which slot a store takes,
+and when. The workers only copy: each step's copies travel in the
+SchedulerOutput (KVConnectorMetadata, typed, as (block id, slot) pairs) and
+every rank runs them on its own layers and heads before the step's forward,
+stores first, then loads. That order is the fence:
+
+* a store copies a block that was just evicted to be reused in this very
+  step, before this step's forward writes new KV into it; every step that
+  computed its old KV ran before (steps run in order on every rank);
+* a load lands before the attention that reads it, so a request admitted
+  with a tier hit runs in the same step (a synchronous load, vLLM's
+  load_async=False), and its loaded blocks enter the prefix cache at once;
+* a slot a load reads this step is pinned: no store of the same step may
+  take it (a store would run first and overwrite it). A slot stored to this
+  step may be loaded from in the same step: the store runs first, so the
+  load reads the KV just stored.
+
+Nothing here touches KV: a lookup is a dict probe per block, and a step with
+nothing to copy carries no metadata at all. After the worker group re-forms
+the tier is forgotten with the prefix cache (KVCacheManager.reset_prefix_cache):
+the new ranks' tiers are empty, so nothing stale can be served.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from controlplane.core.outputs import KVConnectorMetadata
+
+
+class OffloadingScheduler:
+    """The tier's logical side: num_slots slots, each holding one block's KV
+    on every rank, found by block hash."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        # block hash -> slot, least recently used first.
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        # Slots this step loads from or stores to: no other store may take them.
+        self._pinned: set[int] = set()
+        self._stores: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        # Cumulative counts, for metrics (blocks).
+        self.num_stored = 0
+        self.num_loaded = 0
+        self.num_tier_evictions = 0
+        self.num_dropped_stores = 0
+
+    # -- queries -----------------------------------------------------------
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slot_of
+
+    # -- the pool's evictions: stores ----------------------------------------
+
+    def on_evict(self, block_id: int, block_hash: bytes) -> None:
+        """A cached block is being handed out again: keep its KV in the tier
+        (a store this step), unless the tier already holds that content."""
+        slot_of = self._slot_of
+        if block_hash in slot_of:
+            slot_of.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:  # every slot is pinned by this step: the block is lost
+            self.num_dropped_stores += 1
+            return
+        slot_of[block_hash] = slot
+        self._pinned.add(slot)
+        self._stores.append((block_id, slot))
+        self.num_stored += 1
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        pinned = self._pinned
+        for block_hash, slot in self._slot_of.items():  # least recently used first
+            if slot not in pinned:
+                del self._slot_of[block_hash]
+                self.num_tier_evictions += 1
+                return slot
+        return None
+
+    # -- admissions: loads ---------------------------------------------------
+
+    def num_hit_blocks(self, hashes: list[bytes]) -> int:
+        """How many of hashes, from the first, the tier holds in a row. Their
+        slots are pinned for this step (an allocation made for the same
+        admission may evict blocks, and their stores must not take them)."""
+        slot_of, n = self._slot_of, 0
+        for block_hash in hashes:
+            slot = slot_of.get(block_hash)
+            if slot is None:
+                break
+            self._pinned.add(slot)
+            n += 1
+        return n
+
+    def load(self, hashes: list[bytes], block_ids: list[int]) -> None:
+        """Load the tier's copies of hashes (a hit num_hit_blocks found this
+        step) into block_ids, before this step's forward."""
+        slot_of = self._slot_of
+        for block_hash, block_id in zip(hashes, block_ids, strict=True):
+            slot = slot_of[block_hash]
+            slot_of.move_to_end(block_hash)
+            self._pinned.add(slot)
+            self._loads.append((block_id, slot))
+        self.num_loaded += len(block_ids)
+
+    # -- per step --------------------------------------------------------------
+
+    def take_step(self) -> KVConnectorMetadata | None:
+        """This step's copies (None when nothing moves); the next step starts clean."""
+        self._pinned.clear()
+        if not self._stores and not self._loads:
+            return None
+        meta = KVConnectorMetadata(self._stores, self._loads)
+        self._stores, self._loads = [], []
+        return meta
+
+    def reset(self) -> None:
+        """Forget every slot's content (the workers' tiers are gone or stale).
+        Copies not yet sent are dropped with it."""
+        self._slot_of.clear()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._pinned.clear()
+        self._stores, self._loads = [], []

@@ -1,0 +1,57 @@
+"""The prefix cache's host tier across processes: TP=2 (each rank keeps its
+heads of every block) and PP=2 (each stage its layers), the daemons started
+with --kv-offloading-size over a pool smaller than the working set. A prompt
+evicted by three others comes back from the tier: every token equals
+transformers' greedy ones, and the metrics count its 5 blocks as loaded
+(kvloom_prompt_tokens_by_source{source="external_kv_transfer"}), not
+computed. tests/inprocess/test_kv_offload.py has the negative controls."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from kvloom.v1 import generation_pb2_grpc
+from tests.inprocess.test_kv_offload import MAX_TOKENS, OTHERS, RETURNING
+from tests.integration.api_helpers import collect, greedy_request, scrape
+from tests.integration.conftest import running_cluster
+from tests.integration.reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+# 8 blocks of 4 tokens: one request at a time fits, two prompts do not.
+ARGS = ("--block-size", "4", "--num-gpu-blocks-override", "8", "--kv-offloading-size", "0.01")
+
+
+async def _one_at_a_time(address: str) -> list[list[int]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        out = []
+        for i, prompt in enumerate([RETURNING, *OTHERS, RETURNING]):
+            reply = await collect(stub, greedy_request(prompt, max_tokens=MAX_TOKENS,
+                                                       request_id=f"r{i}"))
+            out.append([t for m in reply for t in m.token_ids])
+    return out
+
+
+def _external_tokens(metrics_url: str) -> float:
+    key = ("kvloom_prompt_tokens_by_source_total", (("source", "external_kv_transfer"),))
+    deadline = time.monotonic() + 10
+    while True:  # the last step's record reaches the exporter just after its reply
+        value = scrape(metrics_url).get(key, 0.0)
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_an_evicted_prompt_returns_from_the_tier_token_exact(tiny_model_dir, tp, pp):
+    with running_cluster(tiny_model_dir, tp=tp, pp=pp, args=ARGS) as cluster:
+        got = asyncio.run(_one_at_a_time(cluster.api_address))
+        external = _external_tokens(cluster.metrics_address)
+    expected = [hf_greedy(tiny_model_dir, p, MAX_TOKENS) for p in [RETURNING, *OTHERS]]
+    assert got == [*expected, expected[0]]
+    assert external == 5 * 4

@@ -99,3 +99,23 @@ def test_gen_trace_then_scheduler_replay(tmp_path):
     assert result["output_tokens"] == 8 * 16  # ignore_eos: each reaches max_tokens
     assert result["steps"] >= 16 and result["diff_bytes_max"] >= result["diff_bytes_mean"] > 0
     assert result["step_ms_mean"] > 0 and result["num_blocks"] > 0
+
+
+def test_kv_offload(tiny_model_dir, tmp_path):
+    out = tmp_path / "offload.json"
+    run_script("kv_offload", "--model", tiny_model_dir, "--conversations", "3", "--turns", "2",
+               "--system-len", "40", "--turn-len", "8", "--max-tokens", "4",
+               "--pool-blocks", "8", "--tier-gib", "0.01", "--threads", "1",
+               "--idle-steps", "2", "--json", str(out))
+    result = read_json(out)
+    (run,) = result["rounds"]
+    tier, recompute = run["tier"], run["recompute"]
+    assert tier["requests"] == recompute["requests"] == 6
+    assert tier["prompt_tokens"] == recompute["prompt_tokens"]
+    # The pool (8 blocks) cannot hold 3 conversations: they come back from
+    # the tier, or are computed again without one.
+    assert tier["tokens_tier_hit"] > 0 and tier["tier_loads"] > 0
+    assert recompute["tokens_tier_hit"] == recompute["tier_stores"] == 0
+    assert recompute["tokens_computed"] - tier["tokens_computed"] == tier["tokens_tier_hit"]
+    assert len(tier["ttft_returning_ms"]) == 3 and run["ratio"] > 0
+    assert result["idle_ratio"] > 0 and result["tier_blocks"] > 0

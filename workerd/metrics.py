@@ -3,8 +3,9 @@
 What only the rank itself knows: how long each forward pass took (every
 rank, not just the output rank the controlplane hears from), how long the
 output rank waited for a constrained step's grammar masks, how many KV
-blocks it allocated and their bytes, its model weights, and the memory it
-holds (process RSS on CPU, torch.cuda.memory_allocated on CUDA). Series are
+blocks it allocated and their bytes, its host tier's copies (blocks, bytes,
+time), its model weights, and the memory it holds (process RSS on CPU,
+torch.cuda.memory_allocated on CUDA). Series are
 named kvloom_workerd_* so they never duplicate the controlplane's kvloom_*
 series, and carry rank and model_name (the checkpoint directory's name).
 
@@ -76,6 +77,23 @@ class WorkerMetrics:
             "the controlplane's grammar masks (structured outputs) before it could sample.",
             ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
         )
+        # The prefix cache's host tier on this rank (workerd/runner/host_kv_tier.py).
+        self._offload_blocks = Counter(
+            "kvloom_workerd_kv_offload_blocks",
+            "KV blocks this rank copied to (store) or from (load) its host tier.",
+            ["model_name", "rank", "direction"], registry=self.registry,
+        )
+        self._offload_bytes = Counter(
+            "kvloom_workerd_kv_offload_bytes",
+            "Bytes this rank copied to (store) or from (load) its host tier.",
+            ["model_name", "rank", "direction"], registry=self.registry,
+        )
+        self._offload_time = Histogram(
+            "kvloom_workerd_kv_offload_time_seconds",
+            "Time a step's host-tier copies took on this rank, before its forward.",
+            ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
+        )
+        self.kv_offload_bytes = 0
         # reused="true": a survivor of a group failure kept its weights.
         self._loads = Counter(
             "kvloom_workerd_model_loads",
@@ -105,6 +123,8 @@ class WorkerMetrics:
             if worker.ps is not None and not worker.ps.is_first_pp_rank:
                 self._pipeline_wait.labels(self.model_name, str(self.rank)).observe(
                     worker.runner.last_recv_wait_s)
+            if msg.execute_model.HasField("kv_connector_metadata"):
+                self._record_offload(worker.runner.kv_tier)
             if (msg.execute_model.constrained_req_ids and worker.ps is not None
                     and worker.ps.is_output_rank):
                 self._grammar_wait.labels(self.model_name, str(self.rank)).observe(
@@ -121,6 +141,16 @@ class WorkerMetrics:
             self.kv_block_bytes = reply.memory_profile.bytes_per_block
         elif kind == "init_kv_cache":
             self.kv_blocks = msg.init_kv_cache.num_blocks
+            tier = worker.runner.kv_tier
+            self.kv_offload_bytes = tier.nbytes if tier is not None else 0
+
+    def _record_offload(self, tier) -> None:
+        labels = (self.model_name, str(self.rank))
+        stored, loaded, seconds = tier.last_step
+        for direction, blocks in (("store", stored), ("load", loaded)):
+            self._offload_blocks.labels(*labels, direction).inc(blocks)
+            self._offload_bytes.labels(*labels, direction).inc(blocks * tier.block_bytes)
+        self._offload_time.labels(*labels).observe(seconds)
 
     def memory_in_use(self) -> tuple[str, int]:
         """(what was measured, bytes): CUDA allocations on a GPU rank, else RSS."""
@@ -163,6 +193,8 @@ class _StateCollector:
              m.kv_blocks),
             ("kvloom_workerd_kv_cache_bytes", "Bytes of this rank's KV cache tensors.",
              m.kv_blocks * m.kv_block_bytes),
+            ("kvloom_workerd_kv_offload_tier_bytes", "Bytes of this rank's host tier "
+             "(0: none; committed as its slots are first written).", m.kv_offload_bytes),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model_name", "rank"])
             g.add_metric(labels, value)

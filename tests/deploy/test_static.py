@@ -148,6 +148,15 @@ def test_chart_passes_the_kv_cache_size_only_when_configured():
     assert "--kv-cache-memory-bytes=17179869184" in args
 
 
+def test_chart_passes_the_host_tier_only_when_configured():
+    from tests.deploy.test_static_gateway import _render_fails
+
+    assert "--kv-offloading-size" not in _flags(_controlplane_args(render()))
+    assert "--kv-offloading-size=2" in _controlplane_args(render("cache.kvOffloadingSize=2"))
+    for hostile in ("-1", "5000"):
+        assert "schema" in _render_fails(f"cache.kvOffloadingSize={hostile}")
+
+
 @pytest.mark.parametrize("files", [("docker-compose.yml",),
                                    ("docker-compose.yml", "deploy/compose.gpu.yml")])
 def test_compose_passes_the_configured_kv_cache_size(files):

@@ -25,6 +25,8 @@ turns into an out-of-bounds write.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from workerd.runner.kv_cache import zeroed_cpu_tensor
@@ -49,17 +51,25 @@ class HostKVTier:
             zeroed_cpu_tensor((cache.shape[0], num_slots, *cache.shape[2:]), cache.dtype)
             for cache in kv_caches
         ]
-        # Counted for the rank's metrics: blocks copied each way.
+        # Counted for the rank's metrics: blocks copied each way, and the
+        # latest step's copies (blocks stored, blocks loaded, seconds).
         self.num_stored = self.num_loaded = 0
+        self.last_step = (0, 0, 0.0)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.slots)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block's copy moves on this rank (its layers, K and V)."""
+        return self.nbytes // self.num_slots
+
     def apply(self, meta: KVConnectorMetadata) -> None:
         """Run a step's copies: stores, then loads (every index checked first)."""
         stores = self._indices(meta.stores, "stores")
         loads = self._indices(meta.loads, "loads")
+        start = time.perf_counter()
         if stores is not None:
             blocks, slots = stores
             for cache, tier in zip(self.kv_caches, self.slots, strict=True):
@@ -71,6 +81,8 @@ class HostKVTier:
                 cache.index_copy_(_BLOCK_DIM, blocks.to(cache.device),
                                   tier.index_select(_BLOCK_DIM, slots).to(cache.device))
             self.num_loaded += len(blocks)
+        self.last_step = (len(meta.stores.block_ids), len(meta.loads.block_ids),
+                          time.perf_counter() - start)
 
     def _indices(self, copies: KVBlockCopies, what: str):
         """(block ids, slots) as int64 tensors, or None when there is nothing to copy."""

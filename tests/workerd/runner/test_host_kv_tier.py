@@ -91,3 +91,30 @@ def test_the_wire_carries_the_copies_and_nothing_when_unset():
     meta = scheduler_output_from_proto(
         worker_pb2.SchedulerOutput.FromString(so.SerializeToString())).kv_connector_metadata
     assert meta == _meta(stores=[(4, 0), (5, 1)], loads=[(2, 1)])
+
+
+def test_the_rank_metrics_count_a_steps_copies_in_blocks_bytes_and_time():
+    from types import SimpleNamespace
+
+    from workerd.metrics import WorkerMetrics
+
+    caches = _caches()
+    tier = HostKVTier(caches, SLOTS)
+    tier.apply(_meta(stores=[(2, 1), (0, 3)], loads=[(5, 1)]))
+    step = worker_pb2.ControlMessage(execute_model=worker_pb2.SchedulerOutput(step_id=1))
+    step.execute_model.kv_connector_metadata.loads.block_ids.append(5)  # present: recorded
+    metrics = WorkerMetrics()
+    metrics.registered(0)
+    worker = SimpleNamespace(last_forward_time_s=0.1, ps=None,
+                             runner=SimpleNamespace(kv_tier=tier))
+    metrics.after_command(step, None, worker)
+    block = sum(c[:, 0].numel() * c.element_size() for c in caches)
+    assert tier.block_bytes == block
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value(name, {"model_name": "", "rank": "0", **labels})
+
+    assert value("kvloom_workerd_kv_offload_blocks_total", direction="store") == 2
+    assert value("kvloom_workerd_kv_offload_blocks_total", direction="load") == 1
+    assert value("kvloom_workerd_kv_offload_bytes_total", direction="store") == 2 * block
+    assert value("kvloom_workerd_kv_offload_time_seconds_count") == 1

@@ -8,14 +8,18 @@ scheduler and worker, token-exact against transformers:
   pool really had evicted it), and a tier whose slots are wiped before the
   return makes the tokens part from transformers' (so the loaded KV is what
   the model reads);
-* a block stored, loaded back and reused serves a third request too, and
-  the pool and tier account for every block (nothing leaked).
+* a preempted request's blocks, evicted by the request that preempted it,
+  come back from the tier when it resumes, token-exact; an abort right
+  after an admission that loaded blocks leaves nothing held;
+* after the group re-forms nothing stale is served (and, as a negative
+  control, a tier map that outlived its ranks would serve their empty slots).
 """
 
 from __future__ import annotations
 
 import torch
 
+from controlplane.core.request import RequestStatus
 from kvloom_testing.inprocess import InProcessExecutor, output_tokens, run_to_completion
 from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import make_request
@@ -137,3 +141,38 @@ def test_nothing_stale_is_served_after_the_group_reforms(tiny_model_dir):
     # Negative control: a tier map that outlived its ranks serves their empty slots.
     tokens, stats = _serve_across_a_reformed_group(tiny_model_dir, forget_tier=False)
     assert stats.external_prefix_cache_hits == 5 * BLOCK and tokens != reference
+
+
+def test_a_preempted_request_resumes_from_the_tier_token_exact(tiny_model_dir):
+    """Two 13-token prompts fill the 8-block pool; the first one's decode
+    preempts the second, whose freed blocks the first then evicts (stored
+    in the tier): the second resumes by loading them back. An abort right
+    after an admission that loaded blocks leaves nothing held either."""
+    prompts = {"a": RETURNING[:13], "b": OTHERS[0][:13]}
+    executor = InProcessExecutor(tiny_model_dir, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS,
+                                 num_offload_slots=32)
+    try:
+        sched = make_scheduler(executor, max_num_batched_tokens=64)
+        arrivals = {0: [make_request(p, max_tokens=12, req_id=r, ignore_eos=True,
+                                     temperature=0.0) for r, p in prompts.items()]}
+        tokens = output_tokens(run_to_completion(sched, executor, arrivals))
+        stats = sched.make_stats()
+        assert sched.num_preemptions >= 1
+        assert stats.kv_offload_loads > 0  # the resumed request loaded its prefix back
+        for req_id, prompt in prompts.items():
+            assert tokens[req_id] == hf_greedy(tiny_model_dir, prompt, 12), req_id
+        # An admission that loads, aborted before its step's output is applied
+        # (two other prompts first, so a's prefix is in the tier only).
+        for i in (1, 2):
+            run_to_completion(sched, executor, {0: [_request(OTHERS[i], f"evict{i}")]})
+        back = _request(prompts["a"] + [5, 6, 7], "back")
+        sched.add_request(back)
+        step = sched.schedule_step()
+        assert step.scheduler_output.kv_connector_metadata.loads
+        executor.execute_model(step.scheduler_output, step.expected)
+        sched.finish_requests("back", RequestStatus.FINISHED_ABORTED)
+        run_to_completion(sched, executor, {})  # the workers hear of it
+        assert sched.kv_cache_manager.get_num_free_blocks() == NUM_BLOCKS
+        assert executor.runner.requests == {}
+    finally:
+        executor.close()

@@ -60,6 +60,19 @@ def render(*values: str, values_file: str | None = None) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
+def render_fails(*values: str) -> str:
+    """`helm template` with --set values that must be refused: its stderr."""
+    helm = find_helm()
+    if helm is None:
+        pytest.skip("helm is not installed (scripts/install_deploy_tools.sh installs it)")
+    argv = [helm, "template", "kvloom", str(CHART), "--namespace", NAMESPACE]
+    for value in values:
+        argv += ["--set", value]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0, f"rendered: {values}"
+    return done.stderr
+
+
 class Pod:
     """One pod as the kubelet would start it, from its workload's template."""
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.deploy.localrun import ROOT, find_docker_compose
-from tests.deploy.test_helm_local import render
+from tests.deploy.test_helm_local import render, render_fails
 
 
 def compose_config(*files: str) -> dict:
@@ -149,12 +149,10 @@ def test_chart_passes_the_kv_cache_size_only_when_configured():
 
 
 def test_chart_passes_the_host_tier_only_when_configured():
-    from tests.deploy.test_static_gateway import _render_fails
-
     assert "--kv-offloading-size" not in _flags(_controlplane_args(render()))
     assert "--kv-offloading-size=2" in _controlplane_args(render("cache.kvOffloadingSize=2"))
     for hostile in ("-1", "5000"):
-        assert "schema" in _render_fails(f"cache.kvOffloadingSize={hostile}")
+        assert "schema" in render_fails(f"cache.kvOffloadingSize={hostile}")
 
 
 @pytest.mark.parametrize("files", [("docker-compose.yml",),

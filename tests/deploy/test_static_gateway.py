@@ -6,13 +6,12 @@ and its replicas and TLS overlays, and the image that carries `smg`.
 from __future__ import annotations
 
 import re
-import subprocess
 import tomllib
 
 import pytest
 
-from tests.deploy.localrun import ROOT, find_helm
-from tests.deploy.test_helm_local import CHART, NAMESPACE, render
+from tests.deploy.localrun import ROOT
+from tests.deploy.test_helm_local import render, render_fails
 from tests.deploy.test_static import by_kind, compose_config
 
 GATEWAY_ON = ("gateway.enabled=true",)
@@ -181,20 +180,8 @@ def test_chart_service_monitor_scrapes_the_gateway_too():
     assert "metrics" in [p["name"] for p in gateway_service["spec"]["ports"]]
 
 
-def _render_fails(*values: str) -> str:
-    helm = find_helm()
-    if helm is None:
-        pytest.skip("helm is not installed (scripts/install_deploy_tools.sh installs it)")
-    argv = [helm, "template", "kvloom", str(CHART), "--namespace", NAMESPACE]
-    for value in values:
-        argv += ["--set", value]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode != 0, f"rendered: {values}"
-    return done.stderr
-
-
 def test_chart_refuses_a_gateway_that_cannot_reach_a_tls_api():
-    err = _render_fails(*GATEWAY_ON, "tls.api.enabled=true", "tls.api.secret=api-tls")
+    err = render_fails(*GATEWAY_ON, "tls.api.enabled=true", "tls.api.secret=api-tls")
     assert "plaintext only" in err
 
 
@@ -202,7 +189,7 @@ def test_chart_refuses_a_gateway_that_cannot_reach_a_tls_api():
                                     ("gateway.policy=fastest",), ("gateway.port=0",),
                                     ("gateway.enabled=yes-please",), ("gateway.typo=1",)])
 def test_chart_schema_refuses_bad_gateway_and_replica_values(values):
-    assert "values don't meet the specifications of the schema" in _render_fails(*values)
+    assert "values don't meet the specifications of the schema" in render_fails(*values)
 
 
 # ---- compose ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@
  *
  * - q.k: vdpbf16ps multiplies 32 bf16 pairs a K row holds straight from the
  *   cache (no widening of K to float32 at all) into 16 float32 sums, the
- *   products exact and accumulated in float32, each score then scaled. q
+ *   products exact and accumulated in float32 (the scores then go through
+ *   the shared online_softmax, which scales and caps them). q
  *   arrives rounded to bf16 (the caller rounds it in both paths, as the
  *   reference's bf16 q is), so converting it to pairs loses nothing.
  * - p.V: each V row is widened 16 elements to one instruction pair and
@@ -86,32 +87,11 @@ static inline __m512 widen16_bf16(const bf16 *p) {
                     __m512bh x = (__m512bh)_mm512_loadu_si512(kj + 32 * c);                  \
                     for (int g = 0; g < G; g++) a[g] = _mm512_dpbf16_ps(a[g], qb[g][c], x);  \
                 }                                                                            \
-                for (int g = 0; g < G; g++) sc[g][j] = _mm512_reduce_add_ps(a[g]) * qk_scale;\
+                for (int g = 0; g < G; g++) sc[g][j] = _mm512_reduce_add_ps(a[g]);            \
             }                                                                                \
-            if (cap > 0.0f) {                                                                \
-                const float inv_cap = 1.0f / cap;                                            \
-                for (int g = 0; g < G; g++)                                                  \
-                    for (int64_t i = 0; i < n; i++)                                          \
-                        sc[g][i] = cap * tanh_fast(sc[g][i] * inv_cap);                      \
-            }                                                                                \
-            for (int g = 0; g < G; g++) {                                                    \
-                float cm = sc[g][0];                                                         \
-                for (int64_t i = 1; i < n; i++) cm = sc[g][i] > cm ? sc[g][i] : cm;          \
-                float new_m = cm > m[g] ? cm : m[g];                                         \
-                float sum = 0.0f;                                                            \
-                for (int64_t i = 0; i < KEYS_PER_CHUNK; i++) {                               \
-                    float p = exp_clamped(sc[g][i] - new_m);                                 \
-                    sc[g][i] = i < n ? p : 0.0f;                                             \
-                    sum += sc[g][i];                                                         \
-                }                                                                            \
-                if (new_m != m[g]) {                                                         \
-                    float corr = m[g] == -INFINITY ? 0.0f : exp_clamped(m[g] - new_m);       \
-                    for (int64_t d = 0; d < head_dim; d++) acc[g * head_dim + d] *= corr;    \
-                    l[g] *= corr;                                                            \
-                    m[g] = new_m;                                                            \
-                }                                                                            \
-                l[g] += sum;                                                                 \
-            }                                                                                \
+            for (int g = 0; g < G; g++)                                                      \
+                online_softmax(sc[g], n, qk_scale, cap, &m[g], &l[g], acc + g * head_dim,    \
+                               head_dim);                                                    \
             int64_t c0 = 0;                                                                  \
             for (; c0 + 4 <= nslices; c0 += 4) DP_PV_SLICES(G, 4)                            \
             for (; c0 < nslices; c0++) DP_PV_SLICES(G, 1)                                    \

@@ -50,6 +50,39 @@
 
 #define KEYS_PER_CHUNK 16
 
+/* One head's chunk of n scores (s holds KEYS_PER_CHUNK) through the online
+ * softmax, in both walks: each score scaled by qk_scale and soft-capped at
+ * cap (0: none), then replaced by its weight against the running maximum *m
+ * (keys past n weigh 0); when the maximum rises, the head's sums so far
+ * (acc, head_dim floats) and total weight *l are rescaled to it. */
+static inline void online_softmax(float *s, int64_t n, float qk_scale, float cap, float *m,
+                                  float *l, float *acc, int64_t head_dim) {
+    if (qk_scale != 1.0f)
+        for (int64_t i = 0; i < n; i++) s[i] *= qk_scale;
+    if (cap > 0.0f) {
+        const float inv_cap = 1.0f / cap;
+        for (int64_t i = 0; i < n; i++) s[i] = cap * tanh_fast(s[i] * inv_cap);
+    }
+    float cm = s[0];
+    for (int64_t i = 1; i < n; i++) cm = s[i] > cm ? s[i] : cm;
+    float new_m = cm > *m ? cm : *m;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < KEYS_PER_CHUNK; i++) {
+        /* all lanes, so the loop vectorizes; keys past n weigh 0 */
+        float p = exp_clamped(s[i] - new_m);
+        s[i] = i < n ? p : 0.0f;
+        sum += s[i];
+    }
+    if (new_m != *m) {
+        /* *m = -inf before the first chunk: all so far is 0 */
+        float corr = *m == -INFINITY ? 0.0f : exp_clamped(*m - new_m);
+        for (int64_t d = 0; d < head_dim; d++) acc[d] *= corr;
+        *l *= corr;
+        *m = new_m;
+    }
+    *l += sum;
+}
+
 #include "cpu_attend_avx512bf16.h"
 
 /* The typed loads and stores of attend_G_<type> (cpu_bf16.h's conversions). */
@@ -160,36 +193,9 @@ static int check_step(int64_t num_reqs, int64_t num_actual_tokens, const int64_t
                                  load8_##SUFFIX(k0 + 8 * c);                                \
                 for (int g = 0; g < G; g++) s[g][j] = hsum(a0[g]);                          \
             }                                                                               \
-            if (qk_scale != 1.0f)                                                           \
-                for (int g = 0; g < G; g++)                                                 \
-                    for (int64_t i = 0; i < n; i++) s[g][i] *= qk_scale;                    \
-            if (cap > 0.0f) {                                                               \
-                const float inv_cap = 1.0f / cap;                                           \
-                for (int g = 0; g < G; g++)                                                 \
-                    for (int64_t i = 0; i < n; i++)                                         \
-                        s[g][i] = cap * tanh_fast(s[g][i] * inv_cap);                       \
-            }                                                                               \
-            for (int g = 0; g < G; g++) {                                                   \
-                float cm = s[g][0];                                                         \
-                for (int64_t i = 1; i < n; i++) cm = s[g][i] > cm ? s[g][i] : cm;           \
-                float new_m = cm > m[g] ? cm : m[g];                                        \
-                float sum = 0.0f;                                                           \
-                for (int64_t i = 0; i < KEYS_PER_CHUNK; i++) {                              \
-                    /* all lanes, so the loop vectorizes; keys past n weigh 0 */            \
-                    float p = exp_clamped(s[g][i] - new_m);                             \
-                    s[g][i] = i < n ? p : 0.0f;                                             \
-                    sum += s[g][i];                                                         \
-                }                                                                           \
-                if (new_m != m[g]) {                                                        \
-                    /* m[g] = -inf before the first chunk: all so far is 0 */               \
-                    float corr = m[g] == -INFINITY ? 0.0f : exp_clamped(m[g] - new_m);  \
-                    v8 *ag = (v8 *)(acc + g * head_dim);                                    \
-                    for (int64_t c = 0; c < nv; c++) ag[c] *= corr;                         \
-                    l[g] *= corr;                                                           \
-                    m[g] = new_m;                                                           \
-                }                                                                           \
-                l[g] += sum;                                                                \
-            }                                                                               \
+            for (int g = 0; g < G; g++)                                                     \
+                online_softmax(s[g], n, qk_scale, cap, &m[g], &l[g], acc + g * head_dim,    \
+                               head_dim);                                                   \
             int64_t c = 0;                                                                  \
             for (; c + 1 < nv; c += 2) {                                                    \
                 v8 b0[G], b1[G];                                                            \

@@ -34,6 +34,9 @@ from workerd.runner.sched_output import KVBlockCopies, KVConnectorMetadata
 
 # The block dimension of a layer's KV cache tensor [2, blocks, ...].
 _BLOCK_DIM = 1
+# The controlplane never sends more (its MAX_OFFLOAD_SLOTS); a larger count
+# is a bug or a hostile peer, refused before anything is allocated.
+MAX_SLOTS = 1 << 24
 
 
 class HostKVTier:
@@ -42,8 +45,9 @@ class HostKVTier:
     committed as slots are first written (anonymous mmap)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        if not 1 <= num_slots <= MAX_SLOTS:
+            raise ValueError(f"InitKVCache.num_offload_slots must be in [1, {MAX_SLOTS}] for a "
+                             f"host tier, got {num_slots}")
         self.kv_caches = kv_caches
         self.num_slots = num_slots
         self.num_blocks = kv_caches[0].shape[_BLOCK_DIM] if kv_caches else 0

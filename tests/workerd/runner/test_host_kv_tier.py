@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvloom.worker.v1 import worker_pb2
-from workerd.runner.host_kv_tier import HostKVTier, apply_kv_connector
+from workerd.runner.host_kv_tier import MAX_SLOTS, HostKVTier, apply_kv_connector
 from workerd.runner.sched_output import KVBlockCopies, KVConnectorMetadata
 from workerd.wire import scheduler_output_from_proto
 
@@ -77,8 +77,9 @@ def test_random_metadata_never_escapes_as_anything_but_value_error():
 def test_a_rank_without_a_tier_refuses_connector_metadata():
     with pytest.raises(ValueError, match="without a host tier"):
         apply_kv_connector(None, _meta(loads=[(0, 0)]))
-    with pytest.raises(ValueError, match="at least one slot"):
-        HostKVTier(_caches(), 0)
+    for hostile in (0, MAX_SLOTS + 1, 2**32 - 1):
+        with pytest.raises(ValueError, match="num_offload_slots must be in"):
+            HostKVTier(_caches(), hostile)
 
 
 def test_the_wire_carries_the_copies_and_nothing_when_unset():

@@ -121,8 +121,7 @@ class OffloadingScheduler:
         slot_of = self._slot_of
         for block_hash, block_id in zip(hashes, block_ids, strict=True):
             slot = slot_of[block_hash]
-            slot_of.move_to_end(block_hash)
-            self._pinned.add(slot)
+            slot_of.move_to_end(block_hash)  # pinned by num_hit_blocks already
             self._loads.append((block_id, slot))
         self.num_loaded += len(block_ids)
 

@@ -174,6 +174,7 @@ class GroupStartup:
 
 # The tier's slot count travels as a uint32 and the scheduler keeps a free
 # list of them: far above any real host tier (2^24 blocks of 16 tokens).
+# A rank refuses more (workerd/runner/host_kv_tier.py, MAX_SLOTS).
 MAX_OFFLOAD_SLOTS = 1 << 24
 
 

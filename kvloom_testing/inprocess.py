@@ -46,6 +46,7 @@ from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.outputs import (
     EngineCoreOutput,
     ExpectedReply,
+    KVJobDone,
     ModelRunnerOutput,
     ScheduledStep,
     SchedulerOutput,
@@ -53,6 +54,7 @@ from controlplane.core.outputs import (
 from controlplane.core.request import Request
 from controlplane.core.scheduler import Scheduler
 from controlplane.engine.core import EngineCore
+from controlplane.executor.kv_reports import KVReports
 from controlplane.executor.status import FailureKind
 from controlplane.executor.step_executor import DoneStep, PendingStep, StepExecutor
 from controlplane.executor.wire import (
@@ -243,12 +245,17 @@ class InProcessExecutor(StepExecutor):
         self.replies: list[ModelRunnerOutput] = []
         # Submitted steps not run yet, in order; the first waits for its masks.
         self._queued: deque[_InProcessStep] = deque()
+        # The worker's load reports, folded as the gRPC executor folds them;
+        # jobs done wait in kv_loads_done unless on_kv_loads_done takes them.
+        self._kv_reports = KVReports(1)
+        self.kv_loads_done: list[KVJobDone] = []
         self.start_group()
 
     def start_group(self) -> int:
         """(Re-)form the group: a fresh Worker, the whole handshake; KV block count."""
         self.close()
         self.worker = Worker("cpu")
+        self.worker.send_report = self._on_report
         self.num_gpu_blocks = handshake(
             self.worker, self.model, call_ids=self._call_ids.__next__, **self._startup
         )
@@ -268,6 +275,21 @@ class InProcessExecutor(StepExecutor):
         self.failure_reason = ""
         return self.num_gpu_blocks
 
+    def _on_report(self, msg: worker_pb2.WorkerMessage) -> None:
+        """A message outside any call, from the worker's load thread: parsed
+        from its bytes and folded as on the wire."""
+        msg = worker_pb2.WorkerMessage.FromString(msg.SerializeToString())
+        done = self._kv_reports.add(0, msg.kv_transfer_report)
+        if done and self.on_kv_loads_done is not None:
+            self.on_kv_loads_done(done)
+        else:
+            self.kv_loads_done.extend(done)
+
+    def take_kv_loads_done(self) -> list[KVJobDone]:
+        """Load jobs done since the last call (for drivers without an engine)."""
+        done, self.kv_loads_done = self.kv_loads_done, []
+        return done
+
     def report_to(self, engine: EngineCore) -> None:
         """Report the group's failures to `engine`, as the server wires the
         gRPC executor's on_failed."""
@@ -284,6 +306,7 @@ class InProcessExecutor(StepExecutor):
         )
         raw = command.SerializeToString()
         self.sent.append(raw)
+        self._kv_reports.expect(scheduler_output.kv_connector_metadata)
         step = _InProcessStep(self, scheduler_output.step_id, command, len(raw),
                               bool(scheduler_output.constrained_req_ids), len(self.sent) - 1)
         self._queued.append(step)
@@ -354,6 +377,7 @@ class InProcessExecutor(StepExecutor):
 
     def close(self) -> None:
         self._fail_queued(self.failure_reason or "the worker group was closed")
+        self._kv_reports.clear()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -421,6 +445,8 @@ def run_to_completion(
         if on_step is not None:
             on_step(step, out)
         steps.append((so, out, scheduler.update_from_output(so, out)))
+        # The worker ran the step after a load's, so its report is in.
+        scheduler.update_from_kv_loads(executor.take_kv_loads_done())
     else:
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
     last = scheduler.schedule_step()

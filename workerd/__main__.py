@@ -328,6 +328,7 @@ def _serve(config: WorkerdConfig, metrics) -> int:
     if isinstance(reply, int):
         return reply
     worker = Worker(me.device, me.advertise_host)
+    worker.send_report = conn.send  # thread-safe: the host tier reports from its load thread
     conn.on_abort = lambda: _abort_command(worker, link, config.metrics)
     conn.on_grammar_masks = worker.grammar_masks.put
     conn.on_stream_end = lambda: worker.grammar_masks.abort("the stream to the controlplane ended")

@@ -90,8 +90,9 @@ class WorkerMetrics:
         )
         self._offload_time = Histogram(
             "kvloom_workerd_kv_offload_time_seconds",
-            "Time a step's host-tier copies took on this rank, before its forward.",
-            ["model_name", "rank"], buckets=FORWARD_BUCKETS, registry=self.registry,
+            "Time this rank's host-tier copies took: a step's stores (before its forward), "
+            "or one load job (beside it).",
+            ["model_name", "rank", "direction"], buckets=FORWARD_BUCKETS, registry=self.registry,
         )
         self.kv_offload_bytes = 0
         # reused="true": a survivor of a group failure kept its weights.
@@ -123,7 +124,7 @@ class WorkerMetrics:
             if worker.ps is not None and not worker.ps.is_first_pp_rank:
                 self._pipeline_wait.labels(self.model_name, str(self.rank)).observe(
                     worker.runner.last_recv_wait_s)
-            if msg.execute_model.HasField("kv_connector_metadata"):
+            if worker.runner.kv_tier is not None:
                 self._record_offload(worker.runner.kv_tier)
             if (msg.execute_model.constrained_req_ids and worker.ps is not None
                     and worker.ps.is_output_rank):
@@ -145,12 +146,15 @@ class WorkerMetrics:
             self.kv_offload_bytes = tier.nbytes if tier is not None else 0
 
     def _record_offload(self, tier) -> None:
+        """The copies the tier finished since the last call (its load thread
+        appends as jobs end)."""
         labels = (self.model_name, str(self.rank))
-        stored, loaded, seconds = tier.last_step
-        for direction, blocks in (("store", stored), ("load", loaded)):
+        timings = tier.timings
+        while timings:
+            direction, blocks, seconds = timings.popleft()
             self._offload_blocks.labels(*labels, direction).inc(blocks)
             self._offload_bytes.labels(*labels, direction).inc(blocks * tier.block_bytes)
-        self._offload_time.labels(*labels).observe(seconds)
+            self._offload_time.labels(*labels, direction).observe(seconds)
 
     def memory_in_use(self) -> tuple[str, int]:
         """(what was measured, bytes): CUDA allocations on a GPU rank, else RSS."""

@@ -12,6 +12,8 @@ from workerd.runner.sched_output import (
     CachedRequestData,
     KVBlockCopies,
     KVConnectorMetadata,
+    KVJobDone,
+    KVLoadJob,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -101,7 +103,15 @@ def _kv_connector_metadata_from_proto(msg: worker_pb2.SchedulerOutput
     pb = msg.kv_connector_metadata
     return KVConnectorMetadata(
         stores=KVBlockCopies(list(pb.stores.block_ids), list(pb.stores.tier_slots)),
-        loads=KVBlockCopies(list(pb.loads.block_ids), list(pb.loads.tier_slots)))
+        load_jobs=[KVLoadJob(job.job_id, KVBlockCopies(list(job.copies.block_ids),
+                                                       list(job.copies.tier_slots)))
+                   for job in pb.load_jobs])
+
+
+def kv_transfer_report_to_proto(done: list[KVJobDone]) -> worker_pb2.KVTransferReport:
+    return worker_pb2.KVTransferReport(loads_done=[
+        worker_pb2.KVJobDone(job_id=d.job_id, failed_block_ids=d.failed_block_ids,
+                             bytes=d.bytes, seconds=d.seconds) for d in done])
 
 
 def _fill_token_logprobs(entry: TokenLogprobs | None, pb: worker_pb2.TokenLogprobs) -> None:

@@ -33,8 +33,13 @@ from kvloom.worker.v1 import worker_pb2
 from workerd.distributed.devices import claim_device, resolve_device
 from workerd.layers.attention.backend import resolve_attention_backend
 from workerd.limits import WorkerLimits
+from workerd.runner.sched_output import KVJobDone
 from workerd.sample.grammar_masks import GrammarMaskBox
-from workerd.wire import model_runner_output_to_proto, scheduler_output_from_proto
+from workerd.wire import (
+    kv_transfer_report_to_proto,
+    model_runner_output_to_proto,
+    scheduler_output_from_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,9 @@ class Worker:
         self._loaded: tuple | None = None
         # Each constrained step's masks, for whichever runner samples it.
         self.grammar_masks = GrammarMaskBox()
+        # Where messages outside any call go (the stream's send, thread-safe):
+        # the host tier's load reports, from its load thread.
+        self.send_report: Callable[[worker_pb2.WorkerMessage], None] | None = None
         self._handlers: dict[str, Callable] = {
             "init_distributed": self.init_distributed,
             "load_model": self.load_model,
@@ -188,7 +196,7 @@ class Worker:
 
     def init_kv_cache(self, cmd: worker_pb2.InitKVCache) -> worker_pb2.WorkerMessage:
         self._require_runner().init_kv_cache(cmd.num_blocks, cmd.block_size,
-                                             cmd.num_offload_slots)
+                                             cmd.num_offload_slots, self._report_loads)
         logger.info("KV cache allocated: %d blocks x %d tokens%s", cmd.num_blocks,
                     cmd.block_size, f"; host tier {cmd.num_offload_slots} blocks"
                     if cmd.num_offload_slots else "")
@@ -202,6 +210,13 @@ class Worker:
         if output is None:
             return None
         return worker_pb2.WorkerMessage(model_runner_output=model_runner_output_to_proto(output))
+
+    def _report_loads(self, done: list[KVJobDone]) -> None:
+        """The host tier's finished load jobs, to the controlplane (call_id 0)."""
+        if self.send_report is None:
+            raise RuntimeError("no stream to report host-tier loads on")
+        self.send_report(worker_pb2.WorkerMessage(kv_transfer_report=kv_transfer_report_to_proto(
+            done)))
 
     def file_grammar_masks(self, cmd: worker_pb2.GrammarMasks) -> None:
         """No reply: a step's masks wait in the box for its sampling."""

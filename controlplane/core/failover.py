@@ -7,6 +7,7 @@ scheduler.py holds the per-step policy only."""
 from __future__ import annotations
 
 from controlplane.core.kv_cache_manager import KVCacheManager
+from controlplane.core.kv_loads import release_loaded
 from controlplane.core.request import Request, RequestStatus
 from controlplane.core.scheduler import Scheduler
 
@@ -15,6 +16,10 @@ def reset_for_recompute(sched: Scheduler) -> None:
     """The worker group was replaced and holds no request state or KV:
     every request goes back to waiting and is sent again as new."""
     kv = sched.kv_cache_manager
+    # Loads in flight went with the group: their requests wait again, and
+    # requests back from a load give their blocks back (kv_loads.py).
+    loading = sched.kv_loads.reset(kv)
+    release_loaded(kv, sched.waiting)
     for request in sched.running:
         kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -25,7 +30,7 @@ def reset_for_recompute(sched: Scheduler) -> None:
     for request in sched.requests.values():
         # Steps in flight on the failed group never answer.
         request.num_output_placeholders = 0
-    sched.waiting.prepend_many(sched.running)
+    sched.waiting.prepend_many(sched.running + loading)
     sched.running = []
     kv.reset_prefix_cache()
     sched.finished_req_ids = set()

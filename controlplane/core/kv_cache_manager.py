@@ -179,20 +179,39 @@ class KVCacheManager:
         hit = self.offload.num_hit_blocks(hashes[num_local_blocks:self._max_hit_blocks(request)])
         return hit * self.block_size
 
-    def load_offloaded(self, request: Request, num_local_blocks: int, num_tokens: int) -> None:
-        """After allocate_slots admitted request with get_offloaded_tokens'
-        num_tokens as computed: load them into the blocks allocated for them
-        (the ones right after the local hit), before this step's forward."""
-        if self.offload is None or request.sampling_params.prompt_logprobs is not None:
-            return
-        self.external_queries += request.num_tokens - num_local_blocks * self.block_size
-        if not num_tokens:
-            return
+    def count_external_query(self, request: Request, num_local_blocks: int) -> None:
+        """An admission looked past the pool's hit of num_local_blocks in the tier."""
+        if self.offload is not None and request.sampling_params.prompt_logprobs is None:
+            self.external_queries += request.num_tokens - num_local_blocks * self.block_size
+
+    def start_offloaded_load(self, request: Request, num_local_blocks: int,
+                             num_tokens: int) -> int:
+        """After allocate_slots(..., delay_cache=True) gave request blocks for
+        get_offloaded_tokens' num_tokens past its pool hit: a load job for
+        them (the blocks right after the local hit). Returns its id."""
+        assert self.offload is not None and num_tokens > 0
         end = num_local_blocks + num_tokens // self.block_size
         hashes = update_block_hashes(request, self.block_size)[num_local_blocks:end]
         blocks = self.req_to_blocks[request.request_id][num_local_blocks:end]
-        self.offload.load(hashes, [b.block_id for b in blocks])
-        self.external_hits += num_tokens
+        return self.offload.start_load(hashes, [b.block_id for b in blocks])
+
+    def finish_offloaded_load(self, request: Request, job_id: int, num_local_tokens: int,
+                              num_valid_tokens: int) -> None:
+        """Every rank reported the job done and the request's first
+        num_valid_tokens hold KV (the pool's hit of num_local_tokens, then
+        what loaded before the first failed block): those blocks enter the
+        prefix cache now, and the admission is counted by source."""
+        assert self.offload is not None
+        self.offload.finish_load(job_id)
+        self._count_admission(request, num_local_tokens)
+        self.count_external_query(request, num_local_tokens // self.block_size)
+        self.external_hits += num_valid_tokens - num_local_tokens
+        self.cache_full_blocks(request, num_valid_tokens)
+
+    def block_index(self, request: Request, block_ids: frozenset[int]) -> int | None:
+        """The index in request's blocks of the first of block_ids (None: none)."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        return next((i for i, b in enumerate(blocks) if b.block_id in block_ids), None)
 
     def take_connector_metadata(self) -> KVConnectorMetadata | None:
         """This step's copies to and from the host tier (None: nothing moves)."""
@@ -206,12 +225,17 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        *,
+        delay_cache: bool = False,
     ) -> list[KVCacheBlock] | tuple[KVCacheBlock, ...] | None:
         """Make room for num_new_tokens after the computed ones.
 
         new_computed_blocks / num_new_computed_tokens come from
-        get_computed_blocks when a waiting request is admitted; passing them
-        (even empty) records the admission in the prefix-cache stats. Returns
+        get_computed_blocks (and the host tier's hit) when a waiting request
+        is admitted; passing them (even empty) records the admission in the
+        prefix-cache stats. delay_cache: the tokens past the pool's hit are
+        being loaded, so no new block enters the prefix cache and nothing is
+        counted until finish_offloaded_load. Returns
         the newly allocated blocks (possibly empty), or None with nothing
         changed when the pool cannot supply them (but a running request's
         blocks that left the window are freed either way: they stay dead).
@@ -234,7 +258,7 @@ class KVCacheManager:
                     self.cache_full_blocks(request, num_tokens_after)
                 return _NO_BLOCKS
         return self._allocate_slow(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, delay_cache
         )
 
     def _allocate_slow(
@@ -243,6 +267,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None,
+        delay_cache: bool = False,
     ) -> list[KVCacheBlock] | None:
         pool = self.block_pool
         req_id = request.request_id
@@ -267,12 +292,18 @@ class KVCacheManager:
             self.num_cached_blocks[req_id] = len(req_blocks)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
-        if new_computed_blocks is not None and self.enable_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed) * self.block_size
+        if delay_cache:
+            return new_blocks
+        if new_computed_blocks is not None:
+            self._count_admission(request, len(computed) * self.block_size)
         if self.enable_caching:
             self.cache_full_blocks(request, num_tokens_after)
         return new_blocks
+
+    def _count_admission(self, request: Request, num_local_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_local_tokens
 
     def cache_full_blocks(self, request: Request, num_tokens_after: int) -> None:
         """Register the blocks that are full once this step's tokens are computed.

@@ -8,25 +8,27 @@ prefilled from scratch the next time it is asked for. With a tier, the
 block's KV is copied out first, into one of num_slots host-memory slots that
 every rank holds beside its KV cache (workerd/runner/host_kv_tier.py), and
 a later admission whose prefix hits the pool up to block j and the tier from
-block j on loads those blocks back instead of recomputing them.
+block j on loads those blocks back instead of recomputing them: a load job,
+which the request waits for (WAITING_FOR_REMOTE_KVS, core/kv_loads.py).
 
 The controlplane owns the tier's logic, as it owns the pool's: the map from
 block hash to slot (least recently used first), which slot a store takes,
 and when. The workers only copy: each step's copies travel in the
 SchedulerOutput (KVConnectorMetadata, typed, as (block id, slot) pairs) and
-every rank runs them on its own layers and heads before the step's forward,
-stores first, then loads. That order is the fence:
+every rank runs its stores before the step's forward and its load jobs
+beside it. The fences:
 
 * a store copies a block that was just evicted to be reused in this very
   step, before this step's forward writes new KV into it; every step that
   computed its old KV ran before (steps run in order on every rank);
-* a load lands before the attention that reads it, so a request admitted
-  with a tier hit runs in the same step (a synchronous load, vLLM's
-  load_async=False), and its loaded blocks enter the prefix cache at once;
-* a slot a load reads this step is pinned: no store of the same step may
-  take it (a store would run first and overwrite it). A slot stored to this
-  step may be loaded from in the same step: the store runs first, so the
-  load reads the KV just stored.
+* a load job fills blocks of a request that is in no step's batch until
+  every rank has reported the job done, and those blocks enter the prefix
+  cache only then (vLLM's load_async=True);
+* a slot a load job reads is pinned until the job is done: no store may
+  take it meanwhile. The slots a lookup found are pinned for the step too
+  (the same admission's allocation may evict blocks, whose stores must not
+  take them). A slot stored to in a step may be loaded from by a job of the
+  same step: stores run first, so the job reads the KV just stored.
 
 Nothing here touches KV: a lookup is a dict probe per block, and a step with
 nothing to copy carries no metadata at all. After the worker group re-forms
@@ -36,9 +38,16 @@ the new ranks' tiers are empty, so nothing stale can be served.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+import secrets
+from collections import Counter, OrderedDict
 
-from controlplane.core.outputs import KVConnectorMetadata
+from controlplane.core.outputs import KVConnectorMetadata, KVLoadJob
+
+# Load job ids: unique over this process's schedulers (a replaced scheduler
+# must not reuse one a worker may still report), and from a random start, so
+# a worker reporting to a restarted controlplane names no job of the new one.
+_JOB_IDS = itertools.count(secrets.randbits(48) + 1)
 
 
 class OffloadingScheduler:
@@ -52,10 +61,13 @@ class OffloadingScheduler:
         # block hash -> slot, least recently used first.
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        # Slots this step loads from or stores to: no other store may take them.
+        # Slots this step looked up or stores to, and slots pending load jobs
+        # read (job id -> slots; a slot -> how many jobs): no store may take them.
         self._pinned: set[int] = set()
+        self._job_slots: dict[int, list[int]] = {}
+        self._job_pins: Counter[int] = Counter()
         self._stores: list[tuple[int, int]] = []
-        self._loads: list[tuple[int, int]] = []
+        self._load_jobs: list[KVLoadJob] = []
         # Cumulative counts, for metrics (blocks).
         self.num_stored = 0
         self.num_loaded = 0
@@ -92,9 +104,9 @@ class OffloadingScheduler:
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        pinned = self._pinned
+        pinned, job_pins = self._pinned, self._job_pins
         for block_hash, slot in self._slot_of.items():  # least recently used first
-            if slot not in pinned:
+            if slot not in pinned and slot not in job_pins:
                 del self._slot_of[block_hash]
                 self.num_tier_evictions += 1
                 return slot
@@ -115,31 +127,48 @@ class OffloadingScheduler:
             n += 1
         return n
 
-    def load(self, hashes: list[bytes], block_ids: list[int]) -> None:
-        """Load the tier's copies of hashes (a hit num_hit_blocks found this
-        step) into block_ids, before this step's forward."""
+    def start_load(self, hashes: list[bytes], block_ids: list[int]) -> int:
+        """A job loading the tier's copies of hashes (a hit num_hit_blocks
+        found this step) into block_ids; its slots stay pinned until
+        finish_load. Returns the job id."""
         slot_of = self._slot_of
+        copies = []
         for block_hash, block_id in zip(hashes, block_ids, strict=True):
-            slot = slot_of[block_hash]
-            slot_of.move_to_end(block_hash)  # pinned by num_hit_blocks already
-            self._loads.append((block_id, slot))
-        self.num_loaded += len(block_ids)
+            copies.append((block_id, slot_of[block_hash]))
+            slot_of.move_to_end(block_hash)
+        job_id = next(_JOB_IDS)
+        slots = [slot for _, slot in copies]
+        self._job_slots[job_id] = slots
+        self._job_pins.update(slots)
+        self._load_jobs.append(KVLoadJob(job_id, copies))
+        self.num_loaded += len(copies)
+        return job_id
+
+    def finish_load(self, job_id: int) -> None:
+        """Every rank reported the job done: its slots may be stored to again."""
+        slots = self._job_slots.pop(job_id, None)
+        if slots is not None:
+            self._job_pins.subtract(slots)
+            self._job_pins += Counter()  # drop the slots no job pins any more
 
     # -- per step --------------------------------------------------------------
 
     def take_step(self) -> KVConnectorMetadata | None:
         """This step's copies (None when nothing moves); the next step starts clean."""
         self._pinned.clear()
-        if not self._stores and not self._loads:
+        if not self._stores and not self._load_jobs:
             return None
-        meta = KVConnectorMetadata(self._stores, self._loads)
-        self._stores, self._loads = [], []
+        meta = KVConnectorMetadata(self._stores, self._load_jobs)
+        self._stores, self._load_jobs = [], []
         return meta
 
     def reset(self) -> None:
         """Forget every slot's content (the workers' tiers are gone or stale).
-        Copies not yet sent are dropped with it."""
+        Copies not yet sent, and the pins of jobs in flight, go with it: the
+        scheduler treats those loads as failed."""
         self._slot_of.clear()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
-        self._stores, self._loads = [], []
+        self._job_slots.clear()
+        self._job_pins.clear()
+        self._stores, self._load_jobs = [], []

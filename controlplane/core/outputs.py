@@ -67,16 +67,37 @@ class PromptLogprobsWindow(NamedTuple):
 
 
 @dataclass(slots=True)
+class KVLoadJob:
+    """One waiting request's load from the host tier: (block id, tier slot)
+    pairs, reported done by every rank under job_id."""
+
+    job_id: int
+    copies: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
 class KVConnectorMetadata:
     """A step's copies between the KV cache and the host tier
-    (core/kv_offload.py), as pairs (block id, tier slot). Every rank runs
-    them before the step's forward: stores, then loads."""
+    (core/kv_offload.py): stores as (block id, tier slot) pairs, run by every
+    rank before the step's forward, and load jobs, run beside it."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)
-    loads: list[tuple[int, int]] = field(default_factory=list)
+    load_jobs: list[KVLoadJob] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads)
+        return bool(self.stores or self.load_jobs)
+
+
+@dataclass(slots=True)
+class KVJobDone:
+    """A load job every rank has reported (executor/kv_reports.py): the
+    union of the ranks' failed blocks, the bytes they moved in all, and the
+    slowest rank's seconds."""
+
+    job_id: int
+    failed_block_ids: frozenset[int]
+    bytes: int
+    seconds: float
 
 
 @dataclass(slots=True)

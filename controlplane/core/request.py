@@ -22,11 +22,15 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    # Its blocks are allocated and being filled by a KV connector load (the
+    # host tier's): not in the waiting queue, not run until every rank has
+    # reported the load done (core/kv_loads.py).
+    WAITING_FOR_REMOTE_KVS = 3
     # Everything from here on is a finished state.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:

@@ -28,15 +28,25 @@ class SchedulerStats:
     kv_offload_loads: int = 0
     kv_offload_used_slots: int = 0
     kv_offload_slots: int = 0
+    # Load jobs every rank reported done (core/kv_loads.py): how many, the
+    # bytes they moved over all ranks, the slowest rank's seconds summed, and
+    # blocks some rank failed to fill (recomputed); cumulative.
+    kv_load_jobs: int = 0
+    kv_load_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    kv_load_failed_blocks: int = 0
+    # Requests waiting for their KV now (in num_waiting_reqs too).
+    num_waiting_for_remote_kvs: int = 0
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
         """The scheduler's state now (a Scheduler; not imported: it imports this)."""
         kv = scheduler.kv_cache_manager
         offload = kv.offload
+        loads = scheduler.kv_loads
         return cls(
             num_running_reqs=len(scheduler.running),
-            num_waiting_reqs=len(scheduler.waiting),
+            num_waiting_reqs=len(scheduler.waiting) + loads.num_waiting,
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -49,4 +59,9 @@ class SchedulerStats:
             kv_offload_loads=offload.num_loaded if offload else 0,
             kv_offload_used_slots=offload.num_used_slots if offload else 0,
             kv_offload_slots=offload.num_slots if offload else 0,
+            kv_load_jobs=loads.num_jobs,
+            kv_load_bytes=loads.bytes,
+            kv_load_seconds=loads.seconds,
+            kv_load_failed_blocks=loads.num_failed_blocks,
+            num_waiting_for_remote_kvs=loads.num_waiting,
         )

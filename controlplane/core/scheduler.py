@@ -35,11 +35,13 @@ from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.expected_reply import expected_reply
 from controlplane.core.kv_cache_manager import KVCacheManager
 from controlplane.core.kv_cache_utils import max_num_computed_tokens, max_step_tokens
+from controlplane.core.kv_loads import KVLoads, release_loaded
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     EngineErrorCode,
     ExpectedReply,
+    KVJobDone,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledStep,
@@ -98,12 +100,15 @@ class Scheduler:
         self.placeholders = placeholders
         self.num_micro_batches = num_micro_batches
         self.worker_requests = WorkerRequests()
+        # Requests waiting for their KV from the host tier (kv_loads.py).
+        self.kv_loads = KVLoads()
 
     # -- request lifecycle ----------------------------------------------
 
     def add_request(self, request: Request) -> None:
         req_id = request.request_id
-        if req_id in self.requests:
+        if req_id in self.requests or req_id in self.kv_cache_manager.req_to_blocks:
+            # (The second: one that ended while loading, its blocks not yet free.)
             raise ValueError(f"request {req_id!r} already exists")
         num_prompt = request.num_prompt_tokens
         max_tokens = request.max_tokens
@@ -165,7 +170,8 @@ class Scheduler:
         return finished
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        if not self.kv_loads.hold(request):  # a loading one's blocks wait for its job
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -176,6 +182,18 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_requests_to_schedule(self) -> bool:
+        """Unfinished requests other than those waiting for their KV (which
+        only a KV transfer report moves on)."""
+        return len(self.requests) > self.kv_loads.num_waiting
+
+    def update_from_kv_loads(self, jobs: list[KVJobDone]) -> None:
+        """Load jobs every rank reported done: their requests go back to the
+        head of the waiting queue, holding their (now cached) blocks."""
+        ready = self.kv_loads.done(self.kv_cache_manager, jobs)
+        if ready:
+            self.waiting.prepend_many(ready)
 
     def has_finished_requests(self) -> bool:
         """Requests ended since the last schedule(): the next step tells workers."""
@@ -336,10 +354,20 @@ class Scheduler:
                 # Preempted with its last step still in flight: it resumes
                 # once that step's token is in (the engine's next update).
                 break
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
-            # The host tier's blocks right after the pool's count as computed too.
-            num_external = kv.get_offloaded_tokens(request, len(hit_blocks))
-            num_hit += num_external
+            if request.request_id in kv.req_to_blocks:
+                # Back from its load (kv_loads.py): its blocks and computed tokens stand.
+                hit_blocks, num_hit = None, request.num_computed_tokens
+            else:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                # The host tier's blocks right after the pool's are loaded first.
+                num_external = kv.get_offloaded_tokens(request, len(hit_blocks))
+                if num_external:
+                    if kv.allocate_slots(request, 0, num_hit + num_external, hit_blocks,
+                                         delay_cache=True) is None:
+                        break
+                    waiting.pop()
+                    self.kv_loads.start(kv, request, len(hit_blocks), num_external)
+                    continue
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -347,9 +375,15 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, num_hit if hit_blocks is not None else 0,
+                                 hit_blocks) is None:
+                # Blocks held by requests back from their loads are given back
+                # (cached) before admission stalls on them.
+                if hit_blocks is not None and release_loaded(kv, waiting):
+                    continue
                 break
-            kv.load_offloaded(request, len(hit_blocks), num_external)
+            if hit_blocks is not None:
+                kv.count_external_query(request, len(hit_blocks))
             waiting.pop()
             running.append(request)
             request.status = _RUNNING

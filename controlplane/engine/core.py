@@ -73,6 +73,7 @@ class _Kind(enum.Enum):
     DRAIN = 5
     RESET_PREFIX_CACHE = 6
     GRAMMAR_COMPILED = 7
+    KV_LOADS_DONE = 8
 
 
 class EngineCore(InternalErrors):
@@ -111,6 +112,8 @@ class EngineCore(InternalErrors):
             self.grammar.install(grammar_backend)
         self._emit = emit
         self.input_queue: queue.Queue = queue.Queue()
+        # Load jobs every rank reported done come in like any other input.
+        executor.on_kv_loads_done = lambda jobs: self.input_queue.put((_Kind.KV_LOADS_DONE, jobs))
         self.scheduler: Scheduler | None = None
         self._unavailable_reason = "worker group is starting"
         self._stopped = False
@@ -201,7 +204,7 @@ class EngineCore(InternalErrors):
         # reach the workers even when nothing else runs, or they keep the state.
         # A holding engine has no group to step, a stopped queue a failing one.
         return sched is not None and not self.recovery.holding and not self.steps.stopped and (
-            sched.has_unfinished_requests()
+            sched.has_requests_to_schedule()
             or sched.has_finished_requests()
             or bool(self.steps)
         )
@@ -233,8 +236,8 @@ class EngineCore(InternalErrors):
         except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
             if kind is _Kind.ADD or kind is _Kind.GRAMMAR_COMPILED:
                 self._fail_request(payload, exc)
-            elif kind is _Kind.FINISH:
-                self._recover("finishing requests", exc)
+            elif kind is _Kind.FINISH or kind is _Kind.KV_LOADS_DONE:
+                self._recover(kind.name.lower(), exc)
             elif kind is _Kind.STOP:
                 logger.exception("engine shutdown raised; stopping anyway")
                 self._stopped = True
@@ -263,6 +266,8 @@ class EngineCore(InternalErrors):
             gc.freeze()
         elif kind is _Kind.GROUP_FAILED:
             self._group_down(*payload)
+        elif kind is _Kind.KV_LOADS_DONE and self.scheduler is not None:
+            self.scheduler.update_from_kv_loads(payload)
         elif kind is _Kind.RESET_PREFIX_CACHE:
             reset_prefix_cache(self.scheduler, payload)
         elif kind is _Kind.DRAIN:
@@ -369,8 +374,9 @@ class EngineCore(InternalErrors):
         assert sched is not None
         step = sched.schedule_step()
         so = step.scheduler_output
-        if so.is_empty() and not (so.finished_req_ids or so.preempted_req_ids):
-            return None
+        if so.is_empty() and not (so.finished_req_ids or so.preempted_req_ids
+                                  or so.kv_connector_metadata):
+            return None  # (a step that only starts loads still goes out)
         self.grammar.plan(step, sched.requests, sched.placeholders)
         return step
 

@@ -51,6 +51,7 @@ from controlplane.config import (
 from controlplane.core.outputs import ExpectedReply, SchedulerOutput
 from controlplane.executor.call_router import CallRouter
 from controlplane.executor.group_startup import GroupStartup
+from controlplane.executor.kv_reports import KVReports
 from controlplane.executor.registration import (
     WorkerHandle,
     check_identity,
@@ -120,6 +121,7 @@ class Executor(StepExecutor):
         self._failure_counts: dict[FailureKind, int] = {}
         self._calls = CallTable()
         self._router = CallRouter(self._calls, self._handles)
+        self._kv_reports = KVReports(parallel.world_size)
         # The scheduler's limits reach the workers in LoadModel (their profile run).
         self._group_startup = GroupStartup(self._router, parallel, workers, model, cache,
                                            scheduler or SchedulerConfig())
@@ -217,6 +219,11 @@ class Executor(StepExecutor):
             handle.last_forward_time_s = msg.heartbeat.last_forward_time_s
             return
         try:
+            if msg.call_id == 0 and payload == "kv_transfer_report":
+                done = self._kv_reports.add(handle.rank, msg.kv_transfer_report)
+                if done and self.on_kv_loads_done is not None:
+                    self.on_kv_loads_done(done)
+                return
             delivered = self._router.deliver(handle.rank, msg)
         except ProtocolViolation as exc:
             self.fail_group(str(exc), FailureKind.PROTOCOL_VIOLATION, handle.rank)
@@ -317,6 +324,7 @@ class Executor(StepExecutor):
             self._failure_reason = reason
             self._state = GroupState.FORMING
             self._calls.retire()
+            self._kv_reports.clear()
             if self._keep_survivors:
                 # A rank that replied with an error stays: its error is often
                 # the echo of a dead peer (a collective that broke).
@@ -421,6 +429,7 @@ class Executor(StepExecutor):
             raise WorkerGroupFailed(self.status().describe())
         command = worker_pb2.ControlMessage(
             execute_model=scheduler_output_to_proto(scheduler_output))
+        self._kv_reports.expect(scheduler_output.kv_connector_metadata)
         t_send = time.perf_counter()
         sent = post_to_loop(self._loop, lambda: self._send_step(command))
         return BroadcastStep(

@@ -16,8 +16,14 @@ the engine acts on; the exception only tells the engine to stop applying.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
-from controlplane.core.outputs import ExpectedReply, ModelRunnerOutput, SchedulerOutput
+from controlplane.core.outputs import (
+    ExpectedReply,
+    KVJobDone,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.structured.mask_codec import TokenMask
 
@@ -62,6 +68,10 @@ class DoneStep(PendingStep):
 
 
 class StepExecutor(abc.ABC):
+    # Where load jobs every rank reported done go (EngineCore sets its
+    # kv_loads_done; executor/kv_reports.py folds the ranks' reports).
+    on_kv_loads_done: Callable[[list[KVJobDone]], None] | None = None
+
     @abc.abstractmethod
     def submit(self, scheduler_output: SchedulerOutput, expected: ExpectedReply) -> PendingStep:
         """Send one step to every rank; the reply must answer `expected`.

@@ -76,10 +76,15 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
     meta = so.kv_connector_metadata
     if meta:
         pb_meta = msg.kv_connector_metadata
-        for pairs, pb_copies in ((meta.stores, pb_meta.stores), (meta.loads, pb_meta.loads)):
-            pb_copies.block_ids.extend([b for b, _ in pairs])
-            pb_copies.tier_slots.extend([s for _, s in pairs])
+        _fill_copies(meta.stores, pb_meta.stores)
+        for job in meta.load_jobs:
+            _fill_copies(job.copies, pb_meta.load_jobs.add(job_id=job.job_id).copies)
     return msg
+
+
+def _fill_copies(pairs: list[tuple[int, int]], pb: worker_pb2.KVBlockCopies) -> None:
+    pb.block_ids.extend([b for b, _ in pairs])
+    pb.tier_slots.extend([s for _, s in pairs])
 
 
 def _token_logprobs(pb: worker_pb2.TokenLogprobs) -> TokenLogprobs | None:

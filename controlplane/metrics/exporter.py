@@ -143,6 +143,14 @@ class ControlPlaneMetrics:
             "kvloom_kv_offload_stores", "KV blocks copied from the pool into the host tier.")
         self.offload_loads = counter(
             "kvloom_kv_offload_loads", "KV blocks copied from the host tier into the pool.")
+        self.load_jobs = counter("kvloom_kv_offload_load_jobs", "Host-tier load jobs (one per "
+                                 "request waiting for its KV) that every rank reported done.")
+        self.load_bytes = counter("kvloom_kv_offload_load_bytes",
+                                  "Bytes those load jobs moved, over all ranks.")
+        self.load_seconds = counter("kvloom_kv_offload_load_seconds", "Seconds those load jobs "
+                                    "took, each job's slowest rank.")
+        self.load_failed = counter("kvloom_kv_offload_failed_blocks", "Blocks a load job failed "
+                                   "to fill on some rank (recomputed instead).")
         success = Counter("kvloom_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(m, r) for r in FINISH_REASONS}
@@ -242,6 +250,10 @@ class ControlPlaneMetrics:
             self.external_hits.inc(external)
             self.offload_stores.inc(d.kv_offload_stores)
             self.offload_loads.inc(d.kv_offload_loads)
+            self.load_jobs.inc(d.kv_load_jobs)
+            self.load_bytes.inc(d.kv_load_bytes)
+            self.load_seconds.inc(d.kv_load_seconds)
+            self.load_failed.inc(d.kv_load_failed_blocks)
 
     def observe_recovery(self, record: RecoveryRecord) -> None:
         self.recovering.set(1.0 if record.recovering else 0.0)

@@ -186,6 +186,10 @@ class SchedulerCounts:
     external_prefix_cache_hits: int = 0
     kv_offload_stores: int = 0
     kv_offload_loads: int = 0
+    kv_load_jobs: int = 0
+    kv_load_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    kv_load_failed_blocks: int = 0
 
 
 class CounterDeltas:

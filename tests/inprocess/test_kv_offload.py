@@ -17,6 +17,7 @@ scheduler and worker, token-exact against transformers:
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from controlplane.core.request import RequestStatus
@@ -109,10 +110,11 @@ def test_a_tier_smaller_than_the_working_set_keeps_the_most_recent(tiny_model_di
     assert stored > 5
 
 
-def _serve_across_a_reformed_group(model_dir: str, forget_tier: bool):
+def _serve_across_a_reformed_group(model_dir: str, forget_tier: bool, trust_slots: bool = False):
     """RETURNING and OTHERS, then the group is replaced (a fresh worker: an
     empty tier) and RETURNING returns. forget_tier False keeps the tier's
-    map across the re-form, the bug the reset prevents."""
+    map across the re-form, the bug the reset prevents; trust_slots marks
+    every slot of the new rank as stored to, disarming its own guard."""
     from controlplane.core.failover import reset_for_recompute
 
     executor = InProcessExecutor(model_dir, block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS,
@@ -123,6 +125,8 @@ def _serve_across_a_reformed_group(model_dir: str, forget_tier: bool):
             run_to_completion(sched, executor, {0: [_request(prompt, f"r{i}")]})
         assert sched.kv_cache_manager.offload.num_used_slots > 5
         executor.start_group()  # the group re-forms: new ranks, nothing in their tiers
+        if trust_slots:
+            executor.runner.kv_tier.written[:] = True
         if forget_tier:
             reset_for_recompute(sched)
         else:
@@ -138,8 +142,16 @@ def test_nothing_stale_is_served_after_the_group_reforms(tiny_model_dir):
     reference = hf_greedy(tiny_model_dir, RETURNING, MAX_TOKENS)
     tokens, stats = _serve_across_a_reformed_group(tiny_model_dir, forget_tier=True)
     assert tokens == reference and stats.external_prefix_cache_hits == 0
-    # Negative control: a tier map that outlived its ranks serves their empty slots.
+    assert stats.kv_load_jobs == 0  # the map went with the group: nothing to load
+    # A tier map that outlived its ranks: the load is sent, but the new rank
+    # never stored those slots, so it reports every block failed and they
+    # are recomputed (the recompute policy), token-exact.
     tokens, stats = _serve_across_a_reformed_group(tiny_model_dir, forget_tier=False)
+    assert (stats.kv_load_jobs, stats.kv_load_failed_blocks) == (1, 5)
+    assert stats.external_prefix_cache_hits == 0 and tokens == reference
+    # Negative control: with the rank's guard disarmed too, its empty slots are served.
+    tokens, stats = _serve_across_a_reformed_group(tiny_model_dir, forget_tier=False,
+                                                   trust_slots=True)
     assert stats.external_prefix_cache_hits == 5 * BLOCK and tokens != reference
 
 
@@ -161,18 +173,27 @@ def test_a_preempted_request_resumes_from_the_tier_token_exact(tiny_model_dir):
         assert stats.kv_offload_loads > 0  # the resumed request loaded its prefix back
         for req_id, prompt in prompts.items():
             assert tokens[req_id] == hf_greedy(tiny_model_dir, prompt, 12), req_id
-        # An admission that loads, aborted before its step's output is applied
-        # (two other prompts first, so a's prefix is in the tier only).
+        # A request aborted while it waits for its KV (two other prompts
+        # first, so a's prefix is in the tier only): its blocks stay held
+        # until the worker reports the load done, never handed out meanwhile.
         for i in (1, 2):
             run_to_completion(sched, executor, {0: [_request(OTHERS[i], f"evict{i}")]})
         back = _request(prompts["a"] + [5, 6, 7], "back")
         sched.add_request(back)
         step = sched.schedule_step()
-        assert step.scheduler_output.kv_connector_metadata.loads
-        executor.execute_model(step.scheduler_output, step.expected)
+        so = step.scheduler_output
+        # A step with no token to compute still goes out: it starts the load.
+        assert so.kv_connector_metadata.load_jobs and so.total_num_scheduled_tokens == 0
+        assert back.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert not sched.has_requests_to_schedule()
         sched.finish_requests("back", RequestStatus.FINISHED_ABORTED)
-        run_to_completion(sched, executor, {})  # the workers hear of it
-        assert sched.kv_cache_manager.get_num_free_blocks() == NUM_BLOCKS
-        assert executor.runner.requests == {}
+        executor.execute_model(so, step.expected)
+        kv = sched.kv_cache_manager
+        assert kv.get_num_free_blocks() < NUM_BLOCKS  # held: the load may be writing them
+        with pytest.raises(ValueError, match="already exists"):
+            sched.add_request(_request(prompts["a"], "back"))
+        run_to_completion(sched, executor, {})  # the report comes in; the blocks are freed
+        assert kv.get_num_free_blocks() == NUM_BLOCKS
+        assert sched.kv_loads.num_waiting == 0 and executor.runner.requests == {}
     finally:
         executor.close()

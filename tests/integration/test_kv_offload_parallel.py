@@ -4,7 +4,8 @@ with --kv-offloading-size over a pool smaller than the working set. A prompt
 evicted by three others comes back from the tier: every token equals
 transformers' greedy ones, and the metrics count its 5 blocks as loaded
 (kvloom_prompt_tokens_by_source{source="external_kv_transfer"}), not
-computed. tests/inprocess/test_kv_offload.py has the negative controls."""
+computed, by one load job that both ranks reported done.
+tests/inprocess/test_kv_offload.py has the negative controls."""
 
 from __future__ import annotations
 
@@ -37,13 +38,15 @@ async def _one_at_a_time(address: str) -> list[list[int]]:
     return out
 
 
-def _external_tokens(metrics_url: str) -> float:
+def _load_metrics(metrics_url: str) -> dict:
     key = ("kvloom_prompt_tokens_by_source_total", (("source", "external_kv_transfer"),))
     deadline = time.monotonic() + 10
     while True:  # the last step's record reaches the exporter just after its reply
-        value = scrape(metrics_url).get(key, 0.0)
-        if value or time.monotonic() > deadline:
-            return value
+        samples = scrape(metrics_url)
+        if samples.get(key) or time.monotonic() > deadline:
+            return {name: samples.get((name, ()), 0.0) for name in (
+                "kvloom_kv_offload_load_jobs_total", "kvloom_kv_offload_load_bytes_total",
+                "kvloom_kv_offload_failed_blocks_total")} | {"external": samples.get(key, 0.0)}
         time.sleep(0.2)
 
 
@@ -51,7 +54,12 @@ def _external_tokens(metrics_url: str) -> float:
 def test_an_evicted_prompt_returns_from_the_tier_token_exact(tiny_model_dir, tp, pp):
     with running_cluster(tiny_model_dir, tp=tp, pp=pp, args=ARGS) as cluster:
         got = asyncio.run(_one_at_a_time(cluster.api_address))
-        external = _external_tokens(cluster.metrics_address)
+        metrics = _load_metrics(cluster.metrics_address)
     expected = [hf_greedy(tiny_model_dir, p, MAX_TOKENS) for p in [RETURNING, *OTHERS]]
     assert got == [*expected, expected[0]]
-    assert external == 5 * 4
+    assert metrics["external"] == 5 * 4
+    # One load job, done only once both ranks reported their half (each its
+    # heads or its layers of the 5 blocks), none of it failed.
+    assert metrics["kvloom_kv_offload_load_jobs_total"] == 1
+    assert metrics["kvloom_kv_offload_load_bytes_total"] > 0
+    assert metrics["kvloom_kv_offload_failed_blocks_total"] == 0

@@ -46,7 +46,7 @@ from workerd.runner.cuda_graphs import (
     graphs_unavailable,
 )
 from workerd.runner.grammar_step import StepGrammar
-from workerd.runner.host_kv_tier import HostKVTier, apply_kv_connector
+from workerd.runner.host_kv_tier import HostKVTier, OnLoadsDone, close_tier, run_kv_connector
 from workerd.runner.input_batch import CachedRequestState, InputBatch
 from workerd.runner.kv_cache import (
     allocate_kv_caches,
@@ -206,10 +206,12 @@ class ModelRunner:
             budget = cpu_kv_cache_budget()
         return num_blocks_for_budget(budget, block_bytes), block_bytes
 
-    def init_kv_cache(self, num_blocks: int, block_size: int,
-                      num_offload_slots: int = 0) -> None:
-        """num_offload_slots: the host tier's size in blocks (0: none)."""
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_offload_slots: int = 0,
+                      on_loads_done: OnLoadsDone | None = None) -> None:
+        """num_offload_slots: the host tier's size in blocks (0: none);
+        on_loads_done hears of its finished load jobs (the rank's reports)."""
         self.graphs = None  # captured against the old cache, if any
+        self._close_tier()
         reason = self._graphs_unavailable()
         # Graphs pad decode batches; the padding's K/V goes to one extra
         # block past the controlplane's pool, which no request ever owns.
@@ -218,8 +220,10 @@ class ModelRunner:
             self.model, num_blocks + extra, block_size, self.dtype, self.device
         )
         self.block_size = block_size
-        self.kv_tier = (HostKVTier(self.kv_caches, num_offload_slots)
-                        if num_offload_slots else None)
+        if num_offload_slots:
+            if on_loads_done is None:
+                raise ValueError("a host tier needs a way to report its loads")
+            self.kv_tier = HostKVTier(self.kv_caches, num_offload_slots, on_loads_done)
         if reason is None:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, block_size, self.dtype, self.device,
@@ -237,18 +241,21 @@ class ModelRunner:
         self.requests = {}
         self.input_batch = InputBatch()
         self.sampled_tokens.reset()
+        self._close_tier()  # a re-formed group's controlplane starts an empty tier
         self.kv_caches = []
-        self.kv_tier = None  # a re-formed group's controlplane starts an empty tier
         self.graphs = None
         self.block_size = 0
+
+    def _close_tier(self) -> None:
+        close_tier(self.kv_tier)
+        self.kv_tier = None
 
     # ---- one step -------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.last_recv_wait_s = self.grammar.last_wait_s = 0.0
         self._update_states(scheduler_output)
-        if scheduler_output.kv_connector_metadata is not None:
-            apply_kv_connector(self.kv_tier, scheduler_output.kv_connector_metadata)
+        run_kv_connector(self.kv_tier, scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._nothing_sampled(scheduler_output)
         if not self.kv_caches:

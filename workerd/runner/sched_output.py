@@ -65,12 +65,31 @@ class KVBlockCopies:
 
 
 @dataclass(slots=True)
+class KVLoadJob:
+    """One waiting request's load, reported done under job_id (worker.proto)."""
+
+    job_id: int
+    copies: KVBlockCopies
+
+
+@dataclass(slots=True)
 class KVConnectorMetadata:
-    """A step's copies to and from the host tier, run before its forward:
-    stores, then loads."""
+    """A step's host-tier instructions: stores run before its forward, load
+    jobs beside it (host_kv_tier.py)."""
 
     stores: KVBlockCopies = field(default_factory=KVBlockCopies)
-    loads: KVBlockCopies = field(default_factory=KVBlockCopies)
+    load_jobs: list[KVLoadJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVJobDone:
+    """A load job finished on this rank (worker.proto's KVJobDone)."""
+
+    job_id: int
+    # Blocks this rank could not fill: their KV must be recomputed.
+    failed_block_ids: list[int]
+    bytes: int
+    seconds: float
 
 
 @dataclass(slots=True)

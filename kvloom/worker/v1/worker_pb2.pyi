@@ -13,11 +13,13 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_1: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_4: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
 PROTOCOL_VERSION_3: ProtocolVersion
+PROTOCOL_VERSION_4: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
@@ -219,12 +221,38 @@ class KVBlockCopies(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., tier_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVConnectorMetadata(_message.Message):
-    __slots__ = ("stores", "loads")
+    __slots__ = ("stores", "load_jobs")
     STORES_FIELD_NUMBER: _ClassVar[int]
-    LOADS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_JOBS_FIELD_NUMBER: _ClassVar[int]
     stores: KVBlockCopies
-    loads: KVBlockCopies
-    def __init__(self, stores: _Optional[_Union[KVBlockCopies, _Mapping]] = ..., loads: _Optional[_Union[KVBlockCopies, _Mapping]] = ...) -> None: ...
+    load_jobs: _containers.RepeatedCompositeFieldContainer[KVLoadJob]
+    def __init__(self, stores: _Optional[_Union[KVBlockCopies, _Mapping]] = ..., load_jobs: _Optional[_Iterable[_Union[KVLoadJob, _Mapping]]] = ...) -> None: ...
+
+class KVLoadJob(_message.Message):
+    __slots__ = ("job_id", "copies")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    copies: KVBlockCopies
+    def __init__(self, job_id: _Optional[int] = ..., copies: _Optional[_Union[KVBlockCopies, _Mapping]] = ...) -> None: ...
+
+class KVTransferReport(_message.Message):
+    __slots__ = ("loads_done",)
+    LOADS_DONE_FIELD_NUMBER: _ClassVar[int]
+    loads_done: _containers.RepeatedCompositeFieldContainer[KVJobDone]
+    def __init__(self, loads_done: _Optional[_Iterable[_Union[KVJobDone, _Mapping]]] = ...) -> None: ...
+
+class KVJobDone(_message.Message):
+    __slots__ = ("job_id", "failed_block_ids", "bytes", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    bytes: int
+    seconds: float
+    def __init__(self, job_id: _Optional[int] = ..., failed_block_ids: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class GrammarMasks(_message.Message):
     __slots__ = ("step_id", "masks")
@@ -363,7 +391,7 @@ class WorkerError(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded")
+    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded", "kv_transfer_report")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +401,7 @@ class WorkerMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     RESET_DONE_FIELD_NUMBER: _ClassVar[int]
     MODEL_LOADED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     register: RegisterRequest
     ack: Ack
@@ -382,4 +411,5 @@ class WorkerMessage(_message.Message):
     heartbeat: Heartbeat
     reset_done: ResetDone
     model_loaded: ModelLoaded
-    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ...) -> None: ...
+    kv_transfer_report: KVTransferReport
+    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ..., kv_transfer_report: _Optional[_Union[KVTransferReport, _Mapping]] = ...) -> None: ...

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -249,6 +250,7 @@ class InProcessExecutor(StepExecutor):
         # jobs done wait in kv_loads_done unless on_kv_loads_done takes them.
         self._kv_reports = KVReports(1)
         self.kv_loads_done: list[KVJobDone] = []
+        self._kv_loads_arrived = threading.Condition()
         self.start_group()
 
     def start_group(self) -> int:
@@ -282,12 +284,18 @@ class InProcessExecutor(StepExecutor):
         done = self._kv_reports.add(0, msg.kv_transfer_report)
         if done and self.on_kv_loads_done is not None:
             self.on_kv_loads_done(done)
-        else:
+            return
+        with self._kv_loads_arrived:
             self.kv_loads_done.extend(done)
+            self._kv_loads_arrived.notify_all()
 
-    def take_kv_loads_done(self) -> list[KVJobDone]:
-        """Load jobs done since the last call (for drivers without an engine)."""
-        done, self.kv_loads_done = self.kv_loads_done, []
+    def take_kv_loads_done(self, wait_s: float = 0.0) -> list[KVJobDone]:
+        """Load jobs done since the last call (for drivers without an engine),
+        waiting up to wait_s for one when there is none yet."""
+        with self._kv_loads_arrived:
+            if not self.kv_loads_done and wait_s > 0:
+                self._kv_loads_arrived.wait(wait_s)
+            done, self.kv_loads_done = self.kv_loads_done, []
         return done
 
     def report_to(self, engine: EngineCore) -> None:

@@ -160,19 +160,19 @@ class BlockPool:
         """Take n blocks from the LRU end, evicting their cached hashes."""
         blocks = self.free_block_queue.popleft_n(n)
         cache = self.cached_block_hash_to_block
-        evicted: list[int] | None = [] if self.enable_kv_cache_events else None
-        on_evict = self.on_evict
-        for block in blocks:
-            if block.block_hash is not None:
-                if evicted is not None:
-                    evicted.append(external_block_hash(block.block_hash))
-                if on_evict is not None:
+        evicted = [block for block in blocks if block.block_hash is not None]
+        if evicted:
+            if self.enable_kv_cache_events:  # first: the tier's events follow the pool's
+                self.kv_event_queue.append(
+                    BlockRemoved(tuple(external_block_hash(b.block_hash) for b in evicted)))
+            on_evict = self.on_evict
+            for block in evicted:
+                if on_evict is not None:  # while the pool still maps the hash
                     on_evict(block.block_id, block.block_hash)
                 del cache[block.block_hash]
                 block.block_hash = None
+        for block in blocks:
             block.ref_cnt = 1
-        if evicted:
-            self.kv_event_queue.append(BlockRemoved(tuple(evicted)))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

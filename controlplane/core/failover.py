@@ -19,7 +19,7 @@ def reset_for_recompute(sched: Scheduler) -> None:
     # Loads in flight went with the group: their requests wait again, and
     # requests back from a load give their blocks back (kv_loads.py).
     loading = sched.kv_loads.reset(kv)
-    release_loaded(kv, sched.waiting)
+    release_loaded(kv, sched.waiting, head=None)
     for request in sched.running:
         kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -61,8 +61,7 @@ def replace_kv_pool(sched: Scheduler, num_gpu_blocks: int) -> list[Request]:
     # The host tier is the same size on the new group's ranks, and as empty
     # (reset_for_recompute reset it with the prefix cache).
     if old.offload is not None:
-        new.offload = old.offload
-        new.block_pool.on_evict = old.offload.on_evict
+        new.adopt_offload(old.offload)
     sched.kv_cache_manager, sched.num_gpu_blocks = new, num_gpu_blocks
     too_big = [r for r in sched.requests.values()
                if new.blocks_needed(r.num_prompt_tokens, r.max_tokens) > num_gpu_blocks]

@@ -88,8 +88,7 @@ class KVCacheManager:
         # The prefix cache's host tier (core/kv_offload.py); None: none.
         self.offload: OffloadingScheduler | None = None
         if num_offload_slots and enable_caching:
-            self.offload = OffloadingScheduler(num_offload_slots)
-            self.block_pool.on_evict = self.offload.on_evict
+            self.adopt_offload(OffloadingScheduler(num_offload_slots))
         # req_id -> blocks in token order (shared prefix blocks first); the
         # first num_skipped_blocks of them are NULL_BLOCK.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -105,6 +104,17 @@ class KVCacheManager:
         # loaded from it instead of computed.
         self.external_queries = 0
         self.external_hits = 0
+
+    def adopt_offload(self, offload: OffloadingScheduler) -> None:
+        """Put the host tier below this pool (a new one, or the tier of the
+        pool this one replaces): it stores what the pool evicts and records
+        its events beside the pool's."""
+        pool = self.block_pool
+        self.offload = offload
+        offload.pool_hashes = pool.cached_block_hash_to_block
+        offload.record = ((lambda event: pool.kv_event_queue.append(event))
+                          if self.enable_kv_cache_events else None)
+        pool.on_evict = offload.on_evict
 
     # -- queries ---------------------------------------------------------
 
@@ -173,7 +183,10 @@ class KVCacheManager:
         """Tokens the host tier holds right after the pool's hit of
         num_local_blocks blocks (get_computed_blocks'): whole blocks, within
         the same cap as a local hit (the last prompt token is computed)."""
-        if self.offload is None or request.sampling_params.prompt_logprobs is not None:
+        if (self.offload is None or request.sampling_params.prompt_logprobs is not None
+                or self.sliding_window is not None):
+            # (A window pool's admission frees dead blocks, which a request
+            # back from its load would send as placeholders: no loads there.)
             return 0
         hashes = update_block_hashes(request, self.block_size)
         hit = self.offload.num_hit_blocks(hashes[num_local_blocks:self._max_hit_blocks(request)])
@@ -356,9 +369,16 @@ class KVCacheManager:
                        end: int) -> None:
         block_size = self.block_size
         parent = external_block_hash(hashes[first - 1]) if first > 0 else None
+        token_ids = tuple(request.all_token_ids[first * block_size:end * block_size])
         self.block_pool.kv_event_queue.append(BlockStored(
-            tuple(external_block_hash(h) for h in hashes[first:end]), parent,
-            tuple(request.all_token_ids[first * block_size:end * block_size]), block_size))
+            tuple(external_block_hash(h) for h in hashes[first:end]), parent, token_ids,
+            block_size))
+        if self.offload is not None:  # for the tier's own store events later
+            published = self.offload.published
+            for i in range(first, end):
+                j = (i - first) * block_size
+                published[hashes[i]] = (parent, token_ids[j:j + block_size])
+                parent = external_block_hash(hashes[i])
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:
         """Free the blocks no query from num_computed_tokens on can attend to
@@ -390,6 +410,8 @@ class KVCacheManager:
         first = num_computed_tokens // self.block_size
         end = self.num_cached_blocks[req_id]
         for block in blocks[first:end]:
+            if self.offload is not None and block.block_hash is not None:
+                self.offload.pool_forgot(block.block_hash)
             self.block_pool.uncache_block(block)
         self.num_cached_blocks[req_id] = min(first, end)
 

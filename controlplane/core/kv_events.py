@@ -10,11 +10,25 @@ turns them into the wire's KvEventBatch (controlplane/api/vllm_engine/).
 Plain data here: no grpc, and nothing a reader of the pool has to know. The
 router uses a block hash only as a node identity (it hashes the token ids
 itself), so the only rule for it is that store and remove name a block alike.
+
+Each store and removal names its tier (vLLM's `medium`): the block pool's
+events are the device's, the host tier's (--kv-offloading-size,
+core/kv_offload.py) are the host's. A block evicted from the pool into the
+tier is reported removed from the device, then stored on the host; loaded
+back, it is stored on the device again (and stays on the host).
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class KVTier(enum.Enum):
+    """Where the blocks of an event live; the value is vLLM's medium name."""
+
+    DEVICE = "GPU"  # the block pool (vLLM names it GPU on every platform)
+    HOST = "CPU"  # the host tier below it
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +42,16 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    tier: KVTier = KVTier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     """Hashes that left the cache map (evicted for a new block, or uncached
-    because their KV was never written)."""
+    because their KV was never written), or the host tier."""
 
     block_hashes: tuple[int, ...]
+    tier: KVTier = KVTier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,10 @@ class KVLoads:
     def __contains__(self, request: Request) -> bool:
         return request.request_id in self._job_of
 
+    def requests(self) -> list[tuple[Request, bool]]:
+        """Every request with a load in flight, and whether it has finished."""
+        return [(load.request, load.finished) for load in self._jobs.values()]
+
     def start(self, kv: KVCacheManager, request: Request, num_local_blocks: int,
               num_external: int) -> None:
         """request holds blocks for its pool hit and num_external tokens past
@@ -124,13 +128,13 @@ class KVLoads:
         return live
 
 
-def release_loaded(kv: KVCacheManager, waiting) -> bool:
+def release_loaded(kv: KVCacheManager, waiting, head: Request | None) -> bool:
     """Waiting requests back from their load hold blocks; give them back
-    (cached: a later admission hits them) so the head of the queue can be
-    admitted. True if any were held."""
+    (cached: a later admission hits them) so the head of the queue, which
+    keeps its own, can be admitted. True if any were held."""
     released = False
     for request in waiting:
-        if request.request_id in kv.req_to_blocks:
+        if request is not head and request.request_id in kv.req_to_blocks:
             kv.free(request)
             request.num_computed_tokens = 0
             released = True

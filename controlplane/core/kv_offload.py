@@ -31,9 +31,13 @@ beside it. The fences:
   same step: stores run first, so the job reads the KV just stored.
 
 Nothing here touches KV: a lookup is a dict probe per block, and a step with
-nothing to copy carries no metadata at all. After the worker group re-forms
-the tier is forgotten with the prefix cache (KVCacheManager.reset_prefix_cache):
-the new ranks' tiers are empty, so nothing stale can be served.
+nothing to copy carries no metadata at all. With KV events on, the tier
+reports its own stores and removals (tier HOST, core/kv_events.py); a store
+event needs the block's token ids and parent, which the pool's published
+store gave (`published`, kept while the pool or the tier holds the hash).
+After the worker group re-forms the tier is forgotten with the prefix cache
+(KVCacheManager.reset_prefix_cache): the new ranks' tiers are empty, so
+nothing stale can be served.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Container
 
+from controlplane.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVTier
+from controlplane.core.kv_events import external_block_hash as _ext
 from controlplane.core.outputs import KVConnectorMetadata, KVLoadJob
 
 # Load job ids: unique over this process's schedulers (a replaced scheduler
@@ -58,6 +65,14 @@ class OffloadingScheduler:
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
+        # Set by the KVCacheManager above it (adopt_offload): the pool's
+        # cached hashes (read only), and where the tier's KV events go (None:
+        # events are off).
+        self.pool_hashes: Container[bytes] = ()
+        self.record: Callable[[KVCacheEvent], None] | None = None
+        # Block hash -> (parent's external hash, token ids) as the pool
+        # published it, while the pool or the tier holds it (events only).
+        self.published: dict[bytes, tuple[int | None, tuple[int, ...]]] = {}
         # block hash -> slot, least recently used first.
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
@@ -95,11 +110,17 @@ class OffloadingScheduler:
         slot = self._take_slot()
         if slot is None:  # every slot is pinned by this step: the block is lost
             self.num_dropped_stores += 1
+            self.published.pop(block_hash, None)
             return
         slot_of[block_hash] = slot
         self._pinned.add(slot)
         self._stores.append((block_id, slot))
         self.num_stored += 1
+        chain = self.published.get(block_hash)
+        if chain is not None and self.record is not None:
+            parent, token_ids = chain
+            self.record(BlockStored((_ext(block_hash),), parent, token_ids, len(token_ids),
+                                     KVTier.HOST))
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
@@ -109,8 +130,23 @@ class OffloadingScheduler:
             if slot not in pinned and slot not in job_pins:
                 del self._slot_of[block_hash]
                 self.num_tier_evictions += 1
+                self._left(block_hash)
                 return slot
         return None
+
+    def _left(self, block_hash: bytes) -> None:
+        """block_hash left the tier: reported, and forgotten unless the pool has it."""
+        if block_hash not in self.published:
+            return
+        if self.record is not None:
+            self.record(BlockRemoved((_ext(block_hash),), KVTier.HOST))
+        if block_hash not in self.pool_hashes:
+            del self.published[block_hash]
+
+    def pool_forgot(self, block_hash: bytes) -> None:
+        """The pool dropped block_hash without evicting it (uncached)."""
+        if block_hash not in self._slot_of:
+            self.published.pop(block_hash, None)
 
     # -- admissions: loads ---------------------------------------------------
 
@@ -167,6 +203,7 @@ class OffloadingScheduler:
         Copies not yet sent, and the pins of jobs in flight, go with it: the
         scheduler treats those loads as failed."""
         self._slot_of.clear()
+        self.published.clear()  # (the pool's AllBlocksCleared covers every tier)
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
         self._job_slots.clear()

@@ -379,7 +379,7 @@ class Scheduler:
                                  hit_blocks) is None:
                 # Blocks held by requests back from their loads are given back
                 # (cached) before admission stalls on them.
-                if hit_blocks is not None and release_loaded(kv, waiting):
+                if release_loaded(kv, waiting, request):
                     continue
                 break
             if hit_blocks is not None:

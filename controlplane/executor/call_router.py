@@ -64,7 +64,7 @@ class CallRouter:
         judged). A WorkerError fails its call; whether it fails the group is
         the executor's to say. Raises ProtocolViolation."""
         payload = msg.WhichOneof("payload")
-        if msg.call_id == 0:  # heartbeats, the one message outside calls, never get here
+        if msg.call_id == 0:  # heartbeats and KV transfer reports, outside calls, never get here
             raise ProtocolViolation(rank, f"sent {payload or 'an empty message'} outside any call")
         if self.table.is_retired(msg.call_id):
             return False

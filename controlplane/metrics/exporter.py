@@ -134,6 +134,11 @@ class ControlPlaneMetrics:
                             "requests by where their KV came from.", ["model_name", "source"],
                             registry=reg)
         self.prompt_by_source = {s: by_source.labels(m, s) for s in PROMPT_SOURCES}
+        cached_by = Counter("kvloom_prompt_tokens_cached_by_source", "Prompt tokens of admitted "
+                            "requests whose KV was cached, by the tier it came from (device: "
+                            "the block pool, host: the host tier).", ["model_name", "source"],
+                            registry=reg)
+        self.cached_by_source = {s: cached_by.labels(m, s) for s in ("device", "host")}
         self.external_queries = counter(
             "kvloom_external_prefix_cache_queries",
             "Prompt tokens looked up in the host tier (past the prefix cache's hit).")
@@ -244,6 +249,8 @@ class ControlPlaneMetrics:
             external = d.external_prefix_cache_hits
             self.prompt_by_source["local_cache_hit"].inc(d.prefix_cache_hits)
             self.prompt_by_source["external_kv_transfer"].inc(external)
+            self.cached_by_source["device"].inc(d.prefix_cache_hits)
+            self.cached_by_source["host"].inc(external)
             self.prompt_by_source["local_compute"].inc(
                 max(0, d.prefix_cache_queries - d.prefix_cache_hits - external))
             self.external_queries.inc(d.external_prefix_cache_queries)

@@ -204,5 +204,6 @@ def run_kv_connector(tier: HostKVTier | None, meta: KVConnectorMetadata | None) 
 
 
 def close_tier(tier: HostKVTier | None) -> None:
+    """Close tier if there is one; None, for the caller's reference."""
     if tier is not None:
         tier.close()

@@ -211,7 +211,7 @@ class ModelRunner:
         """num_offload_slots: the host tier's size in blocks (0: none);
         on_loads_done hears of its finished load jobs (the rank's reports)."""
         self.graphs = None  # captured against the old cache, if any
-        self._close_tier()
+        self.kv_tier = close_tier(self.kv_tier)
         reason = self._graphs_unavailable()
         # Graphs pad decode batches; the padding's K/V goes to one extra
         # block past the controlplane's pool, which no request ever owns.
@@ -241,14 +241,10 @@ class ModelRunner:
         self.requests = {}
         self.input_batch = InputBatch()
         self.sampled_tokens.reset()
-        self._close_tier()  # a re-formed group's controlplane starts an empty tier
+        self.kv_tier = close_tier(self.kv_tier)  # a re-formed group's tier starts empty
         self.kv_caches = []
         self.graphs = None
         self.block_size = 0
-
-    def _close_tier(self) -> None:
-        close_tier(self.kv_tier)
-        self.kv_tier = None
 
     # ---- one step -------------------------------------------------------
 

@@ -43,7 +43,13 @@ from collections.abc import AsyncIterator
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from controlplane.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from controlplane.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVTier,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,10 @@ HISTORY_BATCHES = 4096
 SUBSCRIBER_QUEUE_BATCHES = 1024
 # Streams at once; the gateway opens one per controlplane it routes to.
 MAX_SUBSCRIBERS = 64
+
+
+_TIERS = {KVTier.DEVICE: common_pb2.KV_CACHE_TIER_DEVICE,
+          KVTier.HOST: common_pb2.KV_CACHE_TIER_HOST}
 
 
 def batch_to_proto(sequence_number: int, events: list[KVCacheEvent], first_event_id: int,
@@ -70,8 +80,11 @@ def batch_to_proto(sequence_number: int, events: list[KVCacheEvent], first_event
                                   token_ids=tokens[i * size:(i + 1) * size])
             if event.parent_block_hash is not None:
                 stored.parent_block_hash = event.parent_block_hash
+            stored.tier, stored.medium = _TIERS[event.tier], event.tier.value
         elif isinstance(event, BlockRemoved):
-            out.removed.block_hashes.extend(event.block_hashes)
+            removed = out.removed
+            removed.block_hashes.extend(event.block_hashes)
+            removed.tier, removed.medium = _TIERS[event.tier], event.tier.value
         elif isinstance(event, AllBlocksCleared):
             out.cleared.SetInParent()
         else:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from controlplane.core.block_pool import NULL_BLOCK
 from controlplane.core.failover import reset_for_recompute
-from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
+from controlplane.core.outputs import KVJobDone, ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.request import Request, RequestStatus, SamplingParams
 from controlplane.core.scheduler import Scheduler
 
@@ -148,9 +148,14 @@ class ProgramRunner:
         sched: Scheduler,
         execute: Execute = _model_output,
         on_reset: Callable[[], None] = lambda: None,
+        *,
+        report_loads: bool = False,
     ) -> None:
         self.sched = sched
         self.execute = execute
+        # Report every load job done after its step (a stand-in for workers).
+        self.report_loads = report_loads
+        self._loads_in_flight: list[KVJobDone] = []
         self.on_reset = on_reset
         self.next_id = 0
         self.num_steps = 0
@@ -164,12 +169,13 @@ class ProgramRunner:
         """Step until every request finished, then once more so the last
         finished ids reach the workers."""
         for _ in range(max_steps):
-            if not self.sched.has_unfinished_requests():
+            if not (self.sched.has_unfinished_requests() or self._loads_in_flight):
                 break
             self.step([7])
             check_pool(self.sched)
         assert not self.sched.has_unfinished_requests()
         self.step([7])
+        assert not self.sched.kv_loads.requests()  # every held block given back
 
     def add(self, which: int, length: int, max_tokens: int, priority: int) -> None:
         base = PREFIXES[which] if which < 2 else []
@@ -211,6 +217,13 @@ class ProgramRunner:
         tokens = tokens or [7]
         out.sampled_token_ids = [tokens[i % len(tokens)] for i in range(len(out.req_ids))]
         outs = sched.update_from_output(so, out)
+        if self.report_loads:
+            # A stand-in worker group: each load job reported done one step
+            # later, so an abort or a failover may come while it loads.
+            sched.update_from_kv_loads(self._loads_in_flight)
+            meta = so.kv_connector_metadata
+            self._loads_in_flight = [KVJobDone(job.job_id, frozenset(), 0, 0.0)
+                                     for job in (meta.load_jobs if meta else ())]
         assert [o.request_id for o in outs] == out.req_ids
         for o in outs:
             if o.finished:
@@ -287,12 +300,21 @@ def check_pool(sched: Scheduler) -> None:
         pool.cached_block_hash_to_block
     )
     running_ids = {r.request_id for r in sched.running}
-    assert set(kv.req_to_blocks) == running_ids
+    loads = sched.kv_loads.requests()
+    # Requests back from a load wait holding their blocks (core/kv_loads.py).
+    loaded_ids = {r.request_id for r in sched.waiting if r.request_id in kv.req_to_blocks}
+    assert set(kv.req_to_blocks) == running_ids | loaded_ids | {r.request_id for r, _ in loads}
     for req in sched.running:
         assert req.status is RequestStatus.RUNNING
         assert len(kv.req_to_blocks[req.request_id]) * kv.block_size >= req.num_computed_tokens
     for req in sched.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert req.num_computed_tokens == 0
-    assert len(sched.running) + len(sched.waiting) == sched.get_num_unfinished_requests()
+        held = len(kv.req_to_blocks.get(req.request_id, ())) * kv.block_size
+        assert req.num_computed_tokens <= held and (held or req.num_computed_tokens == 0)
+    for req, finished in loads:
+        assert finished == req.status.is_finished
+        assert finished or req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    num_loading = sum(not finished for _, finished in loads)
+    assert (len(sched.running) + len(sched.waiting) + num_loading
+            == sched.get_num_unfinished_requests())
     check_window(sched)

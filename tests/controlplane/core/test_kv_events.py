@@ -15,6 +15,7 @@ from controlplane.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVTier,
     external_block_hash,
 )
 from controlplane.core.request import Request
@@ -164,39 +165,52 @@ def test_with_events_off_nothing_is_recorded():
 
 
 class GatewayIndex:
-    """What a subscriber knows of the pool: the hashes stored and not removed."""
+    """What a subscriber knows of the pool (and of the host tier below it):
+    the hashes stored and not removed, per tier."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.hashes: set[int] = set()
+        self.tiers: dict[KVTier, set[int]] = {KVTier.DEVICE: set(), KVTier.HOST: set()}
+
+    @property
+    def hashes(self) -> set[int]:
+        return self.tiers[KVTier.DEVICE]
 
     def apply(self, events) -> None:
         for event in events:
             if isinstance(event, BlockStored):
+                hashes = self.tiers[event.tier]
                 assert event.block_size == self.block_size
                 assert len(event.token_ids) == len(event.block_hashes) * self.block_size
-                assert not self.hashes & set(event.block_hashes), "stored twice"
-                self.hashes |= set(event.block_hashes)
+                assert not hashes & set(event.block_hashes), "stored twice"
+                hashes |= set(event.block_hashes)
             elif isinstance(event, BlockRemoved):
-                assert set(event.block_hashes) <= self.hashes, "removed what was never stored"
-                self.hashes -= set(event.block_hashes)
+                hashes = self.tiers[event.tier]
+                assert set(event.block_hashes) <= hashes, "removed what was never stored"
+                hashes -= set(event.block_hashes)
             else:
                 assert isinstance(event, AllBlocksCleared)
-                self.hashes.clear()
+                for hashes in self.tiers.values():
+                    hashes.clear()
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=program_configs, program=program_ops, window=st.sampled_from([None, None, 3, 8]))
-def test_the_events_replayed_always_equal_the_cache_map(config, program, window):
+@given(config=program_configs, program=program_ops, window=st.sampled_from([None, None, 3, 8]),
+       slots=st.sampled_from([0, 0, 3, 16]))
+def test_the_events_replayed_always_equal_the_cache_map(config, program, window, slots):
+    """With a host tier too: the host index always equals the tier's hashes."""
     sched = make_scheduler(enable_kv_cache_events=True, max_model_len=PROGRAM_MAX_MODEL_LEN,
-                           sliding_window=window, **config)
+                           sliding_window=window, num_offload_slots=slots, **config)
     index = GatewayIndex(sched.block_size)
-    runner = ProgramRunner(sched)
+    runner = ProgramRunner(sched, report_loads=True)
 
     def check() -> None:
-        index.apply(sched.kv_cache_manager.take_events())
-        cached = sched.kv_cache_manager.block_pool.cached_block_hash_to_block
+        kv = sched.kv_cache_manager
+        index.apply(kv.take_events())
+        cached = kv.block_pool.cached_block_hash_to_block
         assert index.hashes == {external_block_hash(h) for h in cached}
+        in_tier = {external_block_hash(h) for h in (kv.offload._slot_of if kv.offload else ())}
+        assert index.tiers[KVTier.HOST] == in_tier
 
     for op in program:
         runner.run([op])
@@ -220,3 +234,37 @@ def test_a_salted_chain_is_not_published():
     sched.add_request(plain)
     step(sched, {plain.request_id: 7})
     assert stored(sched) == [BlockStored(ext(plain, 0, 1), None, tuple(prompt[:8]), BS)]
+
+
+def test_a_block_evicted_into_the_host_tier_is_reported_there_with_its_tokens():
+    sched = make_scheduler(enable_kv_cache_events=True, num_blocks=6, block_size=BS,
+                           num_offload_slots=2)
+    first = make_request(list(range(100, 112)), max_tokens=1)  # 3 full blocks
+    sched.add_request(first)
+    step(sched)
+    sched.kv_cache_manager.take_events()
+    big = make_request(list(range(200, 224)), max_tokens=1)  # needs the whole pool
+    sched.add_request(big)
+    step(sched)
+    events = sched.kv_cache_manager.take_events()
+    # A request's tail is evicted first (freed first), and from the device first.
+    assert events[0] == BlockRemoved(ext(first, 2, 1, 0))
+    host = [e for e in events if e.tier is KVTier.HOST]
+    # Two slots: blocks 2 and 1 stored, each under its parent with its tokens;
+    # block 0 finds both slots taken by this step's stores and is dropped.
+    assert host == [
+        BlockStored(ext(first, 2), ext(first, 1)[0], tuple(range(108, 112)), BS, KVTier.HOST),
+        BlockStored(ext(first, 1), ext(first, 0)[0], tuple(range(104, 108)), BS, KVTier.HOST),
+    ]
+    assert sched.kv_cache_manager.offload.num_dropped_stores == 1
+    assert [e.block_hashes for e in events if e.tier is KVTier.DEVICE][1:] == [
+        ext(big, 0, 1, 2, 3, 4, 5)]
+    # The next eviction takes the tier's least recently stored slots: their
+    # blocks are reported removed from the host before the new ones stored.
+    other = make_request(list(range(400, 424)), max_tokens=1)
+    sched.add_request(other)
+    step(sched)
+    host = [e for e in sched.kv_cache_manager.take_events() if e.tier is KVTier.HOST]
+    assert [(type(e).__name__, e.block_hashes) for e in host] == [
+        ("BlockRemoved", ext(first, 2)), ("BlockStored", ext(big, 5)),
+        ("BlockRemoved", ext(first, 1)), ("BlockStored", ext(big, 4))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from kvloom_testing.scheduler import make_scheduler
 from tests.controlplane.core.helpers import (
@@ -24,22 +25,27 @@ from tests.controlplane.core.helpers import (
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=program_configs, program=program_ops)
-def test_random_programs_keep_the_pool_consistent_and_drain(config, program):
-    sched = make_scheduler(max_model_len=PROGRAM_MAX_MODEL_LEN, **config)
-    runner = ProgramRunner(sched)
+@given(config=program_configs, program=program_ops, slots=st.sampled_from([0, 0, 4, 32]))
+def test_random_programs_keep_the_pool_consistent_and_drain(config, program, slots):
+    """With a host tier too: requests wait for loads a step long, and aborts
+    and failovers land while they do (helpers.ProgramRunner.report_loads)."""
+    sched = make_scheduler(max_model_len=PROGRAM_MAX_MODEL_LEN, num_offload_slots=slots,
+                           **config)
+    runner = ProgramRunner(sched, report_loads=True)
     runner.run(program)
     runner.drain()
     stats = sched.make_stats()
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hits > 0}")
+    event(f"tier loads: {stats.kv_load_jobs > 0}")
     assert sched.kv_cache_manager.get_num_free_blocks() == sched.num_gpu_blocks
     assert sched.kv_cache_manager.req_to_blocks == {}
 
 
-def _run_seed(seed: int):
+def _run_seed(seed: int, slots: int = 0):
     rng = random.Random(seed)
     sched = make_scheduler(
+        num_offload_slots=slots,
         num_blocks=16,
         block_size=rng.choice([2, 4]),
         max_num_seqs=rng.randint(2, 8),
@@ -48,7 +54,7 @@ def _run_seed(seed: int):
         long_prefill_token_threshold=rng.choice([0, 5]),
         policy="fcfs" if seed % 2 else "priority",
     )
-    runner = ProgramRunner(sched)
+    runner = ProgramRunner(sched, report_loads=True)
     runner.run(random_program(rng, 400))
     runner.drain()
     stats = sched.make_stats()
@@ -62,3 +68,11 @@ def test_long_random_runs_preempt_share_and_drain():
     all_stats = [_run_seed(seed) for seed in range(12)]
     assert sum(s.num_preemptions > 0 for s in all_stats) >= 6
     assert sum(s.prefix_cache_hits > 0 for s in all_stats) >= 6
+
+
+def test_long_random_runs_with_a_host_tier_load_and_drain():
+    """The same runs over a host tier: blocks evicted from the tight pool come
+    back by load jobs, aborted and failed over mid-load, and all drain."""
+    all_stats = [_run_seed(seed, slots=24) for seed in range(12)]
+    assert sum(s.kv_load_jobs > 0 for s in all_stats) >= 6
+    assert sum(s.external_prefix_cache_hits > 0 for s in all_stats) >= 6

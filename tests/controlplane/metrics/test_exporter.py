@@ -258,3 +258,25 @@ def test_grammar_gauges_and_counters_read_the_engine_snapshot(metrics):
     assert _get(s, "kvloom_grammar_cache_hits_total") == 7
     assert _get(s, "kvloom_grammar_cache_bytes") == 1000
     assert _get(s, "kvloom_grammar_mask_bytes_total") == 4096
+
+
+def test_prompt_tokens_by_source_and_the_host_tiers_loads_count_deltas(metrics):
+    m, _, _ = metrics
+    before = SchedulerStats(prefix_cache_queries=40, prefix_cache_hits=16)
+    after = SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=24,
+                           external_prefix_cache_queries=50, external_prefix_cache_hits=32,
+                           kv_load_jobs=2, kv_load_bytes=4096, kv_load_seconds=0.25,
+                           kv_load_failed_blocks=1)
+    m.observe([], record(1.0, stats=before))
+    m.observe([], record(2.0, stats=after))
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_prompt_tokens_by_source_total", source="local_cache_hit") == 24
+    assert _get(s, "kvloom_prompt_tokens_by_source_total", source="external_kv_transfer") == 32
+    # 100 looked up: 24 hit the pool, 32 came from the tier, 44 were computed.
+    assert _get(s, "kvloom_prompt_tokens_by_source_total", source="local_compute") == 44
+    assert _get(s, "kvloom_prompt_tokens_cached_by_source_total", source="device") == 24
+    assert _get(s, "kvloom_prompt_tokens_cached_by_source_total", source="host") == 32
+    assert _get(s, "kvloom_kv_offload_load_jobs_total") == 2
+    assert _get(s, "kvloom_kv_offload_load_bytes_total") == 4096
+    assert _get(s, "kvloom_kv_offload_load_seconds_total") == 0.25
+    assert _get(s, "kvloom_kv_offload_failed_blocks_total") == 1

@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
 from controlplane.api.vllm_engine.flush_cache import flush_cache
 from controlplane.api.vllm_engine.kv_events import KvEventPublisher
-from controlplane.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from controlplane.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVTier
 
 WAIT_S = 10.0
 HEADERS_S = 2.0  # the gateway's patience for SubscribeKvEvents' headers
@@ -133,6 +133,32 @@ def test_batches_are_numbered_from_one_and_carry_the_events_as_the_gateway_reads
         assert second.events[0].stored.parent_block_hash == -4
         assert list(second.events[1].removed.block_hashes) == [-5, -4]
         assert third.events[0].HasField("cleared")
+        # The pool's events name the device tier (vLLM's medium "GPU").
+        assert (event.stored.tier, event.stored.medium) == (common_pb2.KV_CACHE_TIER_DEVICE,
+                                                            "GPU")
+        removed = second.events[1].removed
+        assert (removed.tier, removed.medium) == (common_pb2.KV_CACHE_TIER_DEVICE, "GPU")
+        call.cancel()
+
+    serve(test)
+
+
+def test_the_host_tiers_events_name_it():
+    async def test(pub, stub):
+        call = await subscribed(stub)
+        host = BlockStored((-9,), -3, (1, 2, 3, 4), 4, KVTier.HOST)
+        await asyncio.to_thread(pub.publish_threadsafe,
+                                [BlockRemoved((-9,)), host, BlockRemoved((-9,), KVTier.HOST)])
+        (batch,) = await read(call, 1)
+        device_removed, stored_, host_removed = batch.events
+        assert device_removed.removed.tier == common_pb2.KV_CACHE_TIER_DEVICE
+        assert (stored_.stored.tier, stored_.stored.medium) == (common_pb2.KV_CACHE_TIER_HOST,
+                                                                "CPU")
+        assert [(b.block_hash, list(b.token_ids)) for b in stored_.stored.blocks] == [
+            (-9, [1, 2, 3, 4])]
+        assert stored_.stored.parent_block_hash == -3
+        assert (host_removed.removed.tier, host_removed.removed.medium) == (
+            common_pb2.KV_CACHE_TIER_HOST, "CPU")
         call.cancel()
 
     serve(test)

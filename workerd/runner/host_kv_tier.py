@@ -77,7 +77,10 @@ class HostKVTier:
         # Slots this rank stored to: the others hold nothing to load.
         self.written = torch.zeros(num_slots, dtype=torch.bool)
         self._on_loads_done = on_loads_done
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        # OpenMP's thread count is per thread: the load thread gets the rank's.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load",
+                                          initializer=torch.set_num_threads,
+                                          initargs=(torch.get_num_threads(),))
         self._in_flight: list[Future] = []
         # Blocks copied each way (loads counted on the load thread, which is
         # their one writer), and (direction, blocks, seconds) per step's
@@ -132,10 +135,12 @@ class HostKVTier:
             ok = self.written[slots]
             failed = blocks[~ok].tolist()
             blocks, slots = blocks[ok], slots[ok]
-            if len(blocks):
+            # (inference_mode is per thread: the step's forward runs in it too.)
+            with torch.inference_mode():
                 for cache, tier in zip(self.kv_caches, self.slots, strict=True):
-                    cache.index_copy_(_BLOCK_DIM, blocks.to(cache.device),
-                                      tier.index_select(_BLOCK_DIM, slots).to(cache.device))
+                    if len(blocks):
+                        cache.index_copy_(_BLOCK_DIM, blocks.to(cache.device),
+                                          tier.index_select(_BLOCK_DIM, slots).to(cache.device))
         except Exception:  # noqa: BLE001 - the job's blocks are recomputed instead
             logger.exception("host-tier load job %d failed; its blocks will be recomputed",
                              job_id)

@@ -20,6 +20,7 @@ from collections import deque
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from controlplane.config import ControlPlaneConfig
+from controlplane.core.kv_connector import kv_connector_for
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.model_info import ModelInfo
 from kvloom import __version__
@@ -65,6 +66,7 @@ def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | Non
     model_dtype: what the ranks run ("": --dtype as given, auto before the
     group's first start); the KV cache is kept in the same dtype."""
     model_dtype = model_dtype or config.model.dtype
+    connector = kv_connector_for(config.cache.kv_offloading_size)
     return vpb.GetServerInfoResponse(
         active_requests=stats.num_running_reqs + stats.num_waiting_reqs if stats else 0,
         uptime_seconds=time.monotonic() - started_at,
@@ -75,6 +77,8 @@ def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | Non
         block_size=config.cache.block_size,
         max_num_seqs=config.scheduler.max_num_seqs,
         constrained_decoding_start=constrained_decoding_start,
+        kv_connector=connector.name if connector else "",
+        kv_role=connector.role if connector else "",
     )
 
 

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from controlplane.api.validation import InvalidRequest, Limits
 from controlplane.api.vllm_engine import info
 from controlplane.api.vllm_engine.request import resolve
-from controlplane.config import ControlPlaneConfig, ModelConfig
+from controlplane.config import CacheConfig, ControlPlaneConfig, ModelConfig
 from controlplane.structured.params import StructuredOutputKind
 from controlplane.structured.validate import grammar_backend_available
 from tests.controlplane.api.vllm_engine.fuzz_strategies import VALID_CONSTRAINTS, set_constraint
@@ -141,3 +141,13 @@ def test_server_info_advertises_first_token_with_a_backend(backend, expected):
     start = "first_token" if backend else ""
     msg = info.server_info_response(config, None, time.monotonic(), start)
     assert msg.constrained_decoding_start == expected
+
+
+@pytest.mark.parametrize(("size", "connector", "role"), [
+    (0.0, "", ""), (0.5, "OffloadingConnector", "kv_both")])
+def test_server_info_names_the_kv_connector_the_flags_configure(size, connector, role):
+    """vLLM's names: SMG reads them (it tags PD prefill legs for NixlConnector only)."""
+    config = ControlPlaneConfig(model=ModelConfig(model="/m", served_model_name="m"),
+                                cache=CacheConfig(kv_offloading_size=size))
+    msg = info.server_info_response(config, None, time.monotonic())
+    assert (msg.kv_connector, msg.kv_role) == (connector, role)

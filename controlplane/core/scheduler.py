@@ -13,7 +13,8 @@ Policy (vLLM V1): one token budget per step is spent on running requests first
 (decodes and unfinished prefill chunks alike), then on waiting requests in
 policy order. When the block pool runs dry a running request is preempted by
 recompute: its blocks are freed and it goes back to the head of the waiting
-queue, to be recomputed later (mostly from the prefix cache).
+queue, to be recomputed later (mostly from the prefix cache). A waiting
+request whose prefix the host tier holds first waits for it (kv_loads.py).
 
 Pipelined steps (docs/pipelined_steps.md, "Placeholders (PP = 1)"): with
 placeholders a request is scheduled for its next token before the previous
@@ -184,16 +185,13 @@ class Scheduler:
         return bool(self.requests)
 
     def has_requests_to_schedule(self) -> bool:
-        """Unfinished requests other than those waiting for their KV (which
-        only a KV transfer report moves on)."""
+        """Unfinished ones not waiting for their KV (a report moves those on)."""
         return len(self.requests) > self.kv_loads.num_waiting
 
     def update_from_kv_loads(self, jobs: list[KVJobDone]) -> None:
         """Load jobs every rank reported done: their requests go back to the
         head of the waiting queue, holding their (now cached) blocks."""
-        ready = self.kv_loads.done(self.kv_cache_manager, jobs)
-        if ready:
-            self.waiting.prepend_many(ready)
+        self.waiting.prepend_many(self.kv_loads.done(self.kv_cache_manager, jobs))
 
     def has_finished_requests(self) -> bool:
         """Requests ended since the last schedule(): the next step tells workers."""
@@ -354,8 +352,7 @@ class Scheduler:
                 # Preempted with its last step still in flight: it resumes
                 # once that step's token is in (the engine's next update).
                 break
-            if request.request_id in kv.req_to_blocks:
-                # Back from its load (kv_loads.py): its blocks and computed tokens stand.
+            if request.request_id in kv.req_to_blocks:  # back from its load (kv_loads.py)
                 hit_blocks, num_hit = None, request.num_computed_tokens
             else:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
@@ -377,8 +374,7 @@ class Scheduler:
                 num_new = budget
             if kv.allocate_slots(request, num_new, num_hit if hit_blocks is not None else 0,
                                  hit_blocks) is None:
-                # Blocks held by requests back from their loads are given back
-                # (cached) before admission stalls on them.
+                # Blocks held by others back from their loads are given back first.
                 if release_loaded(kv, waiting, request):
                     continue
                 break

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.core.request import FinishReason
-from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel, make_engine
+from kvloom_testing.inprocess import InProcessExecutor, make_engine
+from kvloom_testing.slot_probe import SlotProbeModel
 from tests.controlplane.core.helpers import check_pool, make_request
 
 PROBE = SlotProbeModel.PROBE_TOKEN

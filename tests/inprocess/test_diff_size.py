@@ -4,8 +4,9 @@ which must keep accepting them as its requests grow."""
 
 from __future__ import annotations
 
-from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel
+from kvloom_testing.inprocess import InProcessExecutor
 from kvloom_testing.scheduler import make_scheduler
+from kvloom_testing.slot_probe import SlotProbeModel
 from tests.controlplane.core.helpers import make_request
 
 NUM_REQS = 8

@@ -24,8 +24,9 @@ from controlplane.executor.worker_calls import WorkerGroupFailed
 from controlplane.structured.mask_codec import TokenMask, encode_mask_row
 from kvloom.worker.v1 import worker_pb2
 from kvloom_testing.checkpoints import TOKENIZER_VOCAB_SIZE
-from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel, call_worker
+from kvloom_testing.inprocess import InProcessExecutor, call_worker
 from kvloom_testing.scheduler import make_scheduler
+from kvloom_testing.slot_probe import SlotProbeModel
 from tests.controlplane.core.helpers import make_request
 from tests.integration.reference import _hf_model, hf_greedy
 from workerd.runner import grammar_step

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 
 from controlplane.core.outputs import ModelRunnerOutput, ScheduledStep, SchedulerOutput
 from controlplane.core.scheduler import Scheduler
-from kvloom_testing.inprocess import InProcessExecutor, SlotProbeModel
+from kvloom_testing.inprocess import InProcessExecutor
 from kvloom_testing.scheduler import make_scheduler
+from kvloom_testing.slot_probe import SlotProbeModel
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

@@ -315,7 +315,12 @@ class Scheduler:
         preempted: set[str],
     ) -> tuple[list | None, int, int]:
         """Preempt victims until request's blocks fit or request itself is the
-        victim. Returns (new blocks or None, budget, index of request)."""
+        victim. Returns (new blocks or None, budget, index of request). Blocks
+        held by waiting requests back from their loads go first (cached)."""
+        if release_loaded(self.kv_cache_manager, self.waiting, None):
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, budget, i
         while True:
             victim, victim_idx = self._pop_victim()
             if victim_idx < i:

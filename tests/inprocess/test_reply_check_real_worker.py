@@ -23,10 +23,10 @@ from controlplane.model_info import read_model_info
 from kvloom_testing.inprocess import (
     InProcessExecutor,
     ScheduleWatch,
-    SlotProbeModel,
     run_to_completion,
 )
 from kvloom_testing.scheduler import make_scheduler
+from kvloom_testing.slot_probe import SlotProbeModel
 from tests.controlplane.core.helpers import (
     PROGRAM_MAX_MODEL_LEN,
     ProgramRunner,

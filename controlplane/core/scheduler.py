@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.expected_reply import expected_reply
 from controlplane.core.kv_cache_manager import KVCacheManager
-from controlplane.core.kv_cache_utils import max_num_computed_tokens, max_step_tokens
+from controlplane.core.kv_cache_utils import max_step_tokens
 from controlplane.core.kv_loads import KVLoads, release_loaded
 from controlplane.core.outputs import (
     CachedRequestData,
@@ -52,13 +52,13 @@ from controlplane.core.prompt_logprobs import attach_prompt_logprobs, unsent_pro
 from controlplane.core.request import (
     Request,
     RequestStatus,
-    exceeds_max_model_len,
     finish_reason_of,
     grammar_error,
     grammar_status_after,
 )
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
+from controlplane.core.schedulable import check_schedulable
 from controlplane.core.worker_requests import WorkerRequests
 
 _RUNNING = RequestStatus.RUNNING
@@ -111,31 +111,7 @@ class Scheduler:
         if req_id in self.requests or req_id in self.kv_cache_manager.req_to_blocks:
             # (The second: one that ended while loading, its blocks not yet free.)
             raise ValueError(f"request {req_id!r} already exists")
-        num_prompt = request.num_prompt_tokens
-        max_tokens = request.max_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {req_id!r} has an empty prompt")
-        if max_tokens < 1:
-            raise ValueError(f"request {req_id!r}: max_tokens must be >= 1, got {max_tokens}")
-        if exceeds_max_model_len(num_prompt, max_tokens, self.max_model_len):
-            raise ValueError(
-                f"request {req_id!r}: prompt ({num_prompt} tokens) + max_tokens "
-                f"({max_tokens}) exceeds max_model_len ({self.max_model_len})"
-            )
-        num_blocks = self.kv_cache_manager.blocks_needed(num_prompt, max_tokens)
-        if num_blocks > self.num_gpu_blocks:
-            raise ValueError(
-                f"request {req_id!r} needs {num_blocks} KV blocks but the pool "
-                f"has only {self.num_gpu_blocks}; it could never be scheduled"
-            )
-        cfg = self.scheduler_config
-        num_computed_at_most = max_num_computed_tokens(num_prompt, max_tokens)
-        if not cfg.enable_chunked_prefill and num_computed_at_most > cfg.max_num_batched_tokens:
-            # Without chunking a (re)computed sequence must fit one step's budget.
-            raise ValueError(
-                f"request {req_id!r}: prompt + max_tokens exceeds max_num_batched_tokens "
-                f"({cfg.max_num_batched_tokens}) and chunked prefill is disabled"
-            )
+        check_schedulable(request, self.scheduler_config, self.kv_cache_manager)
         request.status = RequestStatus.WAITING
         request.added_after_step = self.step_id
         self.requests[req_id] = request

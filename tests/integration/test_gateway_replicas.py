@@ -163,3 +163,24 @@ def _statuses_until(client, status: int) -> list[int]:
             return statuses
         time.sleep(0.2)
     raise AssertionError(f"no {status} within 90 s: {statuses[-10:]}")
+
+
+def test_the_gateway_takes_host_tier_events_and_returning_prefixes_come_from_the_tier(
+        model_dir):
+    """A pool of 24 blocks under three 21-block prefixes, a host tier below
+    it: every return finds its prefix evicted from the pool into the tier.
+    The real gateway reads the tier's events (tier HOST, vLLM's medium CPU)
+    without a complaint, and each return is served with its prefix cached
+    (the tier's tokens count as cached, as vLLM counts them)."""
+    args = (*ARGS, "--num-gpu-blocks-override", "24", "--kv-offloading-size", "0.01")
+    with (running_cluster(model_dir, args=args) as cluster,
+          running_gateway([f"127.0.0.1:{cluster.ports[0]}"], MODEL) as gw,
+          _client(gw) as client):
+        for system in FAMILIES:
+            assert _ask(client, system, "first?").usage.prompt_tokens >= 20 * 16
+        for system in FAMILIES:
+            r = _ask(client, system, "again?")
+            assert r.usage.prompt_tokens_details.cached_tokens >= 18 * 16, r.usage
+        complaints = [line for line in gw.log().splitlines()
+                      if "kv_event" in line and re.search(r"\b(WARN|ERROR)\b", line)]
+        assert complaints == []

@@ -160,7 +160,11 @@ class BlockPool:
         """Take n blocks from the LRU end, evicting their cached hashes."""
         blocks = self.free_block_queue.popleft_n(n)
         cache = self.cached_block_hash_to_block
-        evicted = [block for block in blocks if block.block_hash is not None]
+        evicted = []
+        for block in blocks:  # one pass: this runs for every block handed out
+            if block.block_hash is not None:
+                evicted.append(block)
+            block.ref_cnt = 1
         if evicted:
             if self.enable_kv_cache_events:  # first: the tier's events follow the pool's
                 self.kv_event_queue.append(
@@ -171,8 +175,6 @@ class BlockPool:
                     on_evict(block.block_id, block.block_hash)
                 del cache[block.block_hash]
                 block.block_hash = None
-        for block in blocks:
-            block.ref_cnt = 1
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

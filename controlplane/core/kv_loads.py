@@ -58,9 +58,6 @@ class KVLoads:
         """Requests waiting for their KV (not those finished meanwhile)."""
         return len(self._job_of)
 
-    def __contains__(self, request: Request) -> bool:
-        return request.request_id in self._job_of
-
     def requests(self) -> list[tuple[Request, bool]]:
         """Every request with a load in flight, and whether it has finished."""
         return [(load.request, load.finished) for load in self._jobs.values()]

@@ -11,8 +11,9 @@ vLLM's KVOutputAggregator does with world_size reports per request:
 * the executor names each step's jobs when it sends the step (expect), with
   their blocks, so a report is checked against what was asked: a job never
   sent, or one already done or forgotten, is dropped (a failed group's rank
-  reporting late), while a rank reporting the same job twice, or failing a
-  block its job does not load, is a protocol violation;
+  reporting late), while a rank reporting the same job twice, failing a
+  block its job does not load, or timing it out of [0, MAX_JOB_SECONDS], is
+  a protocol violation;
 * a job is handed on once all world_size ranks reported it, with the union
   of their failed blocks, the bytes they moved and the slowest rank's time;
 * a group that fails forgets every job (clear): the scheduler treats their
@@ -34,6 +35,9 @@ from kvloom.worker.v1 import worker_pb2
 # More jobs than this in one report is no rank's honest report (a rank
 # reports each job as it finishes; a step's jobs are bounded by its blocks).
 MAX_JOBS_PER_REPORT = 1 << 16
+# A job's time feeds a counter: a negative, NaN or endless one would poison
+# it. A rank finishes its jobs before its next step, which has a deadline.
+MAX_JOB_SECONDS = 3600.0
 
 
 @dataclass(slots=True)
@@ -77,6 +81,10 @@ class KVReports:
                 if rank in job.ranks or entry.job_id in seen:
                     raise ProtocolViolation(rank, f"reported load job {entry.job_id} twice")
                 seen.add(entry.job_id)
+                if not 0.0 <= entry.seconds <= MAX_JOB_SECONDS:  # NaN fails too
+                    raise ProtocolViolation(rank, f"reported load job {entry.job_id} took "
+                                                  f"{entry.seconds} s (at most "
+                                                  f"{MAX_JOB_SECONDS:g})")
                 stray = set(entry.failed_block_ids) - job.block_ids
                 if stray:
                     raise ProtocolViolation(rank, f"failed block {min(stray)} in load job "

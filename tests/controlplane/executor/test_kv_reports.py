@@ -48,6 +48,9 @@ def test_a_job_is_done_once_every_rank_reported_it():
     (_report((11, [], 0, 0.0), (11, [], 0, 0.0)), "twice"),
     (_report((11, [5], 0, 0.0)), "failed block 5 in load job 11"),
     (_report(*[(11, [], 0, 0.0)] * (MAX_JOBS_PER_REPORT + 1)), "load jobs at once"),
+    (_report((11, [], 0, -1.0)), "took -1.0 s"),
+    (_report((11, [], 0, float("nan"))), "took nan s"),
+    (_report((11, [], 0, float("inf"))), "took inf s"),
 ])
 def test_reports_no_honest_rank_sends_are_protocol_violations(report, message):
     reports = _reports(2)

@@ -43,7 +43,7 @@ from kvloom.common.config_args import add_config_group, config_from_args
 from kvloom.common.hosts import host_problem
 from kvloom.common.logs import flush_log_handlers, setup_logging
 from kvloom.common.node_id import node_id_problem
-from kvloom.common.ports import PortInUse, free_port
+from kvloom.common.ports import PortInUse
 from kvloom.common.secret_files import read_token_file
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
@@ -65,7 +65,7 @@ from workerd.connection import (
     channel_credentials,
 )
 from workerd.distributed.devices import device_native_bf16
-from workerd.worker import Worker
+from workerd.worker import RENDEZVOUS_PORT, Worker
 
 logger = logging.getLogger("workerd")
 
@@ -403,7 +403,7 @@ def _register_request(me: RegistrationConfig, rank: int) -> worker_pb2.RegisterR
         device=me.device,
         auth_token=me.auth_token,
         pid=os.getpid(),
-        dist_port=me.dist_port or free_port(""),
+        dist_port=me.dist_port or RENDEZVOUS_PORT.take(""),
         instance_id=INSTANCE_ID,
         node_id=me.node_id,
         native_bf16=device_native_bf16(me.device),

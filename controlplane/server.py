@@ -32,6 +32,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from controlplane.api.auth import ApiKeyInterceptor, ApiKeys, install_reload
 from controlplane.api.generation_service import GenerationService
+from controlplane.api.kv_transfer.service import KVTransferService
+from controlplane.api.kv_transfer.wiring import KVTransferWiring
 from controlplane.api.malformed_requests import MalformedRequestInterceptor
 from controlplane.api.offload import Offload, new_pool
 from controlplane.api.output_router import OutputRouter
@@ -55,6 +57,7 @@ from controlplane.structured.backend import new_grammar_backend
 from controlplane.structured.validate import grammar_backend_available
 from kvloom.common.logs import flush_log_handlers
 from kvloom.common.ports import EXCLUSIVE_PORT
+from kvloom.kvtransfer.v1 import kv_transfer_pb2_grpc
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -102,6 +105,9 @@ class ControlPlane:
         # by the block pool, handed over per step by the engine thread.
         self.kv_events = KvEventPublisher(enabled=config.cache.enable_kv_cache_events)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # --kv-transfer-config: prefill/decode disaggregation (api/kv_transfer/).
+        self.kv_transfer = (KVTransferWiring(config, model_info)
+                            if config.kv_transfer is not None else None)
         self.executor = Executor(
             config.parallel,
             config.workers,
@@ -111,6 +117,7 @@ class ControlPlane:
             on_failed=self._on_group_failed,
             vocab_size=model_info.vocab_size,
             scheduler=config.scheduler,
+            kv_layout_base=self.kv_transfer.layout_base if self.kv_transfer else None,
         )
         self.engine = EngineCore(
             config.scheduler, config.cache, self.executor, self._emit,
@@ -119,6 +126,7 @@ class ControlPlane:
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             on_kv_events=self.kv_events.publish_threadsafe if self.kv_events.enabled else None,
             grammar_compile_timeout_s=config.structured_output.grammar_compile_timeout_s,
+            kv_transfer=self.kv_transfer.engine if self.kv_transfer else None,
         )
         self.loop_probes = {name: LoopLagProbe(name) for name in ("api", "workers")}
         self.worker_plane = WorkerPlane(
@@ -250,8 +258,14 @@ class ControlPlane:
         # unhealthy, so the gateway routes new work to other replicas.
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineService(generation, self.readiness.reason, self.kv_events, offload,
-                              model_dtype=lambda: self.executor.status().model_dtype),
+                              model_dtype=lambda: self.executor.status().model_dtype,
+                              producers=self.kv_transfer.producers if self.kv_transfer else None),
             api)
+        transfer = self.kv_transfer
+        if transfer is not None and transfer.config.produces:
+            kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(
+                self.engine, transfer.config.engine_id, lambda: self.executor.status().kv_layout,
+                transfer.config.lease_s), api)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, api)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
@@ -262,6 +276,10 @@ class ControlPlane:
 
         await self.health.set("", SERVING)
         await self._set_serving(False)
+        if self.kv_transfer is not None:
+            self.kv_transfer.bound(client_port, lambda: self.executor.status().model_dtype)
+            if self.kv_transfer.producers is not None:
+                self.kv_transfer.producers.start(self._loop)
         self.engine.start()
         workers = self.worker_plane
         worker_port = await workers.start()  # its own thread: binds, starts the executor
@@ -312,6 +330,8 @@ class ControlPlane:
         # so that a stuck engine leaves the API time to send its errors.
         await asyncio.to_thread(self.engine.shutdown, left(2.0))
         await api.stop(grace=left(2.0))
+        if self.kv_transfer is not None and self.kv_transfer.producers is not None:
+            await self.kv_transfer.producers.close()
         await workers.stop(grace=left(1.0))
         self.loop_probes["api"].stop()
         self.offload_pool.shutdown(wait=False, cancel_futures=True)

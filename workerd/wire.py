@@ -7,13 +7,17 @@ and packs the output rank's ModelRunnerOutput.
 
 from __future__ import annotations
 
+from kvloom.kvtransfer.v1 import kv_transfer_pb2
 from kvloom.worker.v1 import worker_pb2
 from workerd.runner.sched_output import (
     CachedRequestData,
     KVBlockCopies,
     KVConnectorMetadata,
+    KVEngineLayout,
     KVJobDone,
     KVLoadJob,
+    KVRemoteRead,
+    KVTransferAgent,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -103,9 +107,49 @@ def _kv_connector_metadata_from_proto(msg: worker_pb2.SchedulerOutput
     pb = msg.kv_connector_metadata
     return KVConnectorMetadata(
         stores=KVBlockCopies(list(pb.stores.block_ids), list(pb.stores.tier_slots)),
-        load_jobs=[KVLoadJob(job.job_id, KVBlockCopies(list(job.copies.block_ids),
-                                                       list(job.copies.tier_slots)))
-                   for job in pb.load_jobs])
+        load_jobs=[_kv_load_job_from_proto(job) for job in pb.load_jobs],
+        remote_engines=[_kv_engine_layout_from_proto(e) for e in pb.remote_engines])
+
+
+def _kv_load_job_from_proto(job: worker_pb2.KVLoadJob) -> KVLoadJob:
+    # Both columns are kept as sent: a job with copies and a remote read is
+    # refused by the rank (kv_connector_worker.py), naming the job.
+    read = job.remote_read
+    return KVLoadJob(
+        job.job_id, KVBlockCopies(list(job.copies.block_ids), list(job.copies.tier_slots)),
+        KVRemoteRead(read.engine_id, list(read.remote_block_ids), list(read.block_ids))
+        if job.HasField("remote_read") else None)
+
+
+def _kv_engine_layout_from_proto(pb: kv_transfer_pb2.KVEngineLayout) -> KVEngineLayout:
+    return KVEngineLayout(
+        engine_id=pb.engine_id, group_epoch=pb.group_epoch,
+        model_architecture=pb.model_architecture, num_layers=pb.num_layers,
+        total_num_kv_heads=pb.total_num_kv_heads, head_dim=pb.head_dim,
+        kv_cache_dtype=pb.kv_cache_dtype, block_size=pb.block_size, num_blocks=pb.num_blocks,
+        tensor_parallel_size=pb.tensor_parallel_size,
+        pipeline_parallel_size=pb.pipeline_parallel_size, lease_s=pb.lease_s,
+        agents=tuple(_kv_transfer_agent_from_proto(a) for a in pb.agents))
+
+
+def _kv_transfer_agent_from_proto(pb: kv_transfer_pb2.KVTransferAgent) -> KVTransferAgent:
+    return KVTransferAgent(
+        rank=pb.rank, tp_rank=pb.tp_rank, pp_rank=pb.pp_rank, agent_name=pb.agent_name,
+        agent_metadata=pb.agent_metadata, start_layer=pb.start_layer, end_layer=pb.end_layer,
+        kv_head_start=pb.kv_head_start, num_local_kv_heads=pb.num_local_kv_heads,
+        layer_addresses=tuple(pb.layer_addresses), layer_bytes=pb.layer_bytes,
+        device_id=pb.device_id)
+
+
+def kv_transfer_agent_to_proto(agent: KVTransferAgent) -> kv_transfer_pb2.KVTransferAgent:
+    """StartKVTransfer's answer: this rank's agent."""
+    return kv_transfer_pb2.KVTransferAgent(
+        rank=agent.rank, tp_rank=agent.tp_rank, pp_rank=agent.pp_rank,
+        agent_name=agent.agent_name, agent_metadata=agent.agent_metadata,
+        start_layer=agent.start_layer, end_layer=agent.end_layer,
+        kv_head_start=agent.kv_head_start, num_local_kv_heads=agent.num_local_kv_heads,
+        layer_addresses=agent.layer_addresses, layer_bytes=agent.layer_bytes,
+        device_id=agent.device_id)
 
 
 def kv_transfer_report_to_proto(done: list[KVJobDone]) -> worker_pb2.KVTransferReport:

@@ -36,6 +36,7 @@ from workerd.limits import WorkerLimits
 from workerd.runner.sched_output import KVJobDone
 from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.wire import (
+    kv_transfer_agent_to_proto,
     kv_transfer_report_to_proto,
     model_runner_output_to_proto,
     scheduler_output_from_proto,
@@ -81,6 +82,7 @@ class Worker:
             "ping": self.ping,
             "reset": self.reset,
             "grammar_masks": self.file_grammar_masks,
+            "start_kv_transfer": self.start_kv_transfer,
         }
 
     def handle(self, msg: worker_pb2.ControlMessage) -> worker_pb2.WorkerMessage | None:
@@ -217,10 +219,18 @@ class Worker:
             return None
         return worker_pb2.WorkerMessage(model_runner_output=model_runner_output_to_proto(output))
 
+    def start_kv_transfer(self, cmd: worker_pb2.StartKVTransfer) -> worker_pb2.WorkerMessage:
+        """This rank's NIXL agent over its KV cache (prefill/decode
+        disaggregation), answered with where producers and readers find it."""
+        runner = self._require_runner()
+        agent = runner.start_kv_transfer(cmd.engine_id, self.advertise_host, self._report_loads)
+        logger.info("KV transfer started: NIXL agent %s", agent.agent_name)
+        return worker_pb2.WorkerMessage(kv_transfer_agent=kv_transfer_agent_to_proto(agent))
+
     def _report_loads(self, done: list[KVJobDone]) -> None:
-        """The host tier's finished load jobs, to the controlplane (call_id 0)."""
+        """Finished load jobs (host tier or NIXL), to the controlplane (call_id 0)."""
         if self.send_report is None:
-            raise RuntimeError("no stream to report host-tier loads on")
+            raise RuntimeError("no stream to report KV loads on")
         self.send_report(worker_pb2.WorkerMessage(kv_transfer_report=kv_transfer_report_to_proto(
             done)))
 

@@ -178,7 +178,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.end_call(key, streams, context)
 
     def add_samples(self, streams: dict, children: list[str], v: ValidatedRequest,
-                    cache_salt: str | None, new_stream: Callable) -> None:
+                    cache_salt: str | None, new_stream: Callable,
+                    kv_transfer: object | None = None) -> None:
         """Hand a call's samples to the engine, each with its stream in
         `streams` (filled as they go, so end_call sees a partial hand-over)."""
         for i, child in enumerate(children):
@@ -187,7 +188,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.engine.add_request(Request(
                 request_id=child, prompt_token_ids=v.prompt_token_ids, sampling_params=params,
                 eos_token_ids=self.model_info.eos_token_ids, cache_salt=cache_salt,
-                priority=v.priority))
+                priority=v.priority, kv_transfer=kv_transfer))
         if self.metrics is not None:
             self.metrics.request_accepted(v.priority, len(children))
 

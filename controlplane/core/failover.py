@@ -19,6 +19,11 @@ def reset_for_recompute(sched: Scheduler) -> None:
     # Loads in flight went with the group: their requests wait again, and
     # requests back from a load give their blocks back (kv_loads.py).
     loading = sched.kv_loads.reset(kv)
+    # A producer's held prefills went with the group's KV; a consumer's new
+    # group has been sent no producer's layout.
+    if sched.kv_leases is not None:
+        sched.kv_leases.reset(kv)
+    sched.remote_reads.forget_group()
     release_loaded(kv, sched.waiting, head=None)
     for request in sched.running:
         kv.free(request)

@@ -214,10 +214,11 @@ class KVCacheManager:
         num_valid_tokens hold KV (the pool's hit of num_local_tokens, then
         what loaded before the first failed block): those blocks enter the
         prefix cache now, and the admission is counted by source."""
-        assert self.offload is not None
-        self.offload.finish_load(job_id)
+        if self.offload is not None:
+            self.offload.finish_load(job_id)
         self._count_admission(request, num_local_tokens)
-        self.count_external_query(request, num_local_tokens // self.block_size)
+        if request.sampling_params.prompt_logprobs is None:
+            self.external_queries += request.num_tokens - num_local_tokens
         self.external_hits += num_valid_tokens - num_local_tokens
         self.cache_full_blocks(request, num_valid_tokens)
 
@@ -421,7 +422,17 @@ class KVCacheManager:
         """Return the request's blocks. Tail blocks go to the free queue first
         so they are evicted before the (more likely shared) prefix blocks.
         The leading placeholders were freed already and are skipped."""
-        req_id = request.request_id
+        self.free_id(request.request_id)
+
+    def hand_over(self, req_id: str, holder_id: str) -> None:
+        """req_id's blocks now belong to holder_id (a producer's lease, so the
+        request id is free for reuse while a reader holds its blocks)."""
+        self.req_to_blocks[holder_id] = self.req_to_blocks.pop(req_id)
+        for record in (self.num_cached_blocks, self.num_skipped_blocks):
+            if req_id in record:
+                record[holder_id] = record.pop(req_id)
+
+    def free_id(self, req_id: str) -> None:
         blocks = self.req_to_blocks.pop(req_id, None)
         self.num_cached_blocks.pop(req_id, None)
         num_skipped = self.num_skipped_blocks.pop(req_id, 0)

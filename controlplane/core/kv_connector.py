@@ -39,6 +39,21 @@ OFFLOADING = KVConnectorSpec("OffloadingConnector", "kv_both", stores=True, load
                              load_async=True, produces=False, consumes=False)
 
 
-def kv_connector_for(kv_offloading_size: float) -> KVConnectorSpec | None:
-    """The connector the cache flags configure; None: KV never leaves the pool."""
+def nixl_connector(role: str) -> KVConnectorSpec:
+    """--kv-transfer-config's NixlConnector in role (kv_transfer_config.py):
+    a producer holds finished prefills for a reader, a consumer reads them
+    from the producer's ranks (asynchronously, like the host tier's loads)."""
+    consumes = role in ("kv_consumer", "kv_both")
+    return KVConnectorSpec("NixlConnector", role, stores=False, loads=consumes,
+                           load_async=consumes, produces=role in ("kv_producer", "kv_both"),
+                           consumes=consumes)
+
+
+def kv_connector_for(kv_offloading_size: float, kv_transfer_role: str = ""
+                     ) -> KVConnectorSpec | None:
+    """The connector the cache flags configure; None: KV never leaves the
+    pool. One at a time: vLLM's MultiConnector (a host tier under a NIXL
+    consumer) is not built, so start-up refuses both flags together."""
+    if kv_transfer_role:
+        return nixl_connector(kv_transfer_role)
     return OFFLOADING if kv_offloading_size > 0 else None

@@ -29,8 +29,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.core.kv_cache_manager import KVCacheManager
+from controlplane.core.kv_remote import RemotePrefill, RemoteReads
 from controlplane.core.outputs import KVJobDone
 from controlplane.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class LoadCounts:
+    jobs: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failed_blocks: int = 0
+    # Prompt tokens whose KV the jobs loaded (up to the first failed block).
+    tokens: int = 0
+
+    def add(self, job: KVJobDone) -> None:
+        self.jobs += 1
+        self.bytes += job.bytes
+        self.seconds += job.seconds
+        self.failed_blocks += len(job.failed_block_ids)
 
 
 @dataclass(slots=True)
@@ -46,12 +63,13 @@ class KVLoads:
     def __init__(self) -> None:
         self._jobs: dict[int, _Load] = {}
         self._job_of: dict[str, int] = {}
-        # Cumulative, for metrics: jobs done, their bytes over all ranks, the
-        # slowest rank's seconds summed, and blocks some rank failed to fill.
-        self.num_jobs = 0
-        self.bytes = 0
-        self.seconds = 0.0
-        self.num_failed_blocks = 0
+        # Remote reads in flight: their lease goes back once the job is done.
+        self._remote: dict[int, tuple[RemoteReads, RemotePrefill]] = {}
+        # Cumulative, for metrics, per source (the host tier, remote reads):
+        # jobs done, their bytes over all ranks, the slowest rank's seconds
+        # summed, blocks some rank failed to fill, and tokens loaded.
+        self.tier = LoadCounts()
+        self.remote = LoadCounts()
 
     @property
     def num_waiting(self) -> int:
@@ -63,10 +81,17 @@ class KVLoads:
         return [(load.request, load.finished) for load in self._jobs.values()]
 
     def start(self, kv: KVCacheManager, request: Request, num_local_blocks: int,
-              num_external: int) -> None:
+              num_external: int, remote: RemoteReads | None = None) -> None:
         """request holds blocks for its pool hit and num_external tokens past
-        it (allocate_slots with delay_cache): load those into it."""
-        job_id = kv.start_offloaded_load(request, num_local_blocks, num_external)
+        it (allocate_slots with delay_cache): load those into it, from the
+        producer of its remote prefill when remote says it has one, else
+        from the host tier."""
+        if remote is not None and isinstance(request.kv_transfer, RemotePrefill):
+            job_id = remote.start(kv, request, num_local_blocks, num_external)
+            self._remote[job_id] = (remote, request.kv_transfer)
+            request.kv_transfer = None  # read once: a later admission recomputes
+        else:
+            job_id = kv.start_offloaded_load(request, num_local_blocks, num_external)
         num_local = num_local_blocks * kv.block_size
         self._jobs[job_id] = _Load(request, num_local)
         self._job_of[request.request_id] = job_id
@@ -90,13 +115,12 @@ class KVLoads:
             load = self._jobs.pop(job.job_id, None)
             if load is None:
                 continue
-            self.num_jobs += 1
-            self.bytes += job.bytes
-            self.seconds += job.seconds
-            self.num_failed_blocks += len(job.failed_block_ids)
+            counts = self.remote if self._release_remote(job.job_id) else self.tier
+            counts.add(job)
             request = load.request
             if load.finished:
-                kv.offload.finish_load(job.job_id)
+                if kv.offload is not None:
+                    kv.offload.finish_load(job.job_id)
                 kv.free(request)
                 continue
             del self._job_of[request.request_id]
@@ -105,6 +129,7 @@ class KVLoads:
             if first_failed is not None:
                 num_valid = min(num_valid, first_failed * kv.block_size)
             kv.finish_offloaded_load(request, job.job_id, load.num_local_tokens, num_valid)
+            counts.tokens += num_valid - load.num_local_tokens
             request.num_computed_tokens = num_valid
             request.status = RequestStatus.WAITING
             ready.append(request)
@@ -114,6 +139,8 @@ class KVLoads:
         """The worker group failed: every load with it. Blocks are freed; the
         requests still live are returned, to wait with nothing computed."""
         live = []
+        for job_id in list(self._remote):
+            self._release_remote(job_id)
         for load in self._jobs.values():
             kv.free(load.request)
             if not load.finished:
@@ -123,6 +150,17 @@ class KVLoads:
         self._jobs.clear()
         self._job_of.clear()
         return live
+
+
+    def _release_remote(self, job_id: int) -> bool:
+        """Whether job_id was a remote read; its lease goes back if so."""
+        entry = self._remote.pop(job_id, None)
+        if entry is None:
+            return False
+        remote, prefill = entry
+        if remote.on_release is not None:
+            remote.on_release(prefill.engine_id, prefill.lease_id)
+        return True
 
 
 def release_loaded(kv: KVCacheManager, waiting, head: Request | None) -> bool:

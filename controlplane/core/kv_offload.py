@@ -57,6 +57,11 @@ from controlplane.core.outputs import KVConnectorMetadata, KVLoadJob
 _JOB_IDS = itertools.count(secrets.randbits(48) + 1)
 
 
+def next_job_id() -> int:
+    """A load job id never used before in this process (host tier or remote)."""
+    return next(_JOB_IDS)
+
+
 class OffloadingScheduler:
     """The tier's logical side: num_slots slots, each holding one block's KV
     on every rank, found by block hash."""
@@ -172,7 +177,7 @@ class OffloadingScheduler:
         for block_hash, block_id in zip(hashes, block_ids, strict=True):
             copies.append((block_id, slot_of[block_hash]))
             slot_of.move_to_end(block_hash)
-        job_id = next(_JOB_IDS)
+        job_id = next_job_id()
         slots = [slot for _, slot in copies]
         self._job_slots[job_id] = slots
         self._job_pins.update(slots)

@@ -67,22 +67,36 @@ class PromptLogprobsWindow(NamedTuple):
 
 
 @dataclass(slots=True)
+class KVRemoteRead:
+    """A prefill another cluster computed (core/kv_remote.py): its blocks
+    remote_block_ids[i] read into block_ids[i] from the ranks of engine_id."""
+
+    engine_id: str
+    remote_block_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class KVLoadJob:
-    """One waiting request's load from the host tier: (block id, tier slot)
-    pairs, reported done by every rank under job_id."""
+    """One waiting request's load, reported done by every rank under job_id:
+    (block id, tier slot) pairs from the host tier, or a remote read."""
 
     job_id: int
     copies: list[tuple[int, int]]
+    remote_read: KVRemoteRead | None = None
 
 
 @dataclass(slots=True)
 class KVConnectorMetadata:
-    """A step's copies between the KV cache and the host tier
-    (core/kv_offload.py): stores as (block id, tier slot) pairs, run by every
-    rank before the step's forward, and load jobs, run beside it."""
+    """A step's KV connector instructions: copies between the KV cache and
+    the host tier (core/kv_offload.py), stores as (block id, tier slot) pairs
+    run by every rank before the step's forward, and load jobs (tier copies
+    or remote reads) run beside it; remote_engines: the producers' layouts
+    (kvloom.kvtransfer.v1.KVEngineLayout) this group has not been sent."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)
     load_jobs: list[KVLoadJob] = field(default_factory=list)
+    remote_engines: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.load_jobs)
@@ -223,6 +237,9 @@ class EngineCoreOutput:
     prompt_logprobs: PromptLogprobs | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    # A producer's finished prefill held for a reader: vLLM's transfer
+    # parameters for the decode leg (core/kv_leases.py); None otherwise.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

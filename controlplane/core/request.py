@@ -37,6 +37,10 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+# Request.kv_transfer of a producer's prefill leg ({"do_remote_decode": true}).
+DO_REMOTE_DECODE = "do_remote_decode"
+
+
 class FinishReason(enum.IntEnum):
     """Why a request ended, as reported to the client (mirrors kvloom.v1.FinishReason)."""
 
@@ -136,6 +140,12 @@ class Request:
     # The grammar's matcher, at the last real output token (structured
     # outputs): set once its grammar is compiled, before the scheduler sees it.
     grammar: RequestGrammar | None = None
+    # Prefill/decode disaggregation: DO_REMOTE_DECODE for a producer's
+    # prefill leg (core/kv_leases.py), a RemotePrefill for a consumer's decode
+    # leg until its read has started or been given up (core/kv_remote.py).
+    kv_transfer: object | None = None
+    # A producer's parameters for the decode leg, once its blocks are held.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -37,6 +37,19 @@ class SchedulerStats:
     kv_load_failed_blocks: int = 0
     # Requests waiting for their KV now (in num_waiting_reqs too).
     num_waiting_for_remote_kvs: int = 0
+    # Prefill/decode disaggregation, cumulative but kv_transfer_leases: a
+    # consumer's remote reads (as the load jobs above, and the prompt tokens
+    # they gave), a producer's leases (held now; ever held, released by
+    # their reader, run out).
+    kv_transfer_read_jobs: int = 0
+    kv_transfer_read_bytes: int = 0
+    kv_transfer_read_seconds: float = 0.0
+    kv_transfer_read_failed_blocks: int = 0
+    kv_transfer_read_tokens: int = 0
+    kv_transfer_leases: int = 0
+    kv_transfer_leases_held: int = 0
+    kv_transfer_leases_released: int = 0
+    kv_transfer_leases_expired: int = 0
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
@@ -44,6 +57,7 @@ class SchedulerStats:
         kv = scheduler.kv_cache_manager
         offload = kv.offload
         loads = scheduler.kv_loads
+        tier, remote, leases = loads.tier, loads.remote, scheduler.kv_leases
         return cls(
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting) + loads.num_waiting,
@@ -59,9 +73,18 @@ class SchedulerStats:
             kv_offload_loads=offload.num_loaded if offload else 0,
             kv_offload_used_slots=offload.num_used_slots if offload else 0,
             kv_offload_slots=offload.num_slots if offload else 0,
-            kv_load_jobs=loads.num_jobs,
-            kv_load_bytes=loads.bytes,
-            kv_load_seconds=loads.seconds,
-            kv_load_failed_blocks=loads.num_failed_blocks,
+            kv_load_jobs=tier.jobs,
+            kv_load_bytes=tier.bytes,
+            kv_load_seconds=tier.seconds,
+            kv_load_failed_blocks=tier.failed_blocks,
             num_waiting_for_remote_kvs=loads.num_waiting,
+            kv_transfer_read_jobs=remote.jobs,
+            kv_transfer_read_bytes=remote.bytes,
+            kv_transfer_read_seconds=remote.seconds,
+            kv_transfer_read_failed_blocks=remote.failed_blocks,
+            kv_transfer_read_tokens=remote.tokens,
+            kv_transfer_leases=len(leases) if leases else 0,
+            kv_transfer_leases_held=leases.num_held if leases else 0,
+            kv_transfer_leases_released=leases.num_released if leases else 0,
+            kv_transfer_leases_expired=leases.num_expired if leases else 0,
         )

@@ -36,7 +36,9 @@ from controlplane.config import CacheConfig, SchedulerConfig
 from controlplane.core.expected_reply import expected_reply
 from controlplane.core.kv_cache_manager import KVCacheManager
 from controlplane.core.kv_cache_utils import max_step_tokens
+from controlplane.core.kv_leases import KVLeases, free_or_hold
 from controlplane.core.kv_loads import KVLoads, release_loaded
+from controlplane.core.kv_remote import RemoteReads
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -101,8 +103,12 @@ class Scheduler:
         self.placeholders = placeholders
         self.num_micro_batches = num_micro_batches
         self.worker_requests = WorkerRequests()
-        # Requests waiting for their KV from the host tier (kv_loads.py).
+        # Requests waiting for their KV from the host tier or a producer
+        # (kv_loads.py, kv_remote.py), and a producer's held prefills
+        # (kv_leases.py; set by the engine where --kv-transfer-config produces).
         self.kv_loads = KVLoads()
+        self.remote_reads = RemoteReads()
+        self.kv_leases: KVLeases | None = None
 
     # -- request lifecycle ----------------------------------------------
 
@@ -148,7 +154,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         if not self.kv_loads.hold(request):  # a loading one's blocks wait for its job
-            self.kv_cache_manager.free(request)
+            free_or_hold(self.kv_cache_manager, self.kv_leases, request)
+        self.remote_reads.give_up(request)  # a decode leg that never read
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -209,7 +216,8 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
         so = SchedulerOutput(self.step_id, new_reqs, cached, num_scheduled, total, finished,
-                             preempted, kv_connector_metadata=kv.take_connector_metadata())
+                             preempted, kv_connector_metadata=self.remote_reads.take_step(
+                                 kv.take_connector_metadata()))
         expected = expected_reply(so, self.requests)
         # After every preemption of the step is settled.
         self._advance_placeholders(expected)
@@ -338,13 +346,15 @@ class Scheduler:
             else:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 # The host tier's blocks right after the pool's are loaded first.
-                num_external = kv.get_offloaded_tokens(request, len(hit_blocks))
+                num_external = (self.remote_reads.read_tokens(request, num_hit)
+                                or kv.get_offloaded_tokens(request, len(hit_blocks)))
                 if num_external:
                     if kv.allocate_slots(request, 0, num_hit + num_external, hit_blocks,
                                          delay_cache=True) is None:
                         break
                     waiting.pop()
-                    self.kv_loads.start(kv, request, len(hit_blocks), num_external)
+                    self.kv_loads.start(kv, request, len(hit_blocks), num_external,
+                                        self.remote_reads)
                     continue
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
@@ -459,7 +469,7 @@ class Scheduler:
                 request.status = status
                 request.stop_token_id = stop_token_id
                 finish_reason = finish_reason_of(status)
-                self._free_request(request)
+                self._free_request(request)  # (a producer's sets kv_transfer_params)
                 any_finished = True
             out = EngineCoreOutput(
                 req_id,
@@ -474,6 +484,7 @@ class Scheduler:
             if logprobs and logprobs[i] is not None:
                 out.new_logprobs = [logprobs[i]]
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
+            out.kv_transfer_params = request.kv_transfer_params
             outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]

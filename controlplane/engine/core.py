@@ -12,15 +12,15 @@ KV capacity; which requests the workers hold is its worker_requests' record.
 
 A worker group failure reaches the engine once, as the executor's report
 (group_failed); a step that raises WorkerGroupFailed only stops the step
-queue until then. _group_down applies what came back before the failure,
-forgets the workers' state and holds the requests until the group re-forms
-or --engine-recovery-timeout passes (recovery.py); with a timeout of 0 they
-end at once. The loop never dies silently: an exception fails what it
-touched and the loop goes on, or the process exits for its supervisor
-(failures.py). `last_tick` (time.monotonic) is set after every loop pass, a
-step or an idle wait of at most IDLE_TICK_S, so readiness can tell a live
-engine from a stalled one. Each pass also hands the prefix-cache events it
-recorded to on_kv_events (kv_events.py).
+queue until then. _group_down applies what came back, forgets the workers'
+state and holds the requests until the group re-forms or
+--engine-recovery-timeout passes (recovery.py; 0 ends them at once). The
+loop never dies silently: an exception fails what it touched and the loop
+goes on, or the process exits for its supervisor (failures.py). Every pass
+(a step or an idle wait of at most IDLE_TICK_S) sets `last_tick` for
+readiness, hands the prefix-cache events on (kv_events.py) and expires a
+producer's leases (kv_transfer.py); other threads reach the scheduler
+through call().
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from controlplane.engine.failures import FailureWindow
 from controlplane.engine.grammar_gate import NOT_YET, GrammarGate
 from controlplane.engine.internal_errors import InternalErrors
 from controlplane.engine.kv_events import KvEventRelay, OnKvEvents, reset_prefix_cache
+from controlplane.engine.kv_transfer import EngineKVTransfer
 from controlplane.engine.recovery import Recovery
 from controlplane.engine.step_pacing import StepPacing
 from controlplane.engine.step_queue import StepQueue, max_steps_in_flight
@@ -71,9 +72,9 @@ class _Kind(enum.Enum):
     GROUP_FAILED = 3
     STOP = 4
     DRAIN = 5
-    RESET_PREFIX_CACHE = 6
     GRAMMAR_COMPILED = 7
     KV_LOADS_DONE = 8
+    CALL = 9
 
 
 class EngineCore(InternalErrors):
@@ -90,6 +91,7 @@ class EngineCore(InternalErrors):
         on_kv_events: OnKvEvents | None = None,
         grammar_backend: GrammarBackend | None = None,
         grammar_compile_timeout_s: float = 30.0,
+        kv_transfer: EngineKVTransfer | None = None,
     ):
         self.scheduler_config = scheduler_config
         self._kv_events = KvEventRelay(on_kv_events)
@@ -111,6 +113,7 @@ class EngineCore(InternalErrors):
         if grammar_backend is not None:
             self.grammar.install(grammar_backend)
         self._emit = emit
+        self.kv_transfer = kv_transfer
         self.input_queue: queue.Queue = queue.Queue()
         # Load jobs every rank reported done come in like any other input.
         executor.on_kv_loads_done = lambda jobs: self.input_queue.put((_Kind.KV_LOADS_DONE, jobs))
@@ -162,8 +165,13 @@ class EngineCore(InternalErrors):
     def reset_prefix_cache(self) -> Future[bool]:
         """Forget every cached prefix on the engine thread (vLLM's name; the
         gateway's FlushCache): False while blocks are in use or with no group."""
-        future: Future[bool] = Future()
-        self.input_queue.put((_Kind.RESET_PREFIX_CACHE, future))
+        return self.call(reset_prefix_cache)
+
+    def call(self, fn: Callable[[Scheduler | None], object]) -> Future:
+        """fn(scheduler) on the engine thread, between steps (scheduler None
+        without a group): its result, or what it raised."""
+        future: Future = Future()
+        self.input_queue.put((_Kind.CALL, (fn, future)))
         return future
 
     def start(self) -> None:
@@ -196,6 +204,8 @@ class EngineCore(InternalErrors):
                 except Exception as exc:  # noqa: BLE001 - the loop must outlive any bug
                     self._recover("step", exc)
             self._kv_events.pass_on(self.scheduler)
+            if EngineKVTransfer.tick(self.scheduler):
+                self.last_stats = self.scheduler.make_stats()
             self.last_tick = time.monotonic()
 
     def _has_work(self) -> bool:
@@ -268,8 +278,16 @@ class EngineCore(InternalErrors):
             self._group_down(*payload)
         elif kind is _Kind.KV_LOADS_DONE and self.scheduler is not None:
             self.scheduler.update_from_kv_loads(payload)
-        elif kind is _Kind.RESET_PREFIX_CACHE:
-            reset_prefix_cache(self.scheduler, payload)
+        elif kind is _Kind.CALL:
+            fn, future = payload
+            if future.set_running_or_notify_cancel():  # else the caller gave up
+                try:
+                    future.set_result(fn(self.scheduler))
+                except Exception as exc:  # noqa: BLE001 - the caller hears of it
+                    logger.exception("a call on the engine thread raised")
+                    future.set_exception(exc)
+                if self.scheduler is not None:  # what it changed shows at once
+                    self.last_stats = self.scheduler.make_stats()
         elif kind is _Kind.DRAIN:
             self._draining = True
             if self.recovery.holding:
@@ -327,6 +345,8 @@ class EngineCore(InternalErrors):
             num_micro_batches=self.pipeline_parallel_size if pipelined else 1,
             num_offload_slots=num_offload_slots,
         )
+        if self.kv_transfer is not None:
+            self.kv_transfer.attach(self.scheduler)
         self.generation += 1
         self.last_stats = self.scheduler.make_stats()
 

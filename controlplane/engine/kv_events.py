@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import replace
 
 from controlplane.config import CacheConfig
@@ -70,14 +69,7 @@ class KvEventRelay:
             logger.exception("handing %d KV cache event(s) over failed; dropped", len(events))
 
 
-def reset_prefix_cache(scheduler: Scheduler | None, future: Future[bool]) -> None:
-    """Resolve `future` with whether the prefix cache was reset (on the
-    engine thread); False with no scheduler or while a block is in use."""
-    if not future.set_running_or_notify_cancel():
-        return  # the caller gave up waiting
-    try:
-        future.set_result(scheduler is not None
-                          and scheduler.kv_cache_manager.reset_prefix_cache())
-    except Exception as exc:  # noqa: BLE001 - the caller hears of it, the loop goes on
-        logger.exception("resetting the prefix cache raised")
-        future.set_exception(exc)
+def reset_prefix_cache(scheduler: Scheduler | None) -> bool:
+    """Whether the prefix cache was reset (on the engine thread, through
+    EngineCore.call); False with no scheduler or while a block is in use."""
+    return scheduler is not None and scheduler.kv_cache_manager.reset_prefix_cache()

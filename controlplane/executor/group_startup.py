@@ -11,6 +11,7 @@ named, and the executor decides what the group becomes.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
@@ -24,6 +25,7 @@ from controlplane.config import (
 )
 from controlplane.executor.model_dtype import resolve_dtype
 from controlplane.executor.worker_calls import WorkerGroupFailed
+from kvloom.kvtransfer.v1 import kv_transfer_pb2
 from kvloom.worker.v1 import worker_pb2
 
 logger = logging.getLogger("controlplane.executor.grpc_executor")
@@ -57,8 +59,13 @@ class GroupStartup:
         model: ModelConfig,
         cache: CacheConfig,
         scheduler: SchedulerConfig,
+        kv_layout_base: kv_transfer_pb2.KVEngineLayout | None = None,
     ):
         self.calls = calls
+        # --kv-transfer-config: the layout's fixed part (engine id, model
+        # shape, lease); each start-up adds its blocks and the ranks' agents.
+        self.kv_layout_base = kv_layout_base
+        self.kv_layout: kv_transfer_pb2.KVEngineLayout | None = None
         self.scheduler = scheduler
         self.parallel = parallel
         self.cfg = workers
@@ -82,6 +89,7 @@ class GroupStartup:
                                             native_bf16)
             logger.info("the model runs in %s (%s)", self.dtype, why)
         t0 = time.monotonic()
+        self.kv_layout = None  # the old group's agents and blocks are gone
         await self._init_distributed(master_addr, master_port)
         logger.info("group formed: world size %d (%.1f s)", par.world_size, time.monotonic() - t0)
 
@@ -114,7 +122,29 @@ class GroupStartup:
             )
         )
         await self.calls.call_all(init, cfg.startup_timeout_s, "init_kv_cache")
+        if self.kv_layout_base is not None:
+            self.kv_layout = await self._start_kv_transfer(num_blocks)
         return num_blocks
+
+    async def _start_kv_transfer(self, num_blocks: int) -> kv_transfer_pb2.KVEngineLayout:
+        """Every rank starts its NIXL agent over its KV cache; their answers
+        make the layout consumers read this group's blocks by."""
+        base = self.kv_layout_base
+        start = worker_pb2.ControlMessage(
+            start_kv_transfer=worker_pb2.StartKVTransfer(engine_id=base.engine_id))
+        replies = await self.calls.call_all(start, self.cfg.startup_timeout_s,
+                                            "start_kv_transfer")
+        layout = kv_transfer_pb2.KVEngineLayout()
+        layout.CopyFrom(base)
+        # Never 0, and new per group: a consumer re-reads a changed layout.
+        layout.group_epoch = secrets.randbits(62) + 1
+        layout.block_size = self.cache.block_size
+        layout.num_blocks = num_blocks
+        layout.kv_cache_dtype = self.dtype
+        layout.agents.extend(replies[rank].kv_transfer_agent for rank in sorted(replies))
+        logger.info("KV transfer: %d NIXL agent(s) serve engine %s", len(layout.agents),
+                    layout.engine_id)
+        return layout
 
     async def _init_distributed(self, master_addr: str, master_port: int) -> None:
         """Tell every rank where rank 0's store is; they must meet concurrently."""

@@ -101,6 +101,7 @@ class Executor(StepExecutor):
         *,
         vocab_size: int,
         scheduler: SchedulerConfig | None = None,
+        kv_layout_base: object | None = None,
     ):
         self.parallel = parallel
         self.cfg = workers
@@ -124,7 +125,7 @@ class Executor(StepExecutor):
         self._kv_reports = KVReports(parallel.world_size)
         # The scheduler's limits reach the workers in LoadModel (their profile run).
         self._group_startup = GroupStartup(self._router, parallel, workers, model, cache,
-                                           scheduler or SchedulerConfig())
+                                           scheduler or SchedulerConfig(), kv_layout_base)
         # Keep survivors of a failure attached (Reset) instead of letting them go.
         self._keep_survivors = workers.engine_recovery_timeout_s > 0
         # The survivors' pending Reset, awaited before the next handshake.
@@ -174,6 +175,7 @@ class Executor(StepExecutor):
                 grammar_mask_bytes=self._grammar_mask_bytes,
                 model_dtype=self._group_startup.dtype,
                 num_offload_slots=self._group_startup.num_offload_slots,
+                kv_layout=self._group_startup.kv_layout,
             )
 
     # ---- registration (called by worker_service on the loop) -------------

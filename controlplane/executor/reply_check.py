@@ -42,6 +42,7 @@ REPLY_PAYLOAD = {
     "execute_model": "model_runner_output",
     "ping": "ack",
     "reset": "reset_done",
+    "start_kv_transfer": "kv_transfer_agent",
 }
 
 # log_softmax is <= 0 exactly in IEEE arithmetic; the slack only forgives a

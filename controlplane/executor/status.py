@@ -82,6 +82,10 @@ class ExecutorStatus:
     model_dtype: str = ""
     # Blocks the prefix cache's host tier holds on every rank (0: none).
     num_offload_slots: int = 0
+    # A producer's KV layout and NIXL agents for consumers (KVEngineLayout,
+    # a new message per group start-up; None without --kv-transfer-config or
+    # before the group is ready).
+    kv_layout: object | None = None
 
     @property
     def step_in_flight(self) -> bool:

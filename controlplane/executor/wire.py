@@ -78,7 +78,15 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         pb_meta = msg.kv_connector_metadata
         _fill_copies(meta.stores, pb_meta.stores)
         for job in meta.load_jobs:
-            _fill_copies(job.copies, pb_meta.load_jobs.add(job_id=job.job_id).copies)
+            pb_job = pb_meta.load_jobs.add(job_id=job.job_id)
+            if job.remote_read is not None:
+                read = job.remote_read
+                pb_job.remote_read.engine_id = read.engine_id
+                pb_job.remote_read.remote_block_ids.extend(read.remote_block_ids)
+                pb_job.remote_read.block_ids.extend(read.block_ids)
+            else:
+                _fill_copies(job.copies, pb_job.copies)
+        pb_meta.remote_engines.extend(meta.remote_engines)
     return msg
 
 

@@ -156,6 +156,22 @@ class ControlPlaneMetrics:
                                     "took, each job's slowest rank.")
         self.load_failed = counter("kvloom_kv_offload_failed_blocks", "Blocks a load job failed "
                                    "to fill on some rank (recomputed instead).")
+        # Prefill/decode disaggregation (--kv-transfer-config): a consumer's
+        # reads from producers, a producer's leases.
+        self.read_jobs = counter("kvloom_kv_transfer_reads", "Remote prefills read from a "
+                                 "producer (one job per request) that every rank reported done.")
+        self.read_bytes = counter("kvloom_kv_transfer_read_bytes",
+                                  "Bytes those reads moved, over all ranks.")
+        self.read_seconds = counter("kvloom_kv_transfer_read_seconds",
+                                    "Seconds those reads took, each read's slowest rank.")
+        self.read_failed = counter("kvloom_kv_transfer_failed_blocks", "Blocks a read failed "
+                                   "to fill on some rank (recomputed instead).")
+        self.leases_held = counter("kvloom_kv_transfer_leases_held", "Finished prefills a "
+                                   "producer held for a reader.")
+        self.leases_released = counter("kvloom_kv_transfer_leases_released",
+                                       "Held prefills a reader released.")
+        self.leases_expired = counter("kvloom_kv_transfer_lease_expiries", "Held prefills "
+                                      "freed because their lease ran out unrenewed.")
         success = Counter("kvloom_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(m, r) for r in FINISH_REASONS}
@@ -250,7 +266,7 @@ class ControlPlaneMetrics:
             self.prompt_by_source["local_cache_hit"].inc(d.prefix_cache_hits)
             self.prompt_by_source["external_kv_transfer"].inc(external)
             self.cached_by_source["device"].inc(d.prefix_cache_hits)
-            self.cached_by_source["host"].inc(external)
+            self.cached_by_source["host"].inc(max(0, external - d.kv_transfer_read_tokens))
             self.prompt_by_source["local_compute"].inc(
                 max(0, d.prefix_cache_queries - d.prefix_cache_hits - external))
             self.external_queries.inc(d.external_prefix_cache_queries)
@@ -261,6 +277,13 @@ class ControlPlaneMetrics:
             self.load_bytes.inc(d.kv_load_bytes)
             self.load_seconds.inc(d.kv_load_seconds)
             self.load_failed.inc(d.kv_load_failed_blocks)
+            self.read_jobs.inc(d.kv_transfer_read_jobs)
+            self.read_bytes.inc(d.kv_transfer_read_bytes)
+            self.read_seconds.inc(d.kv_transfer_read_seconds)
+            self.read_failed.inc(d.kv_transfer_read_failed_blocks)
+            self.leases_held.inc(d.kv_transfer_leases_held)
+            self.leases_released.inc(d.kv_transfer_leases_released)
+            self.leases_expired.inc(d.kv_transfer_leases_expired)
 
     def observe_recovery(self, record: RecoveryRecord) -> None:
         self.recovering.set(1.0 if record.recovering else 0.0)
@@ -364,6 +387,8 @@ class _ScrapeCollector:
              if stats and stats.kv_offload_slots else 0.0),
             ("kvloom_kv_offload_blocks", "Blocks the host tier holds at most (0: no tier).",
              stats.kv_offload_slots if stats else 0),
+            ("kvloom_kv_transfer_leases", "Finished prefills a producer holds for a reader now.",
+             stats.kv_transfer_leases if stats else 0),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([m], value)

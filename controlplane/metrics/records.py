@@ -190,6 +190,14 @@ class SchedulerCounts:
     kv_load_bytes: int = 0
     kv_load_seconds: float = 0.0
     kv_load_failed_blocks: int = 0
+    kv_transfer_read_jobs: int = 0
+    kv_transfer_read_bytes: int = 0
+    kv_transfer_read_seconds: float = 0.0
+    kv_transfer_read_failed_blocks: int = 0
+    kv_transfer_read_tokens: int = 0
+    kv_transfer_leases_held: int = 0
+    kv_transfer_leases_released: int = 0
+    kv_transfer_leases_expired: int = 0
 
 
 class CounterDeltas:

@@ -28,6 +28,7 @@ DISPATCHED = {
     "ping",
     "reset",
     "grammar_masks",
+    "start_kv_transfer",
 }
 _ONEOF = worker_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["command"]
 ALL_COMMANDS = {f.name for f in _ONEOF.fields}

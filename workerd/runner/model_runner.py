@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels
 from workerd.layers.packed_linear import pack_linear_weights, packed_bytes, packing_unavailable
 from workerd.limits import WorkerLimits
 from workerd.models.loader import load_model
+from workerd.runner import kv_connector_worker as kv_connector
 from workerd.runner.cuda_graphs import (
     DecodeGraphs,
     capture_sizes,
@@ -46,7 +46,7 @@ from workerd.runner.cuda_graphs import (
     graphs_unavailable,
 )
 from workerd.runner.grammar_step import StepGrammar
-from workerd.runner.host_kv_tier import HostKVTier, OnLoadsDone, close_tier, run_kv_connector
+from workerd.runner.host_kv_tier import HostKVTier, OnLoadsDone, close_tier
 from workerd.runner.input_batch import CachedRequestState, InputBatch
 from workerd.runner.kv_cache import (
     allocate_kv_caches,
@@ -55,9 +55,11 @@ from workerd.runner.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
+from workerd.runner.nixl_kv import NixlKVTransfer
 from workerd.runner.profile_run import profile_run
 from workerd.runner.sampled_tokens import SampledTokens
-from workerd.runner.sched_output import ModelRunnerOutput, SchedulerOutput
+from workerd.runner.sched_output import KVTransferAgent, ModelRunnerOutput, SchedulerOutput
+from workerd.runner.step_inputs import StepInputs
 from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.sample.logprobs import (
     PromptLogprobsTarget,
@@ -68,23 +70,6 @@ from workerd.sample.logprobs import (
 from workerd.sample.sampler import GrammarMetadata, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    """Model inputs of one step, on the runner's device."""
-
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    attn_metadata: AttentionMetadata
-    # [num_sampled] rows of the hidden states whose logits are sampled.
-    logits_indices: torch.Tensor
-    # Requests that sample this step, in logits_indices order.
-    sample_states: list[CachedRequestState]
-    # Hidden-state rows whose logits predict prompt_targets' tokens, in order;
-    # empty unless a request asked for prompt logprobs.
-    prompt_logits_indices: list[int] = field(default_factory=list)
-    prompt_targets: list[PromptLogprobsTarget] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -135,8 +120,10 @@ class ModelRunner:
         self.sampler = Sampler(self.generator)
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
-        # The prefix cache's host tier on this rank (host_kv_tier.py); None: no tier.
+        # The prefix cache's host tier on this rank (host_kv_tier.py), and the
+        # NIXL agent over its KV cache (nixl_kv.py); None: not set up.
         self.kv_tier: HostKVTier | None = None
+        self.kv_transfer: NixlKVTransfer | None = None
         self.block_size = 0
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch()
@@ -212,6 +199,7 @@ class ModelRunner:
         on_loads_done hears of its finished load jobs (the rank's reports)."""
         self.graphs = None  # captured against the old cache, if any
         self.kv_tier = close_tier(self.kv_tier)
+        self.kv_transfer = kv_connector.close_transfer(self.kv_transfer)  # over the old cache
         reason = self._graphs_unavailable()
         # Graphs pad decode batches; the padding's K/V goes to one extra
         # block past the controlplane's pool, which no request ever owns.
@@ -231,6 +219,16 @@ class ModelRunner:
         else:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
 
+    def start_kv_transfer(self, engine_id: str, advertise_host: str,
+                          on_loads_done: OnLoadsDone) -> KVTransferAgent:
+        """A NIXL agent over the allocated cache (replacing any), for PD."""
+        if not self.kv_caches:
+            raise RuntimeError("StartKVTransfer before init_kv_cache")
+        layout = kv_connector.rank_kv_layout(self.model, self.ps, self.block_size)
+        self.kv_transfer = kv_connector.start_kv_transfer(
+            self.kv_transfer, self.kv_caches, layout, engine_id, on_loads_done, advertise_host)
+        return self.kv_transfer.transfer_agent
+
     def _graphs_unavailable(self) -> str | None:
         return graphs_unavailable(self.device, backend_class(self.attention_backend),
                                   self.ps.world_size, self.enforce_eager)
@@ -242,6 +240,7 @@ class ModelRunner:
         self.input_batch = InputBatch()
         self.sampled_tokens.reset()
         self.kv_tier = close_tier(self.kv_tier)  # a re-formed group's tier starts empty
+        self.kv_transfer = kv_connector.close_transfer(self.kv_transfer)  # and its producers
         self.kv_caches = []
         self.graphs = None
         self.block_size = 0
@@ -251,7 +250,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.last_recv_wait_s = self.grammar.last_wait_s = 0.0
         self._update_states(scheduler_output)
-        run_kv_connector(self.kv_tier, scheduler_output.kv_connector_metadata)
+        kv_connector.run_kv_connector(self.kv_tier, self.kv_transfer,
+                                      scheduler_output.kv_connector_metadata)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self._nothing_sampled(scheduler_output)
         if not self.kv_caches:

@@ -65,20 +65,76 @@ class KVBlockCopies:
 
 
 @dataclass(slots=True)
+class KVRemoteRead:
+    """Read remote_block_ids[i] of producer engine_id into block_ids[i] here,
+    with NIXL (worker.proto's KVRemoteRead)."""
+
+    engine_id: str
+    remote_block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class KVLoadJob:
-    """One waiting request's load, reported done under job_id (worker.proto)."""
+    """One waiting request's load, reported done under job_id (worker.proto):
+    from the host tier (copies) or from a producer (remote_read), never both."""
 
     job_id: int
     copies: KVBlockCopies
+    remote_read: KVRemoteRead | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferAgent:
+    """One rank's NIXL agent and where its KV lives (kv_transfer.proto): what
+    this rank advertises after StartKVTransfer, and what a producer's ranks
+    advertised to it."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    # Global layers [start_layer, end_layer), and global KV heads
+    # [kv_head_start, kv_head_start + num_local_kv_heads).
+    start_layer: int
+    end_layer: int
+    kv_head_start: int
+    num_local_kv_heads: int
+    # Each local layer's [2, blocks, block_size, heads, head_dim] tensor.
+    layer_addresses: tuple[int, ...]
+    layer_bytes: int
+    device_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVEngineLayout:
+    """A producer engine's KV layout and its ranks' agents (kv_transfer.proto)."""
+
+    engine_id: str
+    group_epoch: int
+    model_architecture: str
+    num_layers: int
+    total_num_kv_heads: int
+    head_dim: int
+    kv_cache_dtype: str  # torch's name: "float32", "bfloat16"
+    block_size: int
+    num_blocks: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    lease_s: float
+    agents: tuple[KVTransferAgent, ...]
 
 
 @dataclass(slots=True)
 class KVConnectorMetadata:
-    """A step's host-tier instructions: stores run before its forward, load
-    jobs beside it (host_kv_tier.py)."""
+    """A step's KV connector instructions: host-tier stores run before its
+    forward, load jobs beside it (host_kv_tier.py, nixl_kv.py)."""
 
     stores: KVBlockCopies = field(default_factory=KVBlockCopies)
     load_jobs: list[KVLoadJob] = field(default_factory=list)
+    # Producers this group had not been sent yet; every rank keeps them.
+    remote_engines: list[KVEngineLayout] = field(default_factory=list)
 
 
 @dataclass(slots=True)

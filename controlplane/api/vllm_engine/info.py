@@ -66,7 +66,9 @@ def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | Non
     model_dtype: what the ranks run ("": --dtype as given, auto before the
     group's first start); the KV cache is kept in the same dtype."""
     model_dtype = model_dtype or config.model.dtype
-    connector = kv_connector_for(config.cache.kv_offloading_size)
+    transfer = config.kv_transfer
+    connector = kv_connector_for(config.cache.kv_offloading_size,
+                                 transfer.kv_role if transfer is not None else "")
     return vpb.GetServerInfoResponse(
         active_requests=stats.num_running_reqs + stats.num_waiting_reqs if stats else 0,
         uptime_seconds=time.monotonic() - started_at,
@@ -79,6 +81,7 @@ def server_info_response(config: ControlPlaneConfig, stats: SchedulerStats | Non
         constrained_decoding_start=constrained_decoding_start,
         kv_connector=connector.name if connector else "",
         kv_role=connector.role if connector else "",
+        kv_engine_id=transfer.engine_id if transfer is not None else "",
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from controlplane.api.kv_transfer.params import DecodeLeg, parse_kv_transfer_params
 from controlplane.api.validation import (
     U64_MASK,
     InvalidRequest,
@@ -39,6 +40,8 @@ MAX_GATEWAY_REQUEST_ID_LEN = 1024
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # The inputs kvloom cannot honour; each is named in the refusal.
 _UNSUPPORTED_INPUTS = ("mm_inputs", "kv_transfer_params", "media_refs")
+# kv_transfer_params (the deprecated typed field) is Mooncake's; NIXL's
+# parameters come as kv_transfer_params_json (api/kv_transfer/params.py).
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class GatewayRequest:
 
     request_id: str
     validated: ValidatedRequest
+    # kv_transfer_params_json checked: DO_REMOTE_DECODE, a DecodeLeg (the
+    # producer is asked next, service.py), or None (no transfer).
+    kv_transfer: str | DecodeLeg | None = None
 
 
 def check_gateway_request_id(request_id: str) -> str:
@@ -69,9 +75,6 @@ def _refuse_unsupported(request) -> None:
                                  f"without KV transfer: send token ids only")
     if request.extra_mm_inputs:
         raise InvalidRequest("extra_mm_inputs is set, but this engine serves a text-only model")
-    if request.HasField("kv_transfer_params_json"):
-        raise InvalidRequest("kv_transfer_params_json is set, but this engine does no "
-                             "prefill/decode disaggregation")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
         raise InvalidRequest(f"data_parallel_rank is {request.data_parallel_rank}, but this "
                              f"engine has one data-parallel rank (0)")
@@ -161,7 +164,17 @@ def _rename(message: str) -> str:
             .replace("sampling.", "sampling_params."))
 
 
-def resolve(request, tokenizer, limits: Limits, max_request_tokens: int) -> GatewayRequest:
+@dataclass(frozen=True)
+class KVRoles:
+    """What --kv-transfer-config lets this engine do with a leg."""
+
+    produces: bool = False
+    consumes: bool = False
+    block_size: int = 16
+
+
+def resolve(request, tokenizer, limits: Limits, max_request_tokens: int,
+            kv_roles: KVRoles = KVRoles()) -> GatewayRequest:
     """Translate and validate, or raise InvalidRequest naming the field.
 
     max_request_tokens: the most tokens (prompt + output) one request may
@@ -201,4 +214,13 @@ def resolve(request, tokenizer, limits: Limits, max_request_tokens: int) -> Gate
         validated = validate(kvloom_request, tokenizer, limits)
     except InvalidRequest as exc:
         raise InvalidRequest(_rename(str(exc))) from None
-    return GatewayRequest(request_id, validated)
+    transfer = None
+    if request.HasField("kv_transfer_params_json"):
+        transfer = parse_kv_transfer_params(
+            request.kv_transfer_params_json, produces=kv_roles.produces,
+            consumes=kv_roles.consumes, num_prompt_tokens=len(validated.prompt_token_ids),
+            max_blocks=-(-limits.max_model_len // kv_roles.block_size) + 1)
+        if transfer is not None and validated.n > 1:
+            raise InvalidRequest("kv_transfer_params_json with sampling_params.n > 1: one "
+                                 "sample's KV is transferred, send n = 1")
+    return GatewayRequest(request_id, validated, transfer)

@@ -38,13 +38,15 @@ from controlplane.api.generation_service import (
     constrained_decoding_start,
 )
 from controlplane.api.in_flight import Refusal
+from controlplane.api.kv_transfer.params import DecodeLeg
+from controlplane.api.kv_transfer.producers import ProducerUnavailable, RemoteProducers
 from controlplane.api.offload import Offload, heavy_constraint
 from controlplane.api.output_batches import feed_batch
 from controlplane.api.validation import InvalidRequest
 from controlplane.api.vllm_engine import info
 from controlplane.api.vllm_engine.flush_cache import flush_cache
 from controlplane.api.vllm_engine.kv_events import KvEventPublisher
-from controlplane.api.vllm_engine.request import GatewayRequest, resolve
+from controlplane.api.vllm_engine.request import GatewayRequest, KVRoles, resolve
 from controlplane.api.vllm_engine.stream import TokenStream
 from controlplane.api.vllm_engine.tokenizer_bundle import BundleError, build_bundle
 from controlplane.core.outputs import EngineCoreOutput
@@ -66,7 +68,8 @@ INLINE_MAX_LOGPROB_ENTRIES = 512
 class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, edge: GenerationService, readiness: Callable[[], str | None],
                  kv_events: KvEventPublisher, offload: Offload | None = None,
-                 model_dtype: Callable[[], str] | None = None):
+                 model_dtype: Callable[[], str] | None = None,
+                 producers: RemoteProducers | None = None):
         # The kvloom.v1 edge: its config, tokenizer, limits, admission rules,
         # engine and InFlight are this service's too.
         self.edge = edge
@@ -82,6 +85,12 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         # "" before it): what GetServerInfo reports, else --dtype itself.
         self._model_dtype = model_dtype or (lambda: "")
         self._bundle: asyncio.Future | None = None
+        # A KV consumer's client of its producers (api/kv_transfer/).
+        self.producers = producers
+        transfer = edge.config.kv_transfer
+        self._kv_roles = KVRoles(transfer is not None and transfer.produces,
+                                 transfer is not None and transfer.consumes,
+                                 edge.config.cache.block_size)
 
     # ---- Generate and Abort --------------------------------------------------
 
@@ -92,7 +101,7 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
                  or heavy_constraint(request.sampling_params, edge.limits))
         try:
             g = await self.offload.run(heavy, resolve, request, edge.tokenizer, edge.limits,
-                                       edge.max_request_tokens())
+                                       edge.max_request_tokens(), self._kv_roles)
             await edge.check_admission(g.validated, context)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -101,6 +110,9 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request, context):
         g = await self._resolve(request, context)
         v = g.validated
+        kv_transfer = g.kv_transfer
+        if isinstance(kv_transfer, DecodeLeg):
+            kv_transfer = await self._remote_prefill(kv_transfer, context)
         tenant = current_tenant()
         # No id: one of the server's own, so two such calls never collide.
         request_id = g.request_id or uuid.uuid4().hex
@@ -115,11 +127,22 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         streams: dict[str, TokenStream] = {}
         try:
             self.edge.add_samples(streams, children, v, cache_salt, lambda i, params: TokenStream(
-                i, v.prompt_token_ids, params, v.stream, eos, self.edge.tokenizer))
+                i, v.prompt_token_ids, params, v.stream, eos, self.edge.tokenizer), kv_transfer)
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
             self.edge.end_call(key, streams, context)
+
+    async def _remote_prefill(self, leg: DecodeLeg, context):
+        """A decode leg checked with its producer: a RemotePrefill, or None
+        (the producer fell back to a prefill here)."""
+        assert self.producers is not None  # resolve() admits decode legs on consumers only
+        try:
+            return await self.producers.prepare(leg)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ProducerUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def _responses(self, request_id, queue, streams, context):
         live = len(streams)

@@ -18,6 +18,8 @@ string: the gateway cuts the text itself.
 
 from __future__ import annotations
 
+import json
+
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from controlplane.api.detokenizer import IncrementalDetokenizer
@@ -59,7 +61,7 @@ class TokenStream:
     __slots__ = ("index", "stream", "_eos", "_num_prompt", "_cached", "_ids", "_num_out",
                  "_logprobs", "_pending_logprobs", "_prompt_logprobs", "_next_prompt_pos",
                  "_prompt_ids", "_sent_first", "_stops", "_end", "finished",
-                 "stopped_by_string")
+                 "stopped_by_string", "_kv_transfer_params")
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  stream: bool, eos_token_ids: frozenset[int], tokenizer=None):
@@ -85,6 +87,8 @@ class TokenStream:
         self._stops = (StopStringWatch(tokenizer, prompt_token_ids, params.stop)
                        if params.stop else None)
         self.finished = False
+        # A producer's prefill leg: the decode leg's parameters (Complete).
+        self._kv_transfer_params: dict | None = None
         # Set when a stop string ended the sample: the engine must be told.
         self.stopped_by_string = False
 
@@ -119,6 +123,7 @@ class TokenStream:
         if reason is not None:
             self.finished = True
             self._end = (reason, matched)
+            self._kv_transfer_params = out.kv_transfer_params
 
     def flush(self, messages: list) -> None:
         """Append what the outputs taken since the last flush complete: one
@@ -158,6 +163,8 @@ class TokenStream:
                 done.output_logprobs.CopyFrom(self._logprobs)
             if self._prompt_logprobs is not None:
                 done.input_logprobs.CopyFrom(self._prompt_logprobs)
+        if self._kv_transfer_params is not None:
+            done.kv_transfer_params_json = json.dumps(self._kv_transfer_params)
         if isinstance(matched, str):
             done.matched_stop_str = matched
         elif matched is not None:

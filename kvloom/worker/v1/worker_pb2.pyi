@@ -1,3 +1,4 @@
+from kvloom.kvtransfer.v1 import kv_transfer_pb2 as _kv_transfer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -14,12 +15,14 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_2: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_3: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_4: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_5: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
 PROTOCOL_VERSION_2: ProtocolVersion
 PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_4: ProtocolVersion
+PROTOCOL_VERSION_5: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
@@ -221,20 +224,40 @@ class KVBlockCopies(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., tier_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVConnectorMetadata(_message.Message):
-    __slots__ = ("stores", "load_jobs")
+    __slots__ = ("stores", "load_jobs", "remote_engines")
     STORES_FIELD_NUMBER: _ClassVar[int]
     LOAD_JOBS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINES_FIELD_NUMBER: _ClassVar[int]
     stores: KVBlockCopies
     load_jobs: _containers.RepeatedCompositeFieldContainer[KVLoadJob]
-    def __init__(self, stores: _Optional[_Union[KVBlockCopies, _Mapping]] = ..., load_jobs: _Optional[_Iterable[_Union[KVLoadJob, _Mapping]]] = ...) -> None: ...
+    remote_engines: _containers.RepeatedCompositeFieldContainer[_kv_transfer_pb2.KVEngineLayout]
+    def __init__(self, stores: _Optional[_Union[KVBlockCopies, _Mapping]] = ..., load_jobs: _Optional[_Iterable[_Union[KVLoadJob, _Mapping]]] = ..., remote_engines: _Optional[_Iterable[_Union[_kv_transfer_pb2.KVEngineLayout, _Mapping]]] = ...) -> None: ...
 
 class KVLoadJob(_message.Message):
-    __slots__ = ("job_id", "copies")
+    __slots__ = ("job_id", "copies", "remote_read")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_READ_FIELD_NUMBER: _ClassVar[int]
     job_id: int
     copies: KVBlockCopies
-    def __init__(self, job_id: _Optional[int] = ..., copies: _Optional[_Union[KVBlockCopies, _Mapping]] = ...) -> None: ...
+    remote_read: KVRemoteRead
+    def __init__(self, job_id: _Optional[int] = ..., copies: _Optional[_Union[KVBlockCopies, _Mapping]] = ..., remote_read: _Optional[_Union[KVRemoteRead, _Mapping]] = ...) -> None: ...
+
+class KVRemoteRead(_message.Message):
+    __slots__ = ("engine_id", "remote_block_ids", "block_ids")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StartKVTransfer(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class KVTransferReport(_message.Message):
     __slots__ = ("loads_done",)
@@ -347,7 +370,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset", "grammar_masks")
+    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset", "grammar_masks", "start_kv_transfer")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     INIT_DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +382,7 @@ class ControlMessage(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASKS_FIELD_NUMBER: _ClassVar[int]
+    START_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     registered: RegisterReply
     init_distributed: InitDistributed
@@ -370,7 +394,8 @@ class ControlMessage(_message.Message):
     shutdown: Shutdown
     reset: Reset
     grammar_masks: GrammarMasks
-    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ..., grammar_masks: _Optional[_Union[GrammarMasks, _Mapping]] = ...) -> None: ...
+    start_kv_transfer: StartKVTransfer
+    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ..., grammar_masks: _Optional[_Union[GrammarMasks, _Mapping]] = ..., start_kv_transfer: _Optional[_Union[StartKVTransfer, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
@@ -391,7 +416,7 @@ class WorkerError(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded", "kv_transfer_report")
+    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded", "kv_transfer_report", "kv_transfer_agent")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +427,7 @@ class WorkerMessage(_message.Message):
     RESET_DONE_FIELD_NUMBER: _ClassVar[int]
     MODEL_LOADED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_AGENT_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     register: RegisterRequest
     ack: Ack
@@ -412,4 +438,5 @@ class WorkerMessage(_message.Message):
     reset_done: ResetDone
     model_loaded: ModelLoaded
     kv_transfer_report: KVTransferReport
-    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ..., kv_transfer_report: _Optional[_Union[KVTransferReport, _Mapping]] = ...) -> None: ...
+    kv_transfer_agent: _kv_transfer_pb2.KVTransferAgent
+    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ..., kv_transfer_report: _Optional[_Union[KVTransferReport, _Mapping]] = ..., kv_transfer_agent: _Optional[_Union[_kv_transfer_pb2.KVTransferAgent, _Mapping]] = ...) -> None: ...

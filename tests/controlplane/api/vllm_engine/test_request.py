@@ -73,8 +73,12 @@ def test_what_kvloom_cannot_do_is_refused_never_ignored():
     r.mm_inputs.im_token_id = 3
     assert "mm_inputs" in refused(r)
     r = gen()
-    r.kv_transfer_params_json = "{}"
-    assert "kv_transfer_params_json" in refused(r)
+    r.kv_transfer_params_json = '{"do_remote_decode": true}'
+    assert "not a KV producer" in refused(r)  # an engine without --kv-transfer-config
+    r.kv_transfer_params_json = "[]"
+    assert "kv_transfer_params_json must be a JSON object" in refused(r)
+    r.kv_transfer_params_json = "{}"  # asks for nothing
+    assert run(r).kv_transfer is None
     r = gen()
     r.data_parallel_rank = 1
     assert "data_parallel_rank" in refused(r)

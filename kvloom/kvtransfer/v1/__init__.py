@@ -1,0 +1,1 @@
+"""Generated stubs of protos/kvloom/kvtransfer/v1 (scripts/gen_protos.sh)."""

@@ -141,7 +141,10 @@ class ControlPlane:
         )
         self.metrics: ControlPlaneMetrics | None = None
         if config.server.metrics_port:
-            self.metrics = ControlPlaneMetrics(config, self.engine, self.executor)
+            produces = self.kv_transfer is not None and self.kv_transfer.config.produces
+            self.metrics = ControlPlaneMetrics(
+                config, self.engine, self.executor,
+                self.kv_transfer.engine.lease_counts if produces else None)
             for probe in self.loop_probes.values():
                 self.metrics.watch_loop(probe)
 

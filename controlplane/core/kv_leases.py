@@ -42,6 +42,17 @@ class _Lease:
     expires: float
 
 
+@dataclass(slots=True)
+class LeaseCounts:
+    """Cumulative over every scheduler of the process (metrics read them at
+    scrape time: an expiry happens between steps): leases held, released by
+    their reader, run out."""
+
+    held: int = 0
+    released: int = 0
+    expired: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class ProducerIdentity:
     """What a producer's parameters say about where its blocks are."""
@@ -54,13 +65,12 @@ class ProducerIdentity:
 
 class KVLeases:
     def __init__(self, identity: ProducerIdentity, lease_s: float,
-                 clock=time.monotonic) -> None:
+                 counts: LeaseCounts | None = None, clock=time.monotonic) -> None:
         self.identity = identity
         self.lease_s = lease_s
+        self.counts = counts if counts is not None else LeaseCounts()
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
-        # Cumulative, for metrics: leases held, released by a reader, expired.
-        self.num_held = self.num_released = self.num_expired = 0
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -81,7 +91,7 @@ class KVLeases:
         kv.hand_over(request.request_id, lease_id)
         self._leases[lease_id] = _Lease(blocks[:num_blocks], num_tokens,
                                         self._clock() + self.lease_s)
-        self.num_held += 1
+        self.counts.held += 1
         me = self.identity
         # vLLM's NixlConnector parameters (pull_scheduler.request_finished),
         # one KV cache group: remote_block_ids is a list per group.
@@ -119,7 +129,7 @@ class KVLeases:
                 held.append(False)
                 continue
             kv.free_id(lease_id)
-            self.num_released += 1
+            self.counts.released += 1
             held.append(True)
         return held
 
@@ -130,7 +140,7 @@ class KVLeases:
         for lease_id in gone:
             del self._leases[lease_id]
             kv.free_id(lease_id)
-        self.num_expired += len(gone)
+        self.counts.expired += len(gone)
         return len(gone)
 
     def reset(self, kv: KVCacheManager) -> None:

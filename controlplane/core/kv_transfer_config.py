@@ -4,7 +4,10 @@
 "kv_both"}`, with vLLM's optional `engine_id`, `kv_load_failure_policy` and
 `kv_connector_extra_config` (`kv_lease_duration`, seconds a producer holds a
 finished prefill's blocks for a reader without a renewal, vLLM's default 30;
-`handshake_timeout`, seconds a consumer waits on a producer's controlplane).
+`handshake_timeout`, seconds a consumer waits on a producer's controlplane;
+`side_channel_host`, the host consumers dial for this producer's KVTransfer
+service, vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST: by default --host, or loopback
+behind a wildcard --host, which only a consumer on the same machine reaches).
 Every key is checked here once, at start-up: an unknown key, a wrong type or
 a value out of its bounds is refused with a message naming the key, so a
 typo never silently turns disaggregation off (docs/kv_connector.md).
@@ -33,7 +36,9 @@ LEASE_BOUNDS_S = (1.0, 3600.0)
 HANDSHAKE_BOUNDS_S = (0.1, 60.0)
 _KEYS = ("kv_connector", "kv_role", "engine_id", "kv_load_failure_policy",
          "kv_connector_extra_config")
-_EXTRA_KEYS = ("kv_lease_duration", "handshake_timeout")
+_EXTRA_KEYS = ("kv_lease_duration", "handshake_timeout", "side_channel_host")
+# A hostname or an IP literal, as a consumer dials it.
+_HOST = re.compile(r"[A-Za-z0-9.:\[\]_-]{1,253}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,8 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
     lease_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    # "": the API's --host (loopback behind a wildcard).
+    side_channel_host: str = ""
 
     @property
     def produces(self) -> bool:
@@ -85,10 +92,15 @@ def parse_kv_transfer_config(raw: str) -> KVTransferConfig | None:
     if unknown:
         raise ValueError(f"--kv-transfer-config: kv_connector_extra_config has unknown key(s) "
                          f"{unknown}; known: {list(_EXTRA_KEYS)}")
+    host = extra.get("side_channel_host", "")
+    if not isinstance(host, str) or (host and not _HOST.fullmatch(host)):
+        raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.side_channel_host "
+                         f"must be a hostname or an IP address, got {host!r:.80}")
     return KVTransferConfig(
         connector, role, engine_id, policy,
         lease_s=_seconds(extra, "kv_lease_duration", 30.0, LEASE_BOUNDS_S),
-        handshake_timeout_s=_seconds(extra, "handshake_timeout", 5.0, HANDSHAKE_BOUNDS_S))
+        handshake_timeout_s=_seconds(extra, "handshake_timeout", 5.0, HANDSHAKE_BOUNDS_S),
+        side_channel_host=host)
 
 
 def _choice(obj: dict, key: str, choices: tuple[str, ...], default: str | None) -> str:

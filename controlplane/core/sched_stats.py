@@ -37,19 +37,15 @@ class SchedulerStats:
     kv_load_failed_blocks: int = 0
     # Requests waiting for their KV now (in num_waiting_reqs too).
     num_waiting_for_remote_kvs: int = 0
-    # Prefill/decode disaggregation, cumulative but kv_transfer_leases: a
-    # consumer's remote reads (as the load jobs above, and the prompt tokens
-    # they gave), a producer's leases (held now; ever held, released by
-    # their reader, run out).
+    # Prefill/decode disaggregation: a consumer's remote reads, cumulative
+    # (as the load jobs above, and the prompt tokens they gave), and the
+    # leases a producer holds now (kv_leases.py counts the rest).
     kv_transfer_read_jobs: int = 0
     kv_transfer_read_bytes: int = 0
     kv_transfer_read_seconds: float = 0.0
     kv_transfer_read_failed_blocks: int = 0
     kv_transfer_read_tokens: int = 0
     kv_transfer_leases: int = 0
-    kv_transfer_leases_held: int = 0
-    kv_transfer_leases_released: int = 0
-    kv_transfer_leases_expired: int = 0
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
@@ -84,7 +80,4 @@ class SchedulerStats:
             kv_transfer_read_failed_blocks=remote.failed_blocks,
             kv_transfer_read_tokens=remote.tokens,
             kv_transfer_leases=len(leases) if leases else 0,
-            kv_transfer_leases_held=leases.num_held if leases else 0,
-            kv_transfer_leases_released=leases.num_released if leases else 0,
-            kv_transfer_leases_expired=leases.num_expired if leases else 0,
         )

@@ -11,7 +11,7 @@ gRPC call to the producer runs on the server's event loop).
 
 from __future__ import annotations
 
-from controlplane.core.kv_leases import KVLeases, ProducerIdentity
+from controlplane.core.kv_leases import KVLeases, LeaseCounts, ProducerIdentity
 from controlplane.core.kv_remote import OnRelease
 from controlplane.core.scheduler import Scheduler
 
@@ -23,11 +23,12 @@ class EngineKVTransfer:
         self.producer = producer
         self.lease_s = lease_s
         self.on_release = on_release
+        self.lease_counts = LeaseCounts()
 
     def attach(self, scheduler: Scheduler) -> None:
         """A new scheduler: no lease survives it (its pool is new)."""
         if self.producer is not None:
-            scheduler.kv_leases = KVLeases(self.producer, self.lease_s)
+            scheduler.kv_leases = KVLeases(self.producer, self.lease_s, self.lease_counts)
         scheduler.remote_reads.on_release = self.on_release
 
     @staticmethod

@@ -63,7 +63,9 @@ class KVReports:
             return
         with self._lock:
             for job in meta.load_jobs:
-                self._jobs[job.job_id] = _Job(frozenset(b for b, _ in job.copies))
+                blocks = (job.remote_read.block_ids if job.remote_read is not None
+                          else [b for b, _ in job.copies])
+                self._jobs[job.job_id] = _Job(frozenset(blocks))
 
     def add(self, rank: int, report: worker_pb2.KVTransferReport) -> list[KVJobDone]:
         """Fold one rank's report; the jobs it completed. Raises

@@ -96,7 +96,8 @@ def iteration_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 
 class ControlPlaneMetrics:
-    def __init__(self, config: ControlPlaneConfig, engine, executor):
+    def __init__(self, config: ControlPlaneConfig, engine, executor, lease_counts=None):
+        """lease_counts: a producer's (engine/kv_transfer.py), else None."""
         # _created samples would double every counter/histogram for no reader.
         prometheus_client.disable_created_metrics()
         self.config = config
@@ -109,7 +110,7 @@ class ControlPlaneMetrics:
         self.output_busy = BusyWindow()
         self.loop_probes: list[LoopLagProbe] = []
         self._build(config)
-        self.registry.register(_ScrapeCollector(self, engine, executor))
+        self.registry.register(_ScrapeCollector(self, engine, executor, lease_counts))
 
     def _build(self, config: ControlPlaneConfig) -> None:
         reg, m = self.registry, self.model_name
@@ -166,12 +167,7 @@ class ControlPlaneMetrics:
                                     "Seconds those reads took, each read's slowest rank.")
         self.read_failed = counter("kvloom_kv_transfer_failed_blocks", "Blocks a read failed "
                                    "to fill on some rank (recomputed instead).")
-        self.leases_held = counter("kvloom_kv_transfer_leases_held", "Finished prefills a "
-                                   "producer held for a reader.")
-        self.leases_released = counter("kvloom_kv_transfer_leases_released",
-                                       "Held prefills a reader released.")
-        self.leases_expired = counter("kvloom_kv_transfer_lease_expiries", "Held prefills "
-                                      "freed because their lease ran out unrenewed.")
+
         success = Counter("kvloom_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
         self.success = {r: success.labels(m, r) for r in FINISH_REASONS}
@@ -281,9 +277,6 @@ class ControlPlaneMetrics:
             self.read_bytes.inc(d.kv_transfer_read_bytes)
             self.read_seconds.inc(d.kv_transfer_read_seconds)
             self.read_failed.inc(d.kv_transfer_read_failed_blocks)
-            self.leases_held.inc(d.kv_transfer_leases_held)
-            self.leases_released.inc(d.kv_transfer_leases_released)
-            self.leases_expired.inc(d.kv_transfer_leases_expired)
 
     def observe_recovery(self, record: RecoveryRecord) -> None:
         self.recovering.set(1.0 if record.recovering else 0.0)
@@ -341,10 +334,11 @@ class _ScrapeCollector:
 
     The executor is read through one status() snapshot per scrape."""
 
-    def __init__(self, metrics: ControlPlaneMetrics, engine, executor):
+    def __init__(self, metrics: ControlPlaneMetrics, engine, executor, lease_counts=None):
         self.metrics = metrics
         self.engine = engine
         self.executor = executor
+        self.lease_counts = lease_counts
 
     def collect(self) -> Iterable[Metric]:
         m = self.metrics.model_name
@@ -354,6 +348,24 @@ class _ScrapeCollector:
         yield from self._worker_metrics(m, status)
         yield self._loop_lag(m)
         yield from self._grammar_metrics(m)
+        yield from self._lease_metrics(m)
+
+    def _lease_metrics(self, m: str) -> Iterable[Metric]:
+        """A producer's leases (--kv-transfer-config), over its whole life."""
+        counts = self.lease_counts
+        if counts is None:
+            return
+        for name, doc, value in (
+            ("kvloom_kv_transfer_leases_held", "Finished prefills held for a reader.",
+             counts.held),
+            ("kvloom_kv_transfer_leases_released", "Held prefills their reader released.",
+             counts.released),
+            ("kvloom_kv_transfer_lease_expiries", "Held prefills freed because their lease ran "
+             "out unrenewed.", counts.expired),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m], value)
+            yield c
 
     def _grammar_metrics(self, m: str) -> Iterable[Metric]:
         """Structured outputs: the compile wait and the compiled-grammar cache."""

@@ -195,9 +195,6 @@ class SchedulerCounts:
     kv_transfer_read_seconds: float = 0.0
     kv_transfer_read_failed_blocks: int = 0
     kv_transfer_read_tokens: int = 0
-    kv_transfer_leases_held: int = 0
-    kv_transfer_leases_released: int = 0
-    kv_transfer_leases_expired: int = 0
 
 
 class CounterDeltas:

@@ -46,8 +46,8 @@ class KVTransferWiring:
         """The API port is bound: a producer's parameters name it."""
         self._model_dtype = model_dtype
         if self.config.produces:
-            # Consumers dial the address the API is served on; behind a
-            # wildcard bind that is only loopback (docs/kv_connector.md).
+            # Consumers dial side_channel_host, else the address the API is
+            # served on (only loopback behind a wildcard bind).
+            host = self.config.side_channel_host or connect_host(self._server_host)
             self.engine.producer = ProducerIdentity(
-                self.config.engine_id, connect_host(self._server_host), api_port,
-                self.layout_base.tensor_parallel_size)
+                self.config.engine_id, host, api_port, self.layout_base.tensor_parallel_size)

@@ -43,7 +43,7 @@ def _producer(clock=None, **kw):
     sched = make_scheduler(num_blocks=16, block_size=4, **kw)
     EngineKVTransfer(PRODUCER, 30.0, None).attach(sched)
     if clock is not None:
-        sched.kv_leases._clock = clock
+        sched.kv_leases._clock = clock  # the leases' own clock, for the test
     return sched
 
 
@@ -92,7 +92,7 @@ def test_a_lease_runs_out_unless_renewed_and_renewal_reports_its_blocks():
     assert lease in kv.req_to_blocks
     clock.now += 2
     EngineKVTransfer.tick(sched)
-    assert lease not in kv.req_to_blocks and sched.kv_leases.num_expired == 1
+    assert lease not in kv.req_to_blocks and sched.kv_leases.counts.expired == 1
     assert kv.get_num_free_blocks() == 16
     assert sched.kv_leases.renew([lease]) == [(False, [], 0)]
 

@@ -26,9 +26,11 @@ def test_a_producer_and_a_consumer_config_and_their_connectors():
     c = parse_kv_transfer_config(json.dumps({
         "kv_connector": "NixlConnector", "kv_role": "kv_consumer", "engine_id": "dec-0",
         "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"kv_lease_duration": 5, "handshake_timeout": 0.5}}))
+        "kv_connector_extra_config": {"kv_lease_duration": 5, "handshake_timeout": 0.5,
+                                      "side_channel_host": "prefill-0.kvloom"}}))
     assert (c.consumes, c.produces, c.engine_id, c.lease_s, c.handshake_timeout_s) == (
         True, False, "dec-0", 5.0, 0.5)
+    assert c.side_channel_host == "prefill-0.kvloom"
     both = parse_kv_transfer_config('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
     assert both.produces and both.consumes
     spec = kv_connector_for(0, "kv_consumer")
@@ -65,6 +67,10 @@ def test_a_producer_and_a_consumer_config_and_their_connectors():
      '"kv_connector_extra_config": {"handshake_timeout": -1}}', "handshake_timeout"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
      '"kv_connector_extra_config": {"port": 1}}', "port"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+     '"kv_connector_extra_config": {"side_channel_host": "a b/c"}}', "side_channel_host"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+     '"kv_connector_extra_config": {"side_channel_host": 5}}', "side_channel_host"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "x": "' + "y" * 5000 + '"}',
      "bytes"),
 ])

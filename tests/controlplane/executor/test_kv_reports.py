@@ -87,3 +87,16 @@ def test_random_reports_never_escape_as_anything_but_a_protocol_violation():
             with contextlib.suppress(ProtocolViolation):
                 done.update(d.job_id for d in reports.add(rng.randint(0, 2), _report(*jobs)))
         assert done <= {11, 12}
+
+
+def test_a_remote_reads_failed_blocks_are_its_own_local_blocks():
+    """A read fails the consumer's blocks it fills (never the producer's ids)."""
+    from controlplane.core.outputs import KVRemoteRead
+
+    reports = KVReports(1)
+    reports.expect(KVConnectorMetadata(load_jobs=[
+        KVLoadJob(21, [], KVRemoteRead("prod", [50, 51], [0, 7]))]))
+    with pytest.raises(ProtocolViolation, match="failed block 50"):
+        reports.add(0, _report((21, [50], 0, 0.0)))
+    (done,) = reports.add(0, _report((21, [0, 7], 64, 0.5)))
+    assert done.failed_block_ids == frozenset({0, 7})

@@ -118,6 +118,7 @@ class ControlPlane:
             vocab_size=model_info.vocab_size,
             scheduler=config.scheduler,
             kv_layout_base=self.kv_transfer.layout_base if self.kv_transfer else None,
+            kv_serve_reads=self.kv_transfer is not None and self.kv_transfer.config.produces,
         )
         self.engine = EngineCore(
             config.scheduler, config.cache, self.executor, self._emit,

@@ -20,6 +20,10 @@ http://HOST:PORT/v1 that reaches the controlplane's VllmEngine service. `run`
 then sends its message through it (kvloom_cli.openai_http). The gateway is
 relayed, supervised, recorded and stopped like the daemons, before the
 controlplane. It cannot dial a --tls API, so the two flags exclude each other.
+
+`--pd P:D` (with --openai-port) runs P prefill and D decode clusters behind
+the gateway in PD mode instead of one cluster (kvloom_cli.pd: the flags and
+the plan; kvloom_cli.cluster_set.ClusterSet: running them as one).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from pathlib import Path
 
 from kvloom.client import KvloomError
 from kvloom.common.config_args import BadValue
-from kvloom_cli import gateway, launcher, openai_http
+from kvloom_cli import gateway, launcher, openai_http, pd
+from kvloom_cli.cluster_set import ClusterSet
 from kvloom_cli.gateway import GatewaySpec
 from kvloom_cli.generate import EXIT_FAILURE, chat_turns, complete
 from kvloom_cli.ray_placement import PlacementError, add_ray_args, placement_from_args
@@ -95,16 +100,20 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
                         help="also serve the OpenAI API (http://HOST:PORT/v1) through the SMG "
                              "gateway, on --host (needs kvloom[gateway]; not with --tls); "
                              "unset: no gateway")
+    pd.add_pd_args(parser)
     add_ray_args(parser)
 
 
 def make_cluster(args: argparse.Namespace, spec: launcher.ClusterSpec, *,
-                 log_sink=None, log_dir: Path | None = None) -> launcher.Cluster:
-    """A local cluster, or one whose ranks Ray places (--placement ray)."""
+                 log_sink=None, log_dir: Path | None = None) -> launcher.Cluster | ClusterSet:
+    """A local cluster, one whose ranks Ray places (--placement ray), or
+    the prefill and decode clusters of --pd."""
     try:
         placement = placement_from_args(args)
     except PlacementError as exc:
         raise launcher.ClusterError(str(exc)) from None
+    if args.pd is not None:  # local only: pd.refusals() refused --placement ray
+        return pd.make_cluster_set(args, spec, log_sink=log_sink, log_dir=log_dir)
     if placement is None:
         return launcher.Cluster(spec, log_sink=log_sink, log_dir=log_dir)
     detached = log_dir is not None
@@ -118,7 +127,10 @@ def make_cluster(args: argparse.Namespace, spec: launcher.ClusterSpec, *,
 
 def gateway_spec(args: argparse.Namespace) -> GatewaySpec | None:
     """The gateway --openai-port asks for (None: none), refused before
-    anything starts when it cannot work."""
+    anything starts when it cannot work (--pd's refusals first)."""
+    refused = pd.refusals(args)
+    if refused is not None:
+        raise launcher.ClusterError(refused)
     if args.openai_port is None:
         return None
     if args.tls:
@@ -198,7 +210,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_foreground(cluster: launcher.Cluster, state_file: Path,
+def serve_foreground(cluster: launcher.Cluster | ClusterSet, state_file: Path,
                      front: GatewaySpec | None = None) -> int:
     """Run until Ctrl-C/SIGTERM (exit 0) or until the controlplane dies or a
     rank or the gateway crash-loops (ClusterError); a dead worker or gateway
@@ -241,13 +253,19 @@ def stopped_by_down(state_file: Path) -> bool:
         return False
 
 
-def print_endpoints(cluster: launcher.Cluster, front: GatewaySpec | None = None) -> None:
-    print(f"kvloom: API (gRPC) at {cluster.api_address}", file=sys.stderr)
+def print_endpoints(cluster: launcher.Cluster | ClusterSet,
+                    front: GatewaySpec | None = None) -> None:
+    if not isinstance(cluster, ClusterSet):
+        print(f"kvloom: API (gRPC) at {cluster.api_address}", file=sys.stderr)
     if front is not None:
         url = gateway.base_url(front)
-        print(f"kvloom: OpenAI API at {url} (the SMG gateway; its metrics at "
+        mode = " in PD mode" if isinstance(cluster, ClusterSet) else ""
+        print(f"kvloom: OpenAI API at {url} (the SMG gateway{mode}; its metrics at "
               f"http://127.0.0.1:{front.metrics_port}/metrics)", file=sys.stderr)
         print(f"kvloom: e.g. curl {url}/models", file=sys.stderr)
+    if isinstance(cluster, ClusterSet):
+        pd.print_endpoints(cluster)
+        return
     print(f"kvloom: metrics at {cluster.metrics_address}", file=sys.stderr)
     for rank, address in enumerate(cluster.worker_metrics_addresses):
         print(f"kvloom: rank {rank} metrics at {address}", file=sys.stderr)
@@ -327,7 +345,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def chat_once(cluster: launcher.Cluster, front: GatewaySpec | None,
+def chat_once(cluster: launcher.Cluster | ClusterSet, front: GatewaySpec | None,
               args: argparse.Namespace) -> int:
     """`run`'s one chat turn: through the gateway's OpenAI API when there is
     one, else over the cluster's gRPC API."""
@@ -339,7 +357,7 @@ def chat_once(cluster: launcher.Cluster, front: GatewaySpec | None,
         return complete(client, messages, args)
 
 
-def served_model(cluster: launcher.Cluster) -> str:
+def served_model(cluster: launcher.Cluster | ClusterSet) -> str:
     with cluster.client() as client:
         return client.model_info().model_name
 
@@ -369,20 +387,25 @@ def cluster_spec_for_launch(args: argparse.Namespace) -> launcher.ClusterSpec:
     return cluster_spec(args)
 
 
-def start_and_wait(cluster: launcher.Cluster, timeout: float,
+def start_and_wait(cluster: launcher.Cluster | ClusterSet, timeout: float,
                    front: GatewaySpec | None = None) -> GatewaySpec | None:
-    """Start the cluster, and the gateway in front of it once it is ready;
+    """Start the cluster(s), and the gateway in front once they are ready;
     returns the gateway as started (its metrics port picked), or None."""
-    spec = cluster.spec
+    group = cluster if isinstance(cluster, ClusterSet) else None
     cluster.check()  # ports, model and layout, before we announce any process
     if front is not None:
-        front = gateway.check(front, gateway.cluster_ports(cluster))
-    print(
-        f"kvloom: starting controlplane + {spec.world_size} worker(s) "
-        f"(tp={spec.tensor_parallel_size}, pp={spec.pipeline_parallel_size}) "
-        f"for {spec.model}",
-        file=sys.stderr,
-    )
+        taken = group.taken_ports() if group else gateway.cluster_ports(cluster)
+        front = gateway.check(front, taken)
+    if group is not None:
+        print(f"kvloom: starting {pd.describe(group)}", file=sys.stderr)
+    else:
+        spec = cluster.spec
+        print(
+            f"kvloom: starting controlplane + {spec.world_size} worker(s) "
+            f"(tp={spec.tensor_parallel_size}, pp={spec.pipeline_parallel_size}) "
+            f"for {spec.model}",
+            file=sys.stderr,
+        )
     started = time.monotonic()
     try:
         cluster.start()
@@ -396,9 +419,14 @@ def start_and_wait(cluster: launcher.Cluster, timeout: float,
     return front
 
 
-def start_gateway(cluster: launcher.Cluster, front: GatewaySpec, timeout: float) -> None:
+def start_gateway(cluster: launcher.Cluster | ClusterSet, front: GatewaySpec,
+                  timeout: float) -> None:
     model = served_model(cluster)
     print(f"kvloom: starting the SMG gateway on port {front.port} for {model!r}",
           file=sys.stderr)
+    timeout = min(timeout, gateway.READY_TIMEOUT)
+    if isinstance(cluster, ClusterSet):
+        pd.start_gateway(cluster, front, model, timeout)
+        return
     gateway.start(cluster, front)
-    gateway.wait_ready(cluster, front, model, timeout=min(timeout, gateway.READY_TIMEOUT))
+    gateway.wait_ready(cluster, front, model, timeout=timeout)

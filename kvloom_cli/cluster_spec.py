@@ -48,6 +48,10 @@ class ClusterSpec:
     python: str = sys.executable
     # TLS + mTLS on the API and the worker port; None = plaintext.
     tls: ClusterTls | None = None
+    # Ranks on this host over every cluster the launcher runs (`kvloom up
+    # --pd` runs several): each CPU rank sizes its KV cache to its share of
+    # the host's memory. 0 = this cluster's world size.
+    local_workers: int = 0
 
     @property
     def world_size(self) -> int:
@@ -129,7 +133,7 @@ def child_env(spec: ClusterSpec) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Every rank runs on this host: each sizes its CPU KV cache to its share
     # of the memory (workerd/runner/kv_cache.py).
-    env["KVLOOM_NUM_LOCAL_WORKERS"] = str(spec.world_size)
+    env["KVLOOM_NUM_LOCAL_WORKERS"] = str(spec.local_workers or spec.world_size)
     if spec.auth_token is not None:
         env["KVLOOM_AUTH_TOKEN"] = spec.auth_token
     return env

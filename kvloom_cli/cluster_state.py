@@ -30,6 +30,11 @@ class ClusterState:
     front: list[str] = field(default_factory=list)
     # Set by `kvloom down` before it stops the processes.
     stopping: bool = False
+    # `kvloom up --pd`: each cluster by name ("prefill-0", "decode-0"): its
+    # role, API, metrics and per-rank metrics. Its processes are named
+    # "<cluster> controlplane", "<cluster> rank R" above; api and metrics are
+    # the first prefill cluster's.
+    clusters: dict[str, dict] = field(default_factory=dict)
     # A cluster placed by Ray (`kvloom up --placement ray`): where Ray runs
     # ("" = a local Ray owned by the `up` process) and what to remove there.
     ray_address: str = ""

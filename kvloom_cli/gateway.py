@@ -22,13 +22,19 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvloom.common.ports import PortInUse, pick_free_ports, port_in_use
 from kvloom_cli.children import ManagedProcess
 from kvloom_cli.launcher import Cluster, ClusterError, connect_host
-from kvloom_cli.openai_http import OpenAIError, list_models, list_tokenizers
+from kvloom_cli.openai_http import (
+    OpenAIError,
+    list_models,
+    list_tokenizers,
+    list_worker_types,
+)
 
 NAME = "gateway"
 MISSING = 'kvloom: --openai-port needs the SMG gateway: pip install "kvloom[gateway]"'
@@ -98,10 +104,31 @@ def base_url(spec: GatewaySpec) -> str:
     return f"http://{url_host(spec.host)}:{spec.port}/v1"
 
 
+def root_url(spec: GatewaySpec) -> str:
+    """The gateway's own routes (/workers, /readiness) live beside /v1."""
+    return f"http://{url_host(spec.host)}:{spec.port}"
+
+
 def gateway_command(spec: GatewaySpec, worker_urls: list[str]) -> list[str]:
+    return [spec.executable, "launch", "--worker-urls", *worker_urls, *_common_flags(spec)]
+
+
+def pd_gateway_command(spec: GatewaySpec, prefill_urls: list[str],
+                       decode_urls: list[str]) -> list[str]:
+    """smg's PD mode (`kvloom up --pd`): each request's prefill goes to one
+    of prefill_urls, its decode to one of decode_urls. No bootstrap port
+    ("none"): that is SGLang's transfer handshake; the kvloom clusters
+    negotiate theirs between themselves (--kv-transfer-config)."""
+    argv = [spec.executable, "launch", "--pd-disaggregation"]
+    for url in prefill_urls:
+        argv += ["--prefill", url, "none"]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    return argv + _common_flags(spec)
+
+
+def _common_flags(spec: GatewaySpec) -> list[str]:
     return [
-        spec.executable, "launch",
-        "--worker-urls", *worker_urls,
         "--policy", spec.policy,
         "--host", spec.host,
         "--port", str(spec.port),
@@ -160,11 +187,14 @@ def start(cluster: Cluster, spec: GatewaySpec) -> ManagedProcess:
 
 
 def wait_ready(cluster: Cluster, spec: GatewaySpec, model: str,
-               timeout: float = READY_TIMEOUT, poll_interval: float = 0.2) -> None:
+               timeout: float = READY_TIMEOUT, poll_interval: float = 0.2,
+               workers: dict[str, int] | None = None) -> None:
     """Block until GET /v1/models lists model and its tokenizer is
-    registered. Fails fast, with the last log lines, when the gateway (or any
-    daemon) exits first; after timeout with the gateway's last answer and
-    lines (e.g. the worker never registered)."""
+    registered, and (workers: worker type -> count, PD mode) that many
+    healthy workers of each type are. Fails fast, with the last log lines,
+    when the gateway (or any daemon) exits first; after timeout with the
+    gateway's last answer and lines (e.g. the worker never registered).
+    cluster: a launcher.Cluster or a ClusterSet."""
     url = base_url(spec)
     deadline = time.monotonic() + timeout
     last = "no answer yet"
@@ -172,6 +202,8 @@ def wait_ready(cluster: Cluster, spec: GatewaySpec, model: str,
         cluster.check_alive(phase="before the gateway was ready")
         try:
             last = ready_answer(url, model)
+            if not last and workers:
+                last = workers_answer(root_url(spec), workers)
             if not last:
                 return
         except OpenAIError as exc:
@@ -190,6 +222,16 @@ def ready_answer(url: str, model: str) -> str:
     if tokenizers is not None and model not in tokenizers:
         return f"the model is listed, its tokenizer not registered yet (tokenizers {tokenizers})"
     return ""
+
+
+def workers_answer(root: str, wanted: dict[str, int]) -> str:
+    """"" when GET /workers lists wanted healthy workers of each type, else
+    what it lists. In PD mode the model is listed once any worker registered;
+    a request before the other role registers would fail."""
+    healthy = Counter(list_worker_types(root, timeout=2.0))
+    if all(healthy[kind] >= count for kind, count in wanted.items()):
+        return ""
+    return f"healthy workers {dict(sorted(healthy.items()))}, waiting for {wanted}"
 
 
 def not_ready(cluster: Cluster, url: str, model: str, timeout: float, last: str) -> str:

@@ -214,8 +214,12 @@ class Cluster:
             kwargs["start_new_session"] = True
         else:
             kwargs["stdout"] = subprocess.PIPE
-            # Join the group of the first child; 0 makes the controlplane its leader.
-            kwargs["process_group"] = self.processes[0].popen.pid if self.processes else 0
+            # Join the controlplane's group; 0 makes the controlplane its leader.
+            # A cluster of front processes only (the gateway of a ClusterSet)
+            # has no daemon to join: each gets a group of its own, so a
+            # restart never names the group of a process already reaped.
+            leader = next((p for p in self.processes if not p.front), None)
+            kwargs["process_group"] = leader.popen.pid if leader is not None else 0
             argv = with_parent_death_signal(command, self.spec.python)
         try:
             popen = subprocess.Popen(argv, env=env if env is not None else child_env(self.spec),
@@ -252,14 +256,8 @@ class Cluster:
         stop_requested: when it turns true (e.g. `kvloom down` is stopping
         us) exits are reported, not restarted; on_restart gets each pass's
         new restarts (e.g. to record the new pids)."""
-        while not self._stopping.is_set():
-            if restart_workers:
-                done = self.supervise_once(stop_requested=stop_requested)
-                if done and on_restart is not None:
-                    on_restart(done)
-            else:
-                self.check_alive(phase="while serving")
-            self._stopping.wait(poll_interval)
+        monitor_until_stopped(self, self._stopping, poll_interval, restart_workers,
+                              stop_requested, on_restart)
 
     def supervise_once(self, *, stop_requested: Callable[[], bool] | None = None) -> list[Restart]:
         """One supervision pass: note the workers that died (each restart is
@@ -408,3 +406,20 @@ def _resolve_model(model: str | None) -> str:
         return resolve_model(model)
     except EmbeddedModelError as exc:
         raise ClusterError(str(exc)) from None
+
+
+def monitor_until_stopped(
+    supervised, stopping: threading.Event, poll_interval: float, restart_workers: bool,
+    stop_requested: Callable[[], bool] | None,
+    on_restart: Callable[[list[Restart]], None] | None,
+) -> None:
+    """Cluster.monitor's loop, for a cluster or a set of them (cluster_set.py):
+    supervise (restart dead workers) or only check, until `stopping` is set."""
+    while not stopping.is_set():
+        if restart_workers:
+            done = supervised.supervise_once(stop_requested=stop_requested)
+            if done and on_restart is not None:
+                on_restart(done)
+        else:
+            supervised.check_alive(phase="while serving")
+        stopping.wait(poll_interval)

@@ -90,6 +90,18 @@ def list_tokenizers(base_url: str, timeout: float = 5.0) -> list[str] | None:
         raise
 
 
+def list_worker_types(root_url: str, timeout: float = 5.0) -> list[str]:
+    """The type of each healthy worker GET /workers (an SMG route, beside
+    /v1) lists: "regular", or "prefill" and "decode" in PD mode."""
+    url = f"{root_url}/workers"
+    with _open(url, timeout) as response:
+        try:
+            doc = json.loads(response.read(MAX_LINE))
+            return [str(w["worker_type"]) for w in doc["workers"] if w.get("is_healthy")]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise OpenAIError(f"{url}: not a workers list ({exc})") from None
+
+
 # The generation flags (dest -> as shown) a chat through the gateway cannot take.
 _UNSUPPORTED = {
     "logprobs": "--logprobs",

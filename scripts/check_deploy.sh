@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Static checks of the deployment files, with no Docker engine and no cluster:
 #   * docker-compose.yml alone and with each override validates, with and
-#     without the gateway profile (one cluster, and two with compose.replicas.yml);
+#     without the gateway profile (one cluster, two with compose.replicas.yml,
+#     a prefill and a decode cluster with compose.pd.yml);
 #   * the Helm chart lints and renders with default, GPU and all-options values,
-#     and with the SMG gateway in front of two replicas;
+#     with the SMG gateway in front of two replicas, and in PD mode;
 #   * every rendered manifest validates against the Kubernetes OpenAPI schemas
 #     (kubernetes-validate, strict: unknown fields fail) of the oldest and the
 #     newest Kubernetes the chart supports.
@@ -32,6 +33,7 @@ compose -f docker-compose.yml --profile grafana config -q
 compose -f docker-compose.yml -f deploy/compose.gpu.yml config -q
 compose -f docker-compose.yml --profile gateway config -q
 compose -f docker-compose.yml -f deploy/compose.replicas.yml --profile gateway config -q
+compose -f docker-compose.yml -f deploy/compose.pd.yml --profile gateway config -q
 compose -f docker-compose.yml -f deploy/compose.tls.yml --profile gateway config -q
 model_dir=$(mktemp -d)
 trap 'rm -rf "$model_dir" "${render_dir:-}"' EXIT
@@ -58,6 +60,7 @@ chart=helm/kvloom
 "$helm" lint --strict --quiet "$chart"
 "$helm" lint --strict --quiet "$chart" -f "$chart/values-gpu.yaml"
 "$helm" lint --strict --quiet "$chart" --set gateway.enabled=true --set replicas=2
+"$helm" lint --strict --quiet "$chart" --set gateway.enabled=true --set pd.enabled=true
 
 echo "== helm template + kubernetes-validate ($k8s_versions)"
 render_dir=$(mktemp -d)
@@ -86,6 +89,16 @@ render_dir=$(mktemp -d)
   --set-string 'networkPolicy.apiFrom[0].namespaceSelector.matchLabels.team=apps' \
   --set-string 'networkPolicy.gatewayFrom[0].namespaceSelector.matchLabels.team=apps' \
   --set monitoring.serviceMonitor.enabled=true > "$render_dir/gateway.yaml"
+# Prefill/decode disaggregation: two prefill clusters and one decode cluster
+# of its own TP behind the gateway in PD mode, network policies on.
+"$helm" template kvloom "$chart" --namespace kvloom \
+  --set gateway.enabled=true \
+  --set pd.enabled=true \
+  --set pd.prefill.replicas=2 \
+  --set pd.decode.tensorParallelSize=2 \
+  --set pd.kvConnectorExtraConfig.kv_lease_duration=60 \
+  --set-string 'networkPolicy.apiFrom[0].namespaceSelector.matchLabels.team=apps' \
+  --set monitoring.serviceMonitor.enabled=true > "$render_dir/pd.yaml"
 "$python" - "$k8s_versions" "$render_dir"/*.yaml <<'PY'
 import sys
 

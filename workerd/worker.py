@@ -223,7 +223,8 @@ class Worker:
         """This rank's NIXL agent over its KV cache (prefill/decode
         disaggregation), answered with where producers and readers find it."""
         runner = self._require_runner()
-        agent = runner.start_kv_transfer(cmd.engine_id, self.advertise_host, self._report_loads)
+        agent = runner.start_kv_transfer(cmd.engine_id, self.advertise_host, self._report_loads,
+                                         cmd.serve_reads)
         logger.info("KV transfer started: NIXL agent %s", agent.agent_name)
         return worker_pb2.WorkerMessage(kv_transfer_agent=kv_transfer_agent_to_proto(agent))
 

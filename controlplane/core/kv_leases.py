@@ -14,13 +14,17 @@ A lease's blocks stay in the prefix cache after release like any freed
 block. A request that ends any other way (aborted, an error) frees its
 blocks at once, as vLLM's producer does.
 
-Everything here runs on the engine thread (the scheduler's state); the
-KVTransfer service reaches it through EngineCore.call.
+What frees blocks runs on the engine thread (the scheduler's state; the
+KVTransfer service's releases reach it through EngineCore.call). A renewal
+only moves a deadline and reads what a lease holds, so the service renews
+from its own thread under the record's lock: a consumer's check of a lease
+must not wait behind a producer's long prefill step.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 
@@ -70,6 +74,8 @@ class KVLeases:
         self.lease_s = lease_s
         self.counts = counts if counts is not None else LeaseCounts()
         self._clock = clock
+        # Guards _leases: renew() runs on the service's thread.
+        self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
 
     def __len__(self) -> int:
@@ -89,8 +95,9 @@ class KVLeases:
             return None
         lease_id = _LEASE_PREFIX + secrets.token_hex(16)
         kv.hand_over(request.request_id, lease_id)
-        self._leases[lease_id] = _Lease(blocks[:num_blocks], num_tokens,
-                                        self._clock() + self.lease_s)
+        with self._lock:
+            self._leases[lease_id] = _Lease(blocks[:num_blocks], num_tokens,
+                                            self._clock() + self.lease_s)
         self.counts.held += 1
         me = self.identity
         # vLLM's NixlConnector parameters (pull_scheduler.request_finished),
@@ -109,23 +116,26 @@ class KVLeases:
 
     def renew(self, lease_ids: list[str]) -> list[tuple[bool, list[int], int]]:
         """(held, block ids, tokens) per lease; the held ones run for another
-        lease from now (a consumer's heartbeat)."""
+        lease from now (a consumer's heartbeat). Any thread."""
         until = self._clock() + self.lease_s
         out = []
-        for lease_id in lease_ids:
-            lease = self._leases.get(lease_id)
-            if lease is None:
-                out.append((False, [], 0))
-                continue
-            lease.expires = max(lease.expires, until)
-            out.append((True, lease.block_ids, lease.num_tokens))
+        with self._lock:
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is None:
+                    out.append((False, [], 0))
+                    continue
+                lease.expires = max(lease.expires, until)
+                out.append((True, lease.block_ids, lease.num_tokens))
         return out
 
     def release(self, kv: KVCacheManager, lease_ids: list[str]) -> list[bool]:
         """End leases (their reader is done); whether each was still held."""
         held = []
         for lease_id in lease_ids:
-            if self._leases.pop(lease_id, None) is None:
+            with self._lock:
+                lease = self._leases.pop(lease_id, None)
+            if lease is None:
                 held.append(False)
                 continue
             kv.free_id(lease_id)
@@ -136,18 +146,22 @@ class KVLeases:
     def expire(self, kv: KVCacheManager) -> int:
         """Free the leases whose time ran out; how many."""
         now = self._clock()
-        gone = [lease_id for lease_id, lease in self._leases.items() if lease.expires <= now]
+        with self._lock:
+            gone = [lease_id for lease_id, lease in self._leases.items()
+                    if lease.expires <= now]
+            for lease_id in gone:
+                del self._leases[lease_id]
         for lease_id in gone:
-            del self._leases[lease_id]
             kv.free_id(lease_id)
         self.counts.expired += len(gone)
         return len(gone)
 
     def reset(self, kv: KVCacheManager) -> None:
         """The worker group failed: the blocks are gone with it."""
-        for lease_id in self._leases:
+        with self._lock:
+            gone, self._leases = list(self._leases), {}
+        for lease_id in gone:
             kv.free_id(lease_id)
-        self._leases.clear()
 
 
 def free_or_hold(kv: KVCacheManager, leases: KVLeases | None, request: Request) -> None:

@@ -60,12 +60,15 @@ class GroupStartup:
         cache: CacheConfig,
         scheduler: SchedulerConfig,
         kv_layout_base: kv_transfer_pb2.KVEngineLayout | None = None,
+        kv_serve_reads: bool = False,
     ):
         self.calls = calls
         # --kv-transfer-config: the layout's fixed part (engine id, model
         # shape, lease); each start-up adds its blocks and the ranks' agents.
         self.kv_layout_base = kv_layout_base
         self.kv_layout: kv_transfer_pb2.KVEngineLayout | None = None
+        # A producer's ranks serve reads (StartKVTransfer.serve_reads).
+        self.kv_serve_reads = kv_serve_reads
         self.scheduler = scheduler
         self.parallel = parallel
         self.cfg = workers
@@ -131,7 +134,8 @@ class GroupStartup:
         make the layout consumers read this group's blocks by."""
         base = self.kv_layout_base
         start = worker_pb2.ControlMessage(
-            start_kv_transfer=worker_pb2.StartKVTransfer(engine_id=base.engine_id))
+            start_kv_transfer=worker_pb2.StartKVTransfer(engine_id=base.engine_id,
+                                                         serve_reads=self.kv_serve_reads))
         replies = await self.calls.call_all(start, self.cfg.startup_timeout_s,
                                             "start_kv_transfer")
         layout = kv_transfer_pb2.KVEngineLayout()

@@ -102,6 +102,7 @@ class Executor(StepExecutor):
         vocab_size: int,
         scheduler: SchedulerConfig | None = None,
         kv_layout_base: object | None = None,
+        kv_serve_reads: bool = False,
     ):
         self.parallel = parallel
         self.cfg = workers
@@ -125,7 +126,8 @@ class Executor(StepExecutor):
         self._kv_reports = KVReports(parallel.world_size)
         # The scheduler's limits reach the workers in LoadModel (their profile run).
         self._group_startup = GroupStartup(self._router, parallel, workers, model, cache,
-                                           scheduler or SchedulerConfig(), kv_layout_base)
+                                           scheduler or SchedulerConfig(), kv_layout_base,
+                                           kv_serve_reads)
         # Keep survivors of a failure attached (Reset) instead of letting them go.
         self._keep_survivors = workers.engine_recovery_timeout_s > 0
         # The survivors' pending Reset, awaited before the next handshake.

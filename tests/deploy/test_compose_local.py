@@ -83,9 +83,16 @@ def _compose_config(env: dict[str, str], *overrides: str, profiles: tuple[str, .
 
 
 def _local_value(value: str, hostnames: set[str]) -> str:
-    """A compose host name (alone, as host:port, as a --flag=value, or in a
-    URL of a space-separated list) becomes loopback, as does the wildcard
-    bind address: nothing here may listen beyond 127.0.0.1."""
+    """A compose host name (alone, as host:port, as a --flag=value, in a
+    URL of a space-separated list, or a string in a JSON object such as
+    --kv-transfer-config's side_channel_host) becomes loopback, as does the
+    wildcard bind address: nothing here may listen beyond 127.0.0.1."""
+    if value.startswith("{"):
+        try:
+            obj = json.loads(value)
+        except ValueError:
+            return value
+        return json.dumps(_local_json(obj, hostnames), separators=(",", ":"))
     if " " in value:
         return " ".join(_local_value(part, hostnames) for part in value.split(" "))
     if "://" in value:
@@ -98,6 +105,14 @@ def _local_value(value: str, hostnames: set[str]) -> str:
     if host in hostnames or host == "0.0.0.0":
         return f"{LOOPBACK}{sep}{port}"
     return value
+
+
+def _local_json(obj, hostnames: set[str]):
+    if isinstance(obj, dict):
+        return {k: _local_json(v, hostnames) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_local_json(v, hostnames) for v in obj]
+    return _local_value(obj, hostnames) if isinstance(obj, str) else obj
 
 
 def _is_gateway(svc: dict) -> bool:

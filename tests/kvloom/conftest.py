@@ -320,7 +320,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 # `smg launch ...` as kvloom_cli.gateway runs it: serves the OpenAI routes the
 # CLI uses. FAKE_SMG_MODE: "fail" exits at once, "nomodel" lists no model
 # (a worker that never registers), "notokenizer" lists the model but never
-# its tokenizer, "chaterror" answers chats with a 400.
+# its tokenizer, "chaterror" answers chats with a 400, "nodecode" (PD mode)
+# never registers its decode workers. GET /workers lists each worker URL of
+# its command line with its type ("regular", or "prefill" and "decode").
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_SMG_MODE", "")
 record = os.environ.get("FAKE_SMG_RECORD")
@@ -330,7 +332,13 @@ print("gateway env HF_HUB_OFFLINE=%s token=%s" % (os.environ.get("HF_HUB_OFFLINE
 if mode == "fail":
     print("boom: bad worker url", flush=True)
     sys.exit(2)
-worker = args[args.index("--worker-urls") + 1].split("://", 1)[1]
+if "--pd-disaggregation" in args:
+    workers = [(args[i + 1], flag[2:]) for i, flag in enumerate(args)
+               if flag in ("--prefill", "--decode")]
+else:
+    workers = [(args[args.index("--worker-urls") + 1], "regular")]
+if mode == "nodecode":
+    workers = [(url, kind) for url, kind in workers if kind != "decode"]
 
 
 def send(handler, code, doc):
@@ -344,6 +352,9 @@ def send(handler, code, doc):
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path == "/workers":
+            return send(self, 200, {"workers": [{"url": u, "worker_type": k, "is_healthy": True}
+                                                for u, k in workers]})
         if self.path == "/v1/tokenizers":
             names = [] if mode == "notokenizer" else ["fake-served"]
             return send(self, 200, {"tokenizers": [{"name": n, "id": "t1"} for n in names]})
@@ -374,14 +385,18 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-def stop(signum, frame):
-    # Whether the controlplane still listened when we were told to stop.
-    host, port = worker.rsplit(":", 1)
+def listening(url):
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
     try:
         socket.create_connection((host, int(port)), timeout=1).close()
-        up = True
+        return True
     except OSError:
-        up = False
+        return False
+
+
+def stop(signum, frame):
+    # Whether every controlplane still listened when we were told to stop.
+    up = all(listening(url) for url, _ in workers)
     print("gateway stopping; controlplane up:", up, flush=True)
     os._exit(0)
 

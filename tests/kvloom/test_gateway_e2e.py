@@ -10,8 +10,6 @@ gateway never registers the worker and `up` fails its readiness wait.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 
 from kvloom.common.ports import free_port
 from kvloom_cli import gateway, launcher, openai_http
-from tests.kvloom.child_output import Stderr
+from tests.kvloom.up_process import foreground_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -50,27 +48,8 @@ def kvloom_up(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, Path]]:
             "--state-file", str(state_file), "--ready-timeout", "240",
             # To the controlplane: a small KV pool, and a name to look for.
             "--", "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", SERVED]
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    stderr = Stderr(proc.stderr)
-    recorded: launcher.ClusterState | None = None
-    try:
-        stderr.wait_for("press Ctrl-C", START_TIMEOUT)
-        recorded = launcher.ClusterState.load(state_file)
+    with foreground_up(argv, env, state_file, START_TIMEOUT):
         yield f"http://127.0.0.1:{port}/v1", state_file
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, stderr.text()
-        assert launcher.running_processes(recorded) == []
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if recorded is not None:  # whatever outlived `up` (pid reuse excluded)
-            launcher.stop_detached(recorded, grace=1)
 
 
 def test_models_lists_the_served_model(kvloom_up):

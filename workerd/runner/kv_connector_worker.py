@@ -101,12 +101,12 @@ def rank_kv_layout(model: torch.nn.Module, ps: ParallelState, block_size: int) -
 
 def start_kv_transfer(old: NixlKVTransfer | None, kv_caches: list[torch.Tensor],
                       layout: RankKVLayout, engine_id: str, on_loads_done: OnLoadsDone,
-                      advertise_host: str) -> NixlKVTransfer:
+                      advertise_host: str, serve_reads: bool = True) -> NixlKVTransfer:
     """A new agent over the caches, replacing `old`. The producers `old` kept
     are the group's (the controlplane sends each once per group), so the new
     agent keeps them too."""
     new = NixlKVTransfer(kv_caches, layout, engine_id, on_loads_done,
-                         advertise_host=advertise_host)
+                         advertise_host=advertise_host, serve_reads=serve_reads)
     if old is not None:
         try:
             old.finish_loads()

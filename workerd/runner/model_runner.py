@@ -220,13 +220,15 @@ class ModelRunner:
             logger.info("decode steps run eagerly (no CUDA graphs): %s", reason)
 
     def start_kv_transfer(self, engine_id: str, advertise_host: str,
-                          on_loads_done: OnLoadsDone) -> KVTransferAgent:
+                          on_loads_done: OnLoadsDone, serve_reads: bool = True
+                          ) -> KVTransferAgent:
         """A NIXL agent over the allocated cache (replacing any), for PD."""
         if not self.kv_caches:
             raise RuntimeError("StartKVTransfer before init_kv_cache")
         layout = kv_connector.rank_kv_layout(self.model, self.ps, self.block_size)
         self.kv_transfer = kv_connector.start_kv_transfer(
-            self.kv_transfer, self.kv_caches, layout, engine_id, on_loads_done, advertise_host)
+            self.kv_transfer, self.kv_caches, layout, engine_id, on_loads_done, advertise_host,
+            serve_reads)
         return self.kv_transfer.transfer_agent
 
     def _graphs_unavailable(self) -> str | None:

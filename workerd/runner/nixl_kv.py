@@ -42,7 +42,6 @@ next job, so it is never used from two threads at once.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -65,6 +64,7 @@ from workerd.runner.kv_transfer_plan import (
     check_reads,
     contiguous_descs,
 )
+from workerd.runner.nixl_agent import ProgressThread, import_nixl, pin_ucx_to, sync_mode
 from workerd.runner.sched_output import KVEngineLayout, KVJobDone, KVRemoteRead, KVTransferAgent
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,9 @@ XFER_TIMEOUT_S = 30.0
 # How long the load thread sleeps between polls at most: it shares the cores
 # with the forward, so it must not spin.
 _MAX_POLL_S = 1e-3
+# How long a failed job's other reads may take to end before it is parked.
+_SETTLE_S = 2.0
 # The versions scripts/install.sh pins (installed without their torch dependency).
-NIXL_INSTALL = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
 # Transfers closed with reads still in flight (close): kept alive, never freed.
 _UNFINISHED: list[NixlKVTransfer] = []
 
@@ -120,14 +121,16 @@ class NixlKVTransfer:
 
     def __init__(self, kv_caches: list[torch.Tensor], layout: RankKVLayout, engine_id: str,
                  on_loads_done: OnLoadsDone, *, advertise_host: str = "127.0.0.1",
-                 timeout_s: float = XFER_TIMEOUT_S) -> None:
+                 timeout_s: float = XFER_TIMEOUT_S, serve_reads: bool = True) -> None:
+        """serve_reads: a producer's rank, whose agent consumers read from
+        (it gets a progress thread: nixl_progress.py)."""
         check_engine_id(engine_id, "StartKVTransfer.engine_id")
         if len(kv_caches) != layout.end_layer - layout.start_layer:
             raise ValueError(f"{len(kv_caches)} KV cache tensors for layers "
                              f"[{layout.start_layer}, {layout.end_layer})")
         if any(not cache.is_contiguous() for cache in kv_caches):
             raise ValueError("NIXL reads whole blocks: every KV cache tensor must be contiguous")
-        nixl_agent, nixl_agent_config = _import_nixl()
+        nixl_agent, nixl_agent_config = import_nixl()
         cache = kv_caches[0]
         self.kv_caches, self.layout, self.timeout_s = kv_caches, layout, timeout_s
         self._on_loads_done = on_loads_done
@@ -139,10 +142,14 @@ class NixlKVTransfer:
         self._mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
         self.device_id = (self.device.index or 0) if self.device.type == "cuda" else 0
         if self.device.type == "cpu":
-            _pin_ucx_to(advertise_host)
+            pin_ucx_to(advertise_host)
         # Unique per process: a restarted rank never answers to an old name.
         self.agent_name = f"{engine_id}/rank{layout.rank}/{uuid.uuid4().hex[:12]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        # NIXL's own progress thread spins a core; a producer's is ours. Its
+        # calls and the load thread's then need the agent's lock.
+        self._agent = nixl_agent(self.agent_name, nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"],
+            sync_mode=sync_mode(serve_reads)))
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL has no UCX backend here: its plugin did not load")
         self._registered = self._agent.register_memory(kv_caches)
@@ -161,6 +168,7 @@ class NixlKVTransfer:
         # Blocks and bytes read, counted on the load thread (their one writer).
         self.num_read = self.bytes_read = 0
         self.closed = False
+        self._progress = ProgressThread(self._agent, self.agent_name) if serve_reads else None
 
     @property
     def transfer_agent(self) -> KVTransferAgent:
@@ -279,6 +287,8 @@ class NixlKVTransfer:
                          "kept for the life of the process", self.agent_name)
             _UNFINISHED.append(self)
             return
+        if self._progress is not None:
+            self._progress.stop()
         for engine_id in list(self.engines):
             self._drop_engine(engine_id)
         _release_quietly(self._local)
@@ -360,8 +370,12 @@ class NixlKVTransfer:
             failed, nbytes = read.block_ids.tolist(), 0
         finally:
             # NIXL cannot stop a read in flight (releasing its handle does not:
-            # the data still lands), so one that timed out is parked until it
-            # ends, with its staging (see finish_loads).
+            # the data still lands), so one that failed is given a moment to
+            # end (a dead producer's other reads err out soon after the
+            # first), then parked until it ends, with its staging (finish_loads).
+            settle = time.monotonic() + _SETTLE_S
+            while failed and self._in_progress(xfers) and time.monotonic() < settle:
+                time.sleep(_MAX_POLL_S)
             if self._in_progress(xfers):
                 self._parked.append(xfers)
             else:
@@ -462,28 +476,6 @@ class NixlKVTransfer:
                 self._remove_agent(agent)
 
 
-def _pin_ucx_to(advertise_host: str) -> None:
-    """A CPU rank's KV is host memory that producers and readers reach over
-    the network. Left alone UCX tries every transport and device of the host,
-    and may offer one a peer on another host or namespace cannot reach; so,
-    unless the operator chose, TCP on the interface holding the rank's
-    advertised address (gloo's, workerd/distributed/gloo_interface.py). Read
-    when the agent's UCX context starts, so before it is created."""
-    from workerd.distributed.gloo_interface import interface_for
-
-    os.environ.setdefault("UCX_TLS", "tcp")
-    if "UCX_NET_DEVICES" not in os.environ:
-        os.environ["UCX_NET_DEVICES"] = interface_for(advertise_host)
-
-
-def _import_nixl():
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as exc:
-        raise RuntimeError(f"StartKVTransfer needs NIXL, which this worker cannot import "
-                           f"({exc}); install it with `{NIXL_INSTALL}` "
-                           f"(scripts/install.sh does)") from None
-    return nixl_agent, nixl_agent_config
 
 
 def _text(name: str | bytes) -> str:

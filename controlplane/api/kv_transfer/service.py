@@ -44,8 +44,10 @@ class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
 
     async def RenewLeases(self, request, context):
         ids = await self._lease_ids(request, context)
-        found = await self._on_engine(
-            lambda s: s.kv_leases.renew(ids) if _leases(s) else None, context)
+        # Not through the engine thread, which may be in a long prefill step
+        # (KVLeases.renew takes the record's lock).
+        scheduler = self.engine.scheduler
+        found = scheduler.kv_leases.renew(ids) if _leases(scheduler) else None
         layout = self._layout()
         reply = pb.LeasesReply(lease_s=self.lease_s,
                                group_epoch=layout.group_epoch if layout is not None else 0)

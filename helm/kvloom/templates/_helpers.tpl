@@ -28,29 +28,114 @@ Names of one replica (one whole cluster: a controlplane and its ranks), given
 {{- end }}
 {{- end }}
 
-{{/* A replica's controlplane Service: its workers and the gateway dial this name. */}}
-{{- define "kvloom.controlplaneService" -}}
-{{- include "kvloom.replicaName" . }}
+{{/*
+Every whole cluster of the release, as a JSON list (`include ... | fromJsonArray`),
+each {"name", "label", "role", "tp"}: its object-name prefix, its
+kvloom.io/replica label, its PD role ("" without pd.enabled) and its TP.
+Without pd.enabled: `replicas` alike clusters, named by kvloom.replicaName.
+With it: pd.prefill.replicas KV producers, then pd.decode.replicas KV
+consumers, <fullname>-prefill-<i> and <fullname>-decode-<i> (fullname cut to
+40 characters, so that even the StatefulSet's 52 keep the index).
+*/}}
+{{- define "kvloom.clusters" -}}
+{{- $clusters := list }}
+{{- if .Values.pd.enabled }}
+{{- $base := include "kvloom.fullname" . | trunc 40 | trimSuffix "-" }}
+{{- range $role := list "prefill" "decode" }}
+{{- $r := index $.Values.pd $role }}
+{{- $tp := int (default $.Values.parallel.tensorParallelSize $r.tensorParallelSize) }}
+{{- range $i := until (int $r.replicas) }}
+{{- $clusters = append $clusters (dict "name" (printf "%s-%s-%d" $base $role $i) "label" (printf "%s-%d" $role $i) "role" $role "tp" $tp) }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- range $i := until (int .Values.replicas) }}
+{{- $clusters = append $clusters (dict "name" (include "kvloom.replicaName" (list $ $i)) "label" (toString $i) "role" "" "tp" (int $.Values.parallel.tensorParallelSize)) }}
+{{- end }}
+{{- end }}
+{{- toJson $clusters }}
 {{- end }}
 
-{{/* A replica's workers' headless Service; pod DNS is <pod>.<this>.<ns>.svc.<domain>. */}}
+{{/* A cluster's controlplane Service: its workers and the gateway dial this name. */}}
+{{- define "kvloom.controlplaneService" -}}
+{{- .name }}
+{{- end }}
+
+{{/* A cluster's workers' headless Service; pod DNS is <pod>.<this>.<ns>.svc.<domain>. */}}
 {{- define "kvloom.workersService" -}}
-{{- printf "%s-workers" (include "kvloom.replicaName" .) | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-workers" .name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "kvloom.workersStatefulSet" -}}
-{{- printf "%s-workerd" (include "kvloom.replicaName" .) | trunc 52 | trimSuffix "-" }}
+{{- printf "%s-workerd" .name | trunc 52 | trimSuffix "-" }}
 {{- end }}
 
-{{/* The label that tells the replicas' pods apart (in every replica's selectors). */}}
-{{- define "kvloom.replicaLabel" -}}
-kvloom.io/replica: {{ . | quote }}
+{{/* The labels that tell the clusters' pods apart (in every cluster's
+selectors): kvloom.io/replica, and kvloom.io/pd-role under pd.enabled. */}}
+{{- define "kvloom.clusterLabels" -}}
+kvloom.io/replica: {{ .label | quote }}
+{{- with .role }}
+kvloom.io/pd-role: {{ . }}
+{{- end }}
 {{- end }}
 
-{{/* The gateway's worker list: every replica's controlplane API, one a line. */}}
-{{- define "kvloom.gatewayWorkerUrls" -}}
-{{- range $replica := until (int .Values.replicas) }}
-- {{ printf "grpc://%s:%v" (include "kvloom.controlplaneService" (list $ $replica)) $.Values.controlplane.ports.api | quote }}
+{{/* A cluster's ranks, given (list $ cluster): its TP x the pipeline stages. */}}
+{{- define "kvloom.worldSize" -}}
+{{- $ctx := index . 0 }}
+{{- mul (int (index . 1).tp) (int $ctx.Values.parallel.pipelineParallelSize) }}
+{{- end }}
+
+{{/* A cluster's controlplane Service as other pods resolve it, from any namespace. */}}
+{{- define "kvloom.controlplaneServiceHost" -}}
+{{- $ctx := index . 0 }}
+{{- printf "%s.%s.svc.%s" (include "kvloom.controlplaneService" (index . 1)) $ctx.Release.Namespace $ctx.Values.clusterDomain }}
+{{- end }}
+
+{{/*
+vLLM's --kv-transfer-config of a cluster, given (list $ cluster): the
+connector, kv_producer for prefill and kv_consumer for decode, and
+pd.kvConnectorExtraConfig as kv_connector_extra_config. A producer's
+side_channel_host is its controlplane Service's DNS name: the consumers dial
+it for the KVTransfer service (the controlplane binds 0.0.0.0, and its
+default behind a wildcard, loopback, reaches no other pod).
+*/}}
+{{- define "kvloom.kvTransferConfig" -}}
+{{- $ctx := index . 0 }}
+{{- $c := index . 1 }}
+{{- $producer := eq $c.role "prefill" }}
+{{- $config := dict "kv_connector" $ctx.Values.pd.kvConnector "kv_role" (ternary "kv_producer" "kv_consumer" $producer) }}
+{{- $extra := deepCopy (default dict $ctx.Values.pd.kvConnectorExtraConfig) }}
+{{- if $producer }}
+{{- $_ := set $extra "side_channel_host" (include "kvloom.controlplaneServiceHost" (list $ctx $c)) }}
+{{- end }}
+{{- with $extra }}
+{{- $_ := set $config "kv_connector_extra_config" . }}
+{{- end }}
+{{- toJson $config }}
+{{- end }}
+
+{{/*
+The gateway's workers, one argument a line: every cluster's controlplane API
+as --worker-urls, or under pd.enabled PD mode: each prefill cluster's as
+--prefill URL none (no bootstrap port: that is SGLang's handshake; the
+clusters negotiate theirs between themselves), each decode cluster's as --decode URL.
+*/}}
+{{- define "kvloom.gatewayWorkerArgs" -}}
+{{- $clusters := include "kvloom.clusters" . | fromJsonArray }}
+{{- if .Values.pd.enabled }}
+- --pd-disaggregation
+{{- range $c := $clusters }}
+- --{{ $c.role }}
+- {{ printf "grpc://%s:%v" (include "kvloom.controlplaneService" $c) $.Values.controlplane.ports.api | quote }}
+{{- if eq $c.role "prefill" }}
+- none
+{{- end }}
+{{- end }}
+{{- else }}
+- --worker-urls
+{{- range $c := $clusters }}
+- {{ printf "grpc://%s:%v" (include "kvloom.controlplaneService" $c) $.Values.controlplane.ports.api | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -61,10 +146,6 @@ kvloom.io/replica: {{ . | quote }}
 {{- else }}
 {{- include "kvloom.image" . }}
 {{- end }}
-{{- end }}
-
-{{- define "kvloom.worldSize" -}}
-{{- mul (int .Values.parallel.tensorParallelSize) (int .Values.parallel.pipelineParallelSize) }}
 {{- end }}
 
 {{- define "kvloom.labels" -}}
@@ -304,5 +385,23 @@ run it: the first does the work, the others find the finished directory.
     {{- include "kvloom.modelMounts" (list . false) | trim | nindent 4 }}
     - name: tmp
       mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* pd.enabled's refusals, rendered before anything else. */}}
+{{- define "kvloom.validatePD" -}}
+{{- if .Values.pd.enabled }}
+{{- if not .Values.gateway.enabled }}
+{{- fail "pd.enabled needs gateway.enabled=true: the SMG gateway sends each request's prefill and decode to their clusters" }}
+{{- end }}
+{{- if ne (int .Values.replicas) 1 }}
+{{- fail "pd.enabled: size it with pd.prefill.replicas and pd.decode.replicas; replicas (alike clusters, without PD) must stay 1" }}
+{{- end }}
+{{- if hasKey (default dict .Values.pd.kvConnectorExtraConfig) "side_channel_host" }}
+{{- fail "pd.kvConnectorExtraConfig.side_channel_host: the chart sets each prefill controlplane's own (its Service's DNS name)" }}
+{{- end }}
+{{- if .Values.cache.kvOffloadingSize }}
+{{- fail "pd.enabled with cache.kvOffloadingSize: one KV connector at a time (the controlplane refuses --kv-transfer-config with --kv-offloading-size)" }}
+{{- end }}
 {{- end }}
 {{- end }}

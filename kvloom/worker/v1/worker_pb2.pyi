@@ -254,10 +254,12 @@ class KVRemoteRead(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartKVTransfer(_message.Message):
-    __slots__ = ("engine_id",)
+    __slots__ = ("engine_id", "serve_reads")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVE_READS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+    serve_reads: bool
+    def __init__(self, engine_id: _Optional[str] = ..., serve_reads: _Optional[bool] = ...) -> None: ...
 
 class KVTransferReport(_message.Message):
     __slots__ = ("loads_done",)

@@ -10,12 +10,13 @@ anything is read."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
 import torch
 
-from workerd.runner import nixl_kv
+from workerd.runner import nixl_agent, nixl_kv
 from workerd.runner.kv_transfer_plan import MAX_AGENT_METADATA_BYTES, RankKVLayout
 from workerd.runner.nixl_kv import MAX_REMOTE_ENGINES, NixlKVTransfer
 from workerd.runner.sched_output import KVEngineLayout, KVJobDone, KVRemoteRead, KVTransferAgent
@@ -373,10 +374,10 @@ def test_the_agent_advertises_where_this_ranks_kv_lives(start):
 def test_cpu_ranks_pin_ucx_to_the_advertised_interface_unless_told(monkeypatch):
     monkeypatch.delenv("UCX_TLS")
     monkeypatch.delenv("UCX_NET_DEVICES")
-    nixl_kv._pin_ucx_to("127.0.0.1")
-    assert (nixl_kv.os.environ["UCX_TLS"], nixl_kv.os.environ["UCX_NET_DEVICES"]) == ("tcp", "lo")
+    nixl_agent.pin_ucx_to("127.0.0.1")
+    assert (os.environ["UCX_TLS"], os.environ["UCX_NET_DEVICES"]) == ("tcp", "lo")
     monkeypatch.setenv("UCX_TLS", "rc,tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "eth9")
-    nixl_kv._pin_ucx_to("127.0.0.1")
-    assert (nixl_kv.os.environ["UCX_TLS"], nixl_kv.os.environ["UCX_NET_DEVICES"]) == (
+    nixl_agent.pin_ucx_to("127.0.0.1")
+    assert (os.environ["UCX_TLS"], os.environ["UCX_NET_DEVICES"]) == (
         "rc,tcp", "eth9")

@@ -39,9 +39,17 @@ class InlineEngine:
         return future
 
 
+class BusyEngine(InlineEngine):
+    """An engine thread deep in a long prefill step: no call is answered."""
+
+    def call(self, fn) -> Future:
+        return Future()
+
+
 class Producer:
-    def __init__(self) -> None:
+    def __init__(self, engine=InlineEngine) -> None:
         self.sched = _producer()
+        self.engine = engine
         self.layout = pb.KVEngineLayout(engine_id="prod-1", group_epoch=11,
                                         tensor_parallel_size=2, **FACTS)
         self.port = free_port()
@@ -49,7 +57,7 @@ class Producer:
     async def __aenter__(self):
         self.server = grpc.aio.server()
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(
-            InlineEngine(self.sched), "prod-1", lambda: self.layout, 30.0), self.server)
+            self.engine(self.sched), "prod-1", lambda: self.layout, 30.0), self.server)
         self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
         return self
@@ -183,5 +191,18 @@ def test_hostile_calls_are_refused_and_free_nothing():
                     await stub.GetEngineLayout(pb.GetEngineLayoutRequest(engine_id="prod-1"))
                 assert err.value.code() is grpc.StatusCode.UNAVAILABLE
             assert leg.lease_id in prod.sched.kv_cache_manager.req_to_blocks
+
+    asyncio.run(main())
+
+
+def test_a_busy_producer_engine_still_admits_a_decode_leg():
+    """Checking a lease never waits behind the producer's step (a consumer
+    would time out and prefill the prompt itself)."""
+    async def main():
+        async with Producer(BusyEngine) as prod:
+            consumer = _consumer()
+            remote = await consumer.prepare(prod.leg())
+            assert remote is not None and consumer.num_fallbacks == 0
+            await consumer.close()
 
     asyncio.run(main())

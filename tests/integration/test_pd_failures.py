@@ -8,8 +8,9 @@ clusters over loopback, as test_pd_disaggregation.py): nothing is lost.
 * The producer's rank SIGKILLed while the consumer reads (stopped first, so
   the read is surely in flight): the read fails, its blocks are recomputed,
   the tokens are exact.
-* No decode leg ever comes (a consumer that died, a client gone between the
-  legs): the producer frees the blocks when the lease runs out, and counts it.
+* No decode leg ever comes (a client gone between the legs), or the consumer
+  dies before it reads: the producer frees the blocks when the lease runs
+  out, and counts it; a client that cancels its decode leg frees them at once.
 * A producer of another block size is refused naming the field."""
 
 from __future__ import annotations
@@ -126,3 +127,49 @@ def test_a_producer_of_another_block_size_is_refused_naming_the_field(tiny_model
             _decode(cons.api_address, params)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "block_size" in err.value.details()
+
+
+def test_a_consumer_killed_before_its_read_leaves_nothing_held_past_the_lease(tiny_model_dir):
+    """The consumer admits the leg (and renews its lease) but its rank never
+    reads (stopped), then the whole consumer dies: the renewals stop and the
+    producer frees the blocks when the lease runs out."""
+    with running_cluster(tiny_model_dir, args=_transfer_config(
+            "kv_producer", kv_connector_extra_config={"kv_lease_duration": 3})) as prod, \
+            running_cluster(tiny_model_dir, args=_transfer_config("kv_consumer")) as cons:
+        params = _prefill(prod.api_address)
+        _kill(cons, "rank 0", signal.SIGSTOP)
+
+        async def admit_then_die():
+            call = asyncio.ensure_future(_complete(cons.api_address,
+                                                   _request(PROMPT, MAX_TOKENS, "r0", params)))
+            await asyncio.sleep(4)  # admitted, renewed past the first lease
+            assert _metric(prod, "kvloom_kv_transfer_leases") == 1
+            _kill(cons, "controlplane")
+            _kill(cons, "rank 0")
+            with pytest.raises(grpc.RpcError):
+                await call
+
+        asyncio.run(admit_then_die())
+        time.sleep(4.5)
+        asyncio.run(_no_leaks(prod.api_address))
+        assert _metric(prod, "kvloom_kv_transfer_lease_expiries_total") == 1
+
+
+def test_a_decode_leg_cancelled_by_its_client_frees_the_producer_at_once(tiny_model_dir):
+    """Whether the consumer had read or not when the client left, the lease
+    is released, not left to run out."""
+    with running_cluster(tiny_model_dir, args=_transfer_config("kv_producer")) as prod, \
+            running_cluster(tiny_model_dir, args=_transfer_config("kv_consumer")) as cons:
+        params = _prefill(prod.api_address)
+
+        async def cancel():
+            call = asyncio.ensure_future(_complete(cons.api_address,
+                                                   _request(PROMPT, 64, "r0", params)))
+            await asyncio.sleep(0.3)
+            call.cancel()
+
+        asyncio.run(cancel())
+        asyncio.run(_no_leaks(prod.api_address))  # 5 s at most: the lease is 30 s
+        asyncio.run(_no_leaks(cons.api_address))
+        assert _metric(prod, "kvloom_kv_transfer_leases_released_total") == 1
+        assert _metric(prod, "kvloom_kv_transfer_lease_expiries_total") == 0

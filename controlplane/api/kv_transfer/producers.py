@@ -40,6 +40,8 @@ COMPATIBILITY = ("model_architecture", "num_layers", "total_num_kv_heads", "head
                  "kv_cache_dtype", "block_size")
 # Producers one consumer keeps channels and layouts for.
 MAX_PRODUCERS = 64
+# How often the heartbeat looks for leases due for renewal.
+RENEW_POLL_S = 0.25
 
 
 class ProducerUnavailable(Exception):
@@ -53,6 +55,8 @@ class _Producer:
     channel: grpc.aio.Channel
     layout: pb.KVEngineLayout | None = None
     lease_s: float = 30.0
+    # Loop time of the last renewal of its leases (prepare renews one too).
+    renewed_at: float = 0.0
 
 
 class RemoteProducers:
@@ -99,6 +103,8 @@ class RemoteProducers:
             if not renewed.held or not renewed.held[0]:
                 return self._fallback(leg, "the producer no longer holds its blocks")
             producer.lease_s = renewed.lease_s or producer.lease_s
+            if not self._renewing:
+                producer.renewed_at = asyncio.get_running_loop().time()
             if producer.layout is None or producer.layout.group_epoch != renewed.group_epoch:
                 producer.layout = await producer.stub.GetEngineLayout(
                     pb.GetEngineLayoutRequest(engine_id=leg.engine_id), timeout=timeout)
@@ -170,14 +176,19 @@ class RemoteProducers:
         self.num_released += 1
 
     async def _renew_forever(self) -> None:
+        """Each producer's waiting leases, every third of its lease (checked
+        every RENEW_POLL_S, so a short lease is renewed in time too)."""
+        loop = asyncio.get_running_loop()
         while True:
-            lease_s = min((p.lease_s for p in self._producers.values()), default=30.0)
-            await asyncio.sleep(max(lease_s / 3, 0.2))
+            await asyncio.sleep(RENEW_POLL_S)
             by_engine: dict[str, list[str]] = defaultdict(list)
             for engine_id, lease_id in self._renewing:
                 by_engine[engine_id].append(lease_id)
             for engine_id, lease_ids in by_engine.items():
                 producer = self._producers[engine_id]
+                if loop.time() - producer.renewed_at < producer.lease_s / 3:
+                    continue
+                producer.renewed_at = loop.time()
                 await self._call_leases(producer, producer.stub.RenewLeases, engine_id,
                                         lease_ids)
 

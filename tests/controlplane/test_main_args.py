@@ -273,3 +273,19 @@ def test_a_malformed_kvloom_api_key_ends_start_up_unechoed(served_model_dir, cap
     code, _, err = _main_check(served_model_dir, [], capsys)
     assert code == 2 and "KVLOOM_API_KEY: an API key must be" in err
     assert "two words" not in err
+
+
+def test_kv_transfer_config_is_parsed_at_start_up_and_refused_naming_the_key(model_dir, capsys):
+    config, _ = _build(["--model", model_dir, "--kv-transfer-config",
+                        '{"kv_connector": "NixlConnector", "kv_role": "kv_producer", '
+                        '"engine_id": "p0"}'])
+    assert (config.kv_transfer.engine_id, config.kv_transfer.produces) == ("p0", True)
+    assert _build(["--model", model_dir])[0].kv_transfer is None
+    both = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    for extra, named in [(["--kv-transfer-config", '{"kv_role": "kv_both"}'], "kv_connector"),
+                         (["--kv-transfer-config", "[]"], "JSON object"),
+                         (["--kv-transfer-config", both, "--kv-offloading-size", "1"],
+                          "one KV connector at a time")]:
+        with pytest.raises(SystemExit):
+            _build(["--model", model_dir, *extra])
+        assert named in capsys.readouterr().err

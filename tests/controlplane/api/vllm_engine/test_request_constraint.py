@@ -151,3 +151,16 @@ def test_server_info_names_the_kv_connector_the_flags_configure(size, connector,
                                 cache=CacheConfig(kv_offloading_size=size))
     msg = info.server_info_response(config, None, time.monotonic())
     assert (msg.kv_connector, msg.kv_role) == (connector, role)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_server_info_names_the_nixl_connector_its_role_and_engine(role):
+    """SMG runs its NIXL PD mode (tagging prefill legs) on these."""
+    from controlplane.core.kv_transfer_config import parse_kv_transfer_config
+
+    transfer = parse_kv_transfer_config(
+        f'{{"kv_connector": "NixlConnector", "kv_role": "{role}", "engine_id": "e-7"}}')
+    config = ControlPlaneConfig(model=ModelConfig(model="/m", served_model_name="m"),
+                                kv_transfer=transfer)
+    msg = info.server_info_response(config, None, time.monotonic())
+    assert (msg.kv_connector, msg.kv_role, msg.kv_engine_id) == ("NixlConnector", role, "e-7")

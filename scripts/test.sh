@@ -21,4 +21,5 @@ scripts/check_deploy.sh
 echo "== GPU check script (CPU dry run: the script works; scripts/gpu_check.sh)"
 scripts/gpu_check.sh --dry-run --out "$(mktemp -d)" > /dev/null
 echo "== pytest"
-python -m pytest -q "$@"
+# The slowest tests, for whoever keeps the run under its 40 minutes.
+python -m pytest -q --durations=25 "$@"

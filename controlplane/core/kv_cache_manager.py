@@ -194,8 +194,12 @@ class KVCacheManager:
 
     def count_external_query(self, request: Request, num_local_blocks: int) -> None:
         """An admission looked past the pool's hit of num_local_blocks in the tier."""
-        if self.offload is not None and request.sampling_params.prompt_logprobs is None:
-            self.external_queries += request.num_tokens - num_local_blocks * self.block_size
+        if self.offload is not None:
+            self._count_external(request, num_local_blocks * self.block_size)
+
+    def _count_external(self, request: Request, num_local_tokens: int) -> None:
+        if request.sampling_params.prompt_logprobs is None:
+            self.external_queries += request.num_tokens - num_local_tokens
 
     def start_offloaded_load(self, request: Request, num_local_blocks: int,
                              num_tokens: int) -> int:
@@ -217,8 +221,7 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.finish_load(job_id)
         self._count_admission(request, num_local_tokens)
-        if request.sampling_params.prompt_logprobs is None:
-            self.external_queries += request.num_tokens - num_local_tokens
+        self._count_external(request, num_local_tokens)
         self.external_hits += num_valid_tokens - num_local_tokens
         self.cache_full_blocks(request, num_valid_tokens)
 

@@ -33,6 +33,9 @@ from controlplane.core.request import DO_REMOTE_DECODE, Request, RequestStatus
 
 # Ids of held leases are never reused: a late release names nothing.
 _LEASE_PREFIX = "kvlease-"
+# Leases last at least a second (kv_transfer_config.py): the engine loop,
+# which asks after every pass, scans them at most this often.
+EXPIRY_SCAN_S = 0.25
 # A producer holding more finished prefills than this refuses to hold more
 # (their requests end normally and free their blocks; the consumer then
 # recomputes): the pool must not fill with blocks nobody may come for.
@@ -77,6 +80,7 @@ class KVLeases:
         # Guards _leases: renew() runs on the service's thread.
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
+        self._next_scan = 0.0
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -146,6 +150,9 @@ class KVLeases:
     def expire(self, kv: KVCacheManager) -> int:
         """Free the leases whose time ran out; how many."""
         now = self._clock()
+        if now < self._next_scan or not self._leases:
+            return 0
+        self._next_scan = now + EXPIRY_SCAN_S
         with self._lock:
             gone = [lease_id for lease_id, lease in self._leases.items()
                     if lease.expires <= now]

@@ -151,7 +151,6 @@ class KVLoads:
         self._job_of.clear()
         return live
 
-
     def _release_remote(self, job_id: int) -> bool:
         """Whether job_id was a remote read; its lease goes back if so."""
         entry = self._remote.pop(job_id, None)

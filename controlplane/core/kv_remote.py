@@ -63,7 +63,7 @@ class RemoteReads:
         if not isinstance(remote, RemotePrefill):
             return 0
         end = min(remote.num_tokens, request.num_prompt_tokens - 1,
-                  len(remote.remote_block_ids) * self._block_size(remote))
+                  len(remote.remote_block_ids) * remote.layout.block_size)
         if end <= num_hit:
             self.give_up(request)  # the pool's own hit covers it: nothing to read
             return 0
@@ -109,7 +109,3 @@ class RemoteReads:
         """A new worker group knows no producer: send the layouts again."""
         self._sent.clear()
         self._jobs, self._engines = [], []
-
-    @staticmethod
-    def _block_size(remote: RemotePrefill) -> int:
-        return remote.layout.block_size

@@ -55,7 +55,7 @@ class _Producer:
     channel: grpc.aio.Channel
     layout: pb.KVEngineLayout | None = None
     lease_s: float = 30.0
-    # Loop time of the last renewal of its leases (prepare renews one too).
+    # Loop time of the heartbeat's last renewal of its leases.
     renewed_at: float = 0.0
 
 
@@ -103,8 +103,6 @@ class RemoteProducers:
             if not renewed.held or not renewed.held[0]:
                 return self._fallback(leg, "the producer no longer holds its blocks")
             producer.lease_s = renewed.lease_s or producer.lease_s
-            if not self._renewing:
-                producer.renewed_at = asyncio.get_running_loop().time()
             if producer.layout is None or producer.layout.group_epoch != renewed.group_epoch:
                 producer.layout = await producer.stub.GetEngineLayout(
                     pb.GetEngineLayoutRequest(engine_id=leg.engine_id), timeout=timeout)

@@ -125,7 +125,8 @@ def build_config(
         ),
         cache=config_from_args(CacheConfig, args,
                                sliding_window=info.sliding_window_all_layers),
-        scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len),
+        scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len,
+                                   speculative=speculative_config(args)),
         parallel=config_from_args(ParallelConfig, args),
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),
@@ -135,6 +136,22 @@ def build_config(
         kv_transfer=kv_transfer,
     )
     return config, info
+
+
+def speculative_config(args: argparse.Namespace):
+    """--speculative-config parsed, or a start-up error naming the key at fault."""
+    from controlplane.spec_decode.config import parse_speculative_config
+
+    if not args.speculative_config:
+        return None
+    try:
+        parsed = parse_speculative_config(args.speculative_config)
+    except ValueError as exc:
+        fail(str(exc))
+    if parsed.method != "ngram":
+        fail(f"--speculative-config: method {parsed.method!r} is not served yet; kvloom "
+             f"verifies ngram drafts (docs/spec_decode.md, \"Left out\")")
+    return parsed
 
 
 def kv_transfer_config(args: argparse.Namespace, info: ModelInfo):

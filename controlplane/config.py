@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from controlplane.spec_decode.config import SpeculativeConfig
 from kvloom.common.config_args import option
 
 if TYPE_CHECKING:
@@ -106,6 +107,13 @@ class SchedulerConfig:
         True, "schedule and send the next step while the workers run this one (PP=1: "
         "two steps in flight; PP>1: one micro-batch per stage); --no-async-scheduling "
         "runs one step at a time")
+    # vLLM's flag; spec_decode/config.py parses and bounds it at start-up into
+    # `speculative`, which the scheduler reads (core/spec_decode.py).
+    speculative_config: str = option(
+        "", "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b} "
+        "(n-gram drafts proposed by the controlplane, verified by the workers); empty = none")
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,10 @@ from workerd.runner.sched_output import (
     TokenLogprobs,
 )
 
+# Drafts one request may verify in a step; the controlplane's bound
+# (spec_decode/config.py) is lower.
+MAX_SPEC_TOKENS = 64
+
 
 def _split(flat, counts) -> list[list[int]]:
     out: list[list[int]] = []
@@ -87,6 +91,17 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         num_computed_tokens=list(pc.num_computed_tokens),
     )
     num_scheduled.update(zip(req_ids, pc.num_scheduled_tokens, strict=True))
+    spec: dict[str, list[int]] = {}
+    if pc.num_spec_tokens or pc.spec_token_ids:
+        if len(pc.num_spec_tokens) != len(req_ids):
+            raise ValueError("CachedRequestData columns differ in length")
+        for req_id, drafts in zip(req_ids, _split(pc.spec_token_ids, pc.num_spec_tokens),
+                                  strict=True):
+            if len(drafts) > MAX_SPEC_TOKENS:
+                raise ValueError(f"request {req_id!r} has {len(drafts)} draft tokens, "
+                                 f"more than {MAX_SPEC_TOKENS}")
+            if drafts:
+                spec[req_id] = drafts
     return SchedulerOutput(
         step_id=msg.step_id,
         scheduled_new_reqs=new_reqs,
@@ -97,6 +112,7 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
         preempted_req_ids=set(msg.preempted_req_ids),
         constrained_req_ids=list(msg.constrained_req_ids),
         kv_connector_metadata=_kv_connector_metadata_from_proto(msg),
+        scheduled_spec_decode_tokens=spec,
     )
 
 
@@ -174,6 +190,7 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunn
         req_ids=out.req_ids,
         sampled_token_ids=out.sampled_token_ids,
         forward_time_s=out.forward_time_s,
+        num_sampled_tokens=out.num_sampled_tokens,
     )
     # The common step asks for no logprobs: both loops are skipped entirely.
     for entry in out.logprobs:

@@ -19,12 +19,17 @@ def expected_reply(so: SchedulerOutput, requests: dict[str, Request]) -> Expecte
     already covers the step, placeholders do not yet."""
     expected = ExpectedReply(so.step_id)
     sampling = expected.sampling_reqs
+    spec = so.scheduled_spec_decode_tokens
     for req_id, num_new in so.num_scheduled_tokens.items():
         request = requests[req_id]
         params = request.sampling_params
         num_computed = request.num_computed_tokens  # already advanced by num_new
-        if num_computed == len(request.all_token_ids) + request.num_output_placeholders:
+        num_drafts = len(spec[req_id]) if spec and req_id in spec else 0
+        if num_computed == (len(request.all_token_ids) + request.num_output_placeholders
+                            + num_drafts):
             sampling[req_id] = params.logprobs
+            if num_drafts:
+                expected.num_draft_tokens[req_id] = num_drafts
         # A request that sampled once has had its whole prompt's logprobs.
         if params.prompt_logprobs is not None and not request.output_token_ids:
             start = num_computed - num_new + 1

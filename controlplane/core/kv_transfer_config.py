@@ -73,6 +73,9 @@ def parse_kv_transfer_config(raw: str) -> KVTransferConfig | None:
         obj = json.loads(raw)
     except ValueError as exc:
         raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("--kv-transfer-config is nested too deeply; it is a flat JSON "
+                         "object") from None
     if not isinstance(obj, dict):
         raise ValueError("--kv-transfer-config must be a JSON object")
     unknown = sorted(set(obj) - set(_KEYS))

@@ -135,6 +135,10 @@ class SchedulerOutput:
     constrained_req_ids: list[str] = field(default_factory=list)
     # The step's KV connector instructions; None when nothing moves.
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Speculative decoding: req_id -> the draft tokens it verifies this step
+    # (after its last known token; num_scheduled_tokens counts them). Only
+    # requests with drafts appear (vLLM's name; core/spec_decode.py).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
@@ -152,6 +156,8 @@ class ExpectedReply:
     sampling_reqs: dict[str, int | None] = field(default_factory=dict)
     # Requests that asked for prompt logprobs and compute prompt positions.
     prompt_logprobs_windows: dict[str, PromptLogprobsWindow] = field(default_factory=dict)
+    # Sampling requests with drafts: they emit 1 to 1 + drafts tokens.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -192,14 +198,28 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    # Requests that sampled a token this step (partial prefills sample none).
+    # Requests that sampled this step (partial prefills sample none).
     req_ids: list[str]
+    # Their tokens, concatenated: one each, or with drafts (speculative
+    # decoding) num_sampled_tokens[i] for req_ids[i].
     sampled_token_ids: list[int]
     forward_time_s: float = 0.0
-    # Aligned with req_ids when any request asked for logprobs, else empty;
-    # None entries for requests that did not ask.
+    # Aligned with sampled_token_ids when any request asked for logprobs,
+    # else empty; None entries for tokens of requests that did not ask.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Empty when every request emitted exactly one token.
+    num_sampled_tokens: list[int] = field(default_factory=list)
+
+    def token_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of each request's tokens in sampled_token_ids."""
+        if not self.num_sampled_tokens:
+            return [(i, i + 1) for i in range(len(self.req_ids))]
+        spans, start = [], 0
+        for n in self.num_sampled_tokens:
+            spans.append((start, start + n))
+            start += n
+        return spans
 
 
 class EngineErrorCode(enum.Enum):
@@ -240,6 +260,9 @@ class EngineCoreOutput:
     # A producer's finished prefill held for a reader: vLLM's transfer
     # parameters for the decode leg (core/kv_leases.py); None otherwise.
     kv_transfer_params: dict | None = None
+    # Speculative decoding: the request's drafts verified and accepted so far.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

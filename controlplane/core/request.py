@@ -146,6 +146,12 @@ class Request:
     kv_transfer: object | None = None
     # A producer's parameters for the decode leg, once its blocks are held.
     kv_transfer_params: dict | None = None
+    # Speculative decoding (core/spec_decode.py): the step carrying its drafts
+    # while that step's output is not applied (0: none, or preempted since),
+    # and its drafts verified and accepted so far (GenerateComplete reports them).
+    spec_step: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -189,6 +195,29 @@ def min_tokens_stop_ids(request: Request) -> tuple[int, ...]:
     if not params.ignore_eos:
         ids |= request.eos_token_ids
     return tuple(sorted(ids))
+
+
+def stop_status(request: Request, token_id: int
+                ) -> tuple[RequestStatus | None, int | None]:
+    """The request's end, if `token_id` (just appended) ends it, and the stop
+    id it matched: its grammar first, then EOS and stop_token_ids once
+    min_tokens are out, then max_tokens. max_tokens is the only length cap
+    needed: admission refused every request whose prompt + max_tokens
+    exceeds max_model_len."""
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    if request.grammar is not None:
+        status = grammar_status_after(request.grammar, token_id, params.ignore_eos)
+        if status is not None:
+            return status, None
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+    if num_output >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    return None, None
 
 
 def grammar_status_after(grammar: RequestGrammar, token_id: int,

@@ -46,6 +46,13 @@ class SchedulerStats:
     kv_transfer_read_failed_blocks: int = 0
     kv_transfer_read_tokens: int = 0
     kv_transfer_leases: int = 0
+    # Speculative decoding (core/spec_decode.py), cumulative: steps of a
+    # request with drafts, drafts verified, drafts accepted, and accepted
+    # ones by position in their run (empty without speculation).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
@@ -54,6 +61,7 @@ class SchedulerStats:
         offload = kv.offload
         loads = scheduler.kv_loads
         tier, remote, leases = loads.tier, loads.remote, scheduler.kv_leases
+        spec = scheduler.spec.stats if scheduler.spec is not None else None
         return cls(
             num_running_reqs=len(scheduler.running),
             num_waiting_reqs=len(scheduler.waiting) + loads.num_waiting,
@@ -80,4 +88,9 @@ class SchedulerStats:
             kv_transfer_read_failed_blocks=remote.failed_blocks,
             kv_transfer_read_tokens=remote.tokens,
             kv_transfer_leases=len(leases) if leases else 0,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_num_accepted_tokens_per_pos=(tuple(spec.num_accepted_tokens_per_pos)
+                                              if spec else ()),
         )

@@ -56,16 +56,15 @@ from controlplane.core.request import (
     RequestStatus,
     finish_reason_of,
     grammar_error,
-    grammar_status_after,
+    stop_status,
 )
 from controlplane.core.request_queue import RequestQueue, create_request_queue
 from controlplane.core.sched_stats import SchedulerStats
 from controlplane.core.schedulable import check_schedulable
+from controlplane.core.spec_decode import SpecDecoding
 from controlplane.core.worker_requests import WorkerRequests
 
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 class Scheduler:
@@ -109,6 +108,11 @@ class Scheduler:
         self.kv_loads = KVLoads()
         self.remote_reads = RemoteReads()
         self.kv_leases: KVLeases | None = None
+        # Speculative decoding (core/spec_decode.py): None without drafts;
+        # _spec_tokens: the drafts of the step being scheduled.
+        spec_config = scheduler_config.speculative
+        self.spec = SpecDecoding(spec_config) if spec_config is not None else None
+        self._spec_tokens: dict[str, list[int]] = {}
 
     # -- request lifecycle ----------------------------------------------
 
@@ -156,6 +160,8 @@ class Scheduler:
         if not self.kv_loads.hold(request):  # a loading one's blocks wait for its job
             free_or_hold(self.kv_cache_manager, self.kv_leases, request)
         self.remote_reads.give_up(request)  # a decode leg that never read
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
 
@@ -208,16 +214,20 @@ class Scheduler:
         if self.num_micro_batches > 1:
             active = min(len(self.running) + len(self.waiting), max_reqs)
             max_reqs = max(1, -(-active // self.num_micro_batches))
+        self._spec_tokens = spec_tokens = {}
         budget = self._schedule_running(budget, max_reqs, cached, num_scheduled, preempted)
         # As vLLM: admitting while preempting would just thrash the pool.
         if not preempted:
             self._schedule_waiting(budget, max_reqs, new_reqs, cached, num_scheduled)
         self.step_id += 1
+        for req_id in spec_tokens:  # what the step's output rolls back (update_from_output)
+            self.requests[req_id].spec_step = self.step_id
         finished, self.finished_req_ids = self.finished_req_ids, set()
         total = sum(num_scheduled.values())
         so = SchedulerOutput(self.step_id, new_reqs, cached, num_scheduled, total, finished,
                              preempted, kv_connector_metadata=self.remote_reads.take_step(
-                                 kv.take_connector_metadata()))
+                                 kv.take_connector_metadata()),
+                             scheduled_spec_decode_tokens=spec_tokens)
         expected = expected_reply(so, self.requests)
         # After every preemption of the step is settled.
         self._advance_placeholders(expected)
@@ -248,6 +258,7 @@ class Scheduler:
         running = self.running
         allocate = self.kv_cache_manager.allocate_slots
         threshold = self.scheduler_config.long_prefill_token_threshold
+        spec = self.spec
         c_ids = cached.req_ids
         c_resumed = cached.resumed_from_preemption
         c_blocks = cached.new_block_ids
@@ -270,6 +281,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts = None
+            if spec is not None and num_new == 1:
+                room = (min(budget, threshold) if threshold > 0 else budget) - 1
+                drafts = spec.propose(request, room)
+                num_new += len(drafts)
             new_blocks = allocate(request, num_new)
             if new_blocks is None:
                 new_blocks, budget, i = self._make_room(
@@ -278,6 +294,8 @@ class Scheduler:
                 if new_blocks is None:
                     break
             req_id = request.request_id
+            if drafts:
+                self._spec_tokens[req_id] = drafts
             c_ids.append(req_id)
             c_resumed.append(False)
             c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
@@ -408,12 +426,14 @@ class Scheduler:
         ):
             del column[j]
         self.kv_cache_manager.uncache_blocks_after(request, num_computed)
+        self._spec_tokens.pop(req_id, None)
         return num_scheduled.pop(req_id)
 
     def _preempt(self, request: Request, preempted: set[str]) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_step = 0  # recomputed from scratch: nothing to roll back
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -424,44 +444,40 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens and apply stop rules. Requests that sampled
-        nothing (partial prefill chunks) produce no output."""
+        """Append sampled tokens and apply stop rules, token by token (a step
+        with drafts emits several: a stop inside the run drops the rest).
+        Requests that sampled nothing (partial prefill chunks) produce no output."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         step_id = scheduler_output.step_id
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         # Trimmed while every request is still here (finishing frees them).
         prompt_chunks = unsent_prompt_logprobs(model_runner_output.prompt_logprobs, requests)
         any_finished = False
         preempted_finished: set[str] = set()
+        sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
-        for i, (req_id, token_id) in enumerate(
-            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
-        ):
+        for req_id, (start, end) in zip(model_runner_output.req_ids,
+                                        model_runner_output.token_spans(), strict=True):
             request = requests.get(req_id)
             # Ended after this step was scheduled (maybe a new request now
-            # holds the id): drop the token. One preempted meanwhile keeps it:
-            # the workers kept it too.
+            # holds the id): drop the tokens. One preempted meanwhile keeps
+            # them: the workers kept them too.
             if request is None or request.added_after_step >= step_id:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            request.append_output_token_ids(token_id)
-            num_output = len(request.output_token_ids)
-            params = request.sampling_params
-            status = None
-            stop_token_id = None
-            if request.grammar is not None:
-                status = grammar_status_after(request.grammar, token_id, params.ignore_eos)
-            if status is None and num_output >= params.min_tokens:
-                if not params.ignore_eos and token_id in request.eos_token_ids:
-                    status = _STOPPED
-                elif token_id in params.stop_token_ids:
-                    status = _STOPPED
-                    stop_token_id = token_id
-            # max_tokens is the only length cap needed: add_request refused
-            # every request whose prompt + max_tokens exceeds max_model_len.
-            if status is None and num_output >= params.max_tokens:
-                status = _LENGTH
+            if spec_tokens and req_id in spec_tokens:
+                self.spec.apply_verified(request, len(spec_tokens[req_id]), end - start - 1,
+                                         step_id)
+            new_token_ids: list[int] = []
+            status = stop_token_id = None
+            for token_id in sampled[start:end]:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                status, stop_token_id = stop_status(request, token_id)
+                if status is not None:
+                    break
             finish_reason = None
             if status is not None:
                 if request.status is not _RUNNING:
@@ -471,20 +487,18 @@ class Scheduler:
                 finish_reason = finish_reason_of(status)
                 self._free_request(request)  # (a producer's sets kv_transfer_params)
                 any_finished = True
-            out = EngineCoreOutput(
-                req_id,
-                [token_id],
-                finish_reason,
-                stop_token_id,
-                len(request.prompt_token_ids),
-                num_output,
-            )
+            out = EngineCoreOutput(req_id, new_token_ids, finish_reason, stop_token_id,
+                                   len(request.prompt_token_ids), len(request.output_token_ids))
             if status is RequestStatus.FINISHED_ERROR:
-                out.error, out.error_code = grammar_error(token_id), EngineErrorCode.INTERNAL
-            if logprobs and logprobs[i] is not None:
-                out.new_logprobs = [logprobs[i]]
+                out.error = grammar_error(new_token_ids[-1])
+                out.error_code = EngineErrorCode.INTERNAL
+            if logprobs and logprobs[start] is not None:
+                out.new_logprobs = logprobs[start:start + len(new_token_ids)]
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
             out.kv_transfer_params = request.kv_transfer_params
+            if request.spec_num_draft_tokens:
+                out.spec_num_draft_tokens = request.spec_num_draft_tokens
+                out.spec_num_accepted_tokens = request.spec_num_accepted_tokens
             outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]

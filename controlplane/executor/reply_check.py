@@ -103,7 +103,7 @@ def check_model_runner_output(
     """Raise ProtocolViolation unless `out` is exactly the reply `expected`."""
     sampling = expected.sampling_reqs
     try:
-        _check_sampled(out, sampling, vocab_size)
+        _check_sampled(out, expected, vocab_size)
         _check_logprobs(out, sampling, vocab_size)
         _check_prompt_logprobs(out.prompt_logprobs, expected.prompt_logprobs_windows, vocab_size)
     except _Mismatch as exc:
@@ -117,22 +117,30 @@ def _listed(ids: Iterable[str]) -> str:
     return shown + more
 
 
-def _check_sampled(out: ModelRunnerOutput, sampling: dict[str, int | None], vocab: int) -> None:
+def _check_sampled(out: ModelRunnerOutput, expected: ExpectedReply, vocab: int) -> None:
+    sampling, drafts = expected.sampling_reqs, expected.num_draft_tokens
     req_ids, tokens = out.req_ids, out.sampled_token_ids
-    if len(tokens) != len(req_ids):
+    counts = out.num_sampled_tokens
+    if not counts and len(tokens) != len(req_ids):
         raise _Mismatch(f"{len(tokens)} sampled token(s) for {len(req_ids)} request id(s)")
     seen: set[str] = set()
-    for req_id, token_id in zip(req_ids, tokens, strict=True):
+    for req_id, (start, end) in zip(req_ids, out.token_spans(), strict=True):
         if req_id in seen:
             raise _Mismatch(f"request {req_id!r} sampled twice")
         seen.add(req_id)
         if req_id not in sampling:
             raise _Mismatch(f"a token for request {req_id!r}, which samples nothing this step")
-        if not 0 <= token_id < vocab:
-            raise _Mismatch(
-                f"token id {token_id} for request {req_id!r} is outside the vocabulary "
-                f"(size {vocab})"
-            )
+        # Accepted drafts and one token of the target's own (speculative decoding).
+        most = 1 + drafts.get(req_id, 0)
+        if not 1 <= end - start <= most:
+            raise _Mismatch(f"{end - start} token(s) for request {req_id!r}, which emits "
+                            f"1 to {most} this step")
+        for token_id in tokens[start:end]:
+            if not 0 <= token_id < vocab:
+                raise _Mismatch(
+                    f"token id {token_id} for request {req_id!r} is outside the vocabulary "
+                    f"(size {vocab})"
+                )
     if len(seen) != len(sampling):
         missing = [r for r in sampling if r not in seen]
         raise _Mismatch(f"no token for request(s) {_listed(missing)}")
@@ -145,19 +153,20 @@ def _check_logprobs(out: ModelRunnerOutput, sampling: dict[str, int | None], voc
         if asked:
             raise _Mismatch(f"no logprobs for request(s) {_listed(asked)}, which asked")
         return
-    if len(entries) != len(out.req_ids):
+    if len(entries) != len(out.sampled_token_ids):
         raise _Mismatch(
-            f"{len(entries)} logprobs entries for {len(out.req_ids)} sampled request(s)"
+            f"{len(entries)} logprobs entries for {len(out.sampled_token_ids)} sampled token(s)"
         )
-    for req_id, entry in zip(out.req_ids, entries, strict=True):
+    for req_id, (start, end) in zip(out.req_ids, out.token_spans(), strict=True):
         num_top = sampling[req_id]
-        if num_top is None:
-            if entry is not None:
-                raise _Mismatch(f"logprobs for request {req_id!r}, which did not ask")
-            continue
-        if entry is None:
-            raise _Mismatch(f"no logprobs for request {req_id!r}, which asked for {num_top}")
-        _check_token_logprobs(entry, num_top, vocab, f"logprobs of request {req_id!r}")
+        for entry in entries[start:end]:
+            if num_top is None:
+                if entry is not None:
+                    raise _Mismatch(f"logprobs for request {req_id!r}, which did not ask")
+                continue
+            if entry is None:
+                raise _Mismatch(f"no logprobs for request {req_id!r}, which asked for {num_top}")
+            _check_token_logprobs(entry, num_top, vocab, f"logprobs of request {req_id!r}")
 
 
 def _check_prompt_logprobs(

@@ -73,6 +73,11 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
         out.num_scheduled_tokens.extend([num_scheduled[r] for r in cached.req_ids])
         out.num_new_block_ids.extend([len(b) for b in cached.new_block_ids])
         out.new_block_ids.extend([b for blocks in cached.new_block_ids for b in blocks])
+        spec = so.scheduled_spec_decode_tokens
+        if spec:  # only running requests verify drafts: all are cached ones
+            drafts = [spec.get(r, ()) for r in cached.req_ids]
+            out.num_spec_tokens.extend([len(d) for d in drafts])
+            out.spec_token_ids.extend([t for d in drafts for t in d])
     meta = so.kv_connector_metadata
     if meta:
         pb_meta = msg.kv_connector_metadata
@@ -107,13 +112,20 @@ def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRu
         req_ids=list(msg.req_ids),
         sampled_token_ids=list(msg.sampled_token_ids),
         forward_time_s=msg.forward_time_s,
+        num_sampled_tokens=list(msg.num_sampled_tokens),
     )
+    if out.num_sampled_tokens:
+        if len(out.num_sampled_tokens) != len(out.req_ids):
+            raise ValueError(f"{len(out.num_sampled_tokens)} token counts for "
+                             f"{len(out.req_ids)} sampled requests")
+        if sum(out.num_sampled_tokens) != len(out.sampled_token_ids):
+            raise ValueError(f"token counts sum to {sum(out.num_sampled_tokens)}, but "
+                             f"{len(out.sampled_token_ids)} tokens were sent")
     # Empty unless some request asked, which keeps the common step cheap.
     if msg.logprobs:
-        if len(msg.logprobs) != len(out.req_ids):
-            raise ValueError(
-                f"{len(msg.logprobs)} logprobs entries for {len(out.req_ids)} sampled requests"
-            )
+        if len(msg.logprobs) != len(out.sampled_token_ids):
+            raise ValueError(f"{len(msg.logprobs)} logprobs entries for "
+                             f"{len(out.sampled_token_ids)} sampled tokens")
         out.logprobs = [_token_logprobs(pb) for pb in msg.logprobs]
     for chunk in msg.prompt_logprobs:
         positions = [_token_logprobs(pb) for pb in chunk.positions]

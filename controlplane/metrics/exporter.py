@@ -167,6 +167,21 @@ class ControlPlaneMetrics:
                                     "Seconds those reads took, each read's slowest rank.")
         self.read_failed = counter("kvloom_kv_transfer_failed_blocks", "Blocks a read failed "
                                    "to fill on some rank (recomputed instead).")
+        # vLLM's names (--speculative-config): mean acceptance length is
+        # 1 + accepted / drafts.
+        self.spec_drafts = counter("kvloom_spec_decode_num_drafts", "Steps of a request that "
+                                   "verified at least one draft token.")
+        self.spec_draft_tokens = counter("kvloom_spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("kvloom_spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        spec_k = config.scheduler.speculative.num_speculative_tokens \
+            if config.scheduler.speculative is not None else 0
+        per_pos = Counter("kvloom_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                          "accepted, by position in their run (0 = the first draft).",
+                          ["model_name", "position"], registry=reg)
+        self.spec_accepted_per_pos = [per_pos.labels(m, str(p)) for p in range(spec_k)]
+        self._spec_pos_prev: tuple[int, tuple[int, ...]] = (-1, ())
 
         success = Counter("kvloom_request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=reg)
@@ -277,6 +292,23 @@ class ControlPlaneMetrics:
             self.read_bytes.inc(d.kv_transfer_read_bytes)
             self.read_seconds.inc(d.kv_transfer_read_seconds)
             self.read_failed.inc(d.kv_transfer_read_failed_blocks)
+            self.spec_drafts.inc(d.spec_num_drafts)
+            self.spec_draft_tokens.inc(d.spec_num_draft_tokens)
+            self.spec_accepted.inc(d.spec_num_accepted_tokens)
+            self._observe_accepted_per_pos(record.generation,
+                                           record.stats.spec_num_accepted_tokens_per_pos)
+
+    def _observe_accepted_per_pos(self, generation: int, per_pos: tuple[int, ...]) -> None:
+        # Cumulative per scheduler, as CounterDeltas' scalars.
+        prev_generation, prev = self._spec_pos_prev
+        if generation != prev_generation:
+            prev = ()
+        for pos, (counter, now) in enumerate(zip(self.spec_accepted_per_pos, per_pos,
+                                                 strict=True)):
+            before = prev[pos] if pos < len(prev) else 0
+            if now > before:
+                counter.inc(now - before)
+        self._spec_pos_prev = (generation, per_pos)
 
     def observe_recovery(self, record: RecoveryRecord) -> None:
         self.recovering.set(1.0 if record.recovering else 0.0)

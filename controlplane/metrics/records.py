@@ -195,6 +195,9 @@ class SchedulerCounts:
     kv_transfer_read_seconds: float = 0.0
     kv_transfer_read_failed_blocks: int = 0
     kv_transfer_read_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class CounterDeltas:

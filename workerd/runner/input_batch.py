@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workerd.runner.sched_output import NewRequestData, SamplingParams
+from workerd.runner.sched_output import NewRequestData, SamplingParams, SchedulerOutput
 from workerd.sample.sampler import GREEDY_BELOW
 
 _MASK64 = (1 << 64) - 1
@@ -49,6 +49,9 @@ class CachedRequestState:
     # First prompt position whose logprob has not been returned yet. Prompt
     # chunks recomputed after preemption do not return them twice.
     prompt_logprobs_from: int = 1
+    # More generators of a seeded request, for the rows of a step that
+    # verifies drafts (generators_for_tokens).
+    draft_generators: list[torch.Generator] = field(default_factory=list)
 
     @classmethod
     def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -101,6 +104,20 @@ class CachedRequestState:
         assert self.sampling_params.seed is not None
         self.generator.manual_seed(_mix_seed(self.sampling_params.seed, self.num_output_tokens))
         return self.generator
+
+    def generators_for_tokens(self, n: int) -> list[torch.Generator | None]:
+        """Generators seeded for the next n output tokens (a step verifying
+        n - 1 drafts samples each of its rows as that token), distinct objects."""
+        if self.generator is None:
+            return [None] * n
+        extra = self.draft_generators
+        while len(extra) < n - 1:
+            extra.append(torch.Generator(device=self.generator.device))
+        seed, first = self.sampling_params.seed, self.num_output_tokens
+        generators = [self.generator, *extra[:n - 1]]
+        for j, generator in enumerate(generators):
+            generator.manual_seed(_mix_seed(seed, first + j))
+        return generators
 
 
 class BlockTable:
@@ -230,3 +247,50 @@ class InputBatch:
     def states(self) -> list[CachedRequestState]:
         """States in row order; call after condense()."""
         return [s for s in self.requests if s is not None]
+
+
+def apply_scheduler_output(so: SchedulerOutput, requests: dict[str, CachedRequestState],
+                           batch: InputBatch, device: torch.device) -> None:
+    """Fold one step's diff into the rank's request states and persistent
+    batch (ModelRunner.execute_model's first part): finished requests go,
+    new ones come, cached ones move on; the batch then holds exactly the
+    step's requests, in its rows' order."""
+    for req_id in so.finished_req_ids:
+        requests.pop(req_id, None)
+        batch.remove_request(req_id)
+    # The batch holds exactly this step's requests: preempted ones and
+    # running ones the scheduler skipped leave it but keep their state.
+    for req_id in batch.req_ids:
+        if req_id in so.preempted_req_ids or so.num_scheduled_tokens.get(req_id, 0) == 0:
+            batch.remove_request(req_id)
+
+    for new in so.scheduled_new_reqs:
+        # A re-formed group may resend a request: the new data wins.
+        batch.remove_request(new.req_id)
+        state = CachedRequestState.from_new_request(new, device)
+        requests[new.req_id] = state
+        if so.num_scheduled_tokens.get(new.req_id, 0) > 0:
+            batch.add_request(state)
+
+    cached = so.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        state = requests.get(req_id)
+        if state is None:
+            raise KeyError(f"cached request {req_id!r} is unknown to this worker")
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        new_block_ids = cached.new_block_ids[i]
+        resumed = cached.resumed_from_preemption[i]
+        if resumed:
+            state.block_ids = list(new_block_ids)
+        else:
+            state.block_ids.extend(new_block_ids)
+        if req_id not in batch:
+            if so.num_scheduled_tokens.get(req_id, 0) > 0:
+                batch.add_request(state)
+        elif resumed:
+            # Only if the preemption never reached this rank; the resume
+            # still defines the block list, so replace the row too.
+            batch.set_block_ids(req_id, state.block_ids)
+        else:
+            batch.append_block_ids(req_id, new_block_ids)
+    batch.condense()

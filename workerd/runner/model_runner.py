@@ -47,7 +47,7 @@ from workerd.runner.cuda_graphs import (
 )
 from workerd.runner.grammar_step import StepGrammar
 from workerd.runner.host_kv_tier import HostKVTier, OnLoadsDone, close_tier
-from workerd.runner.input_batch import CachedRequestState, InputBatch
+from workerd.runner.input_batch import CachedRequestState, InputBatch, apply_scheduler_output
 from workerd.runner.kv_cache import (
     allocate_kv_caches,
     bytes_per_block,
@@ -59,6 +59,7 @@ from workerd.runner.nixl_kv import NixlKVTransfer
 from workerd.runner.profile_run import profile_run
 from workerd.runner.sampled_tokens import SampledTokens
 from workerd.runner.sched_output import KVTransferAgent, ModelRunnerOutput, SchedulerOutput
+from workerd.runner.spec_verify import verify_drafts
 from workerd.runner.step_inputs import StepInputs
 from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.sample.logprobs import (
@@ -258,8 +259,7 @@ class ModelRunner:
             return self._nothing_sampled(scheduler_output)
         if not self.kv_caches:
             raise RuntimeError("execute_model before init_kv_cache")
-        if self.sampled_tokens.receives:
-            self.sampled_tokens.resolve(self.input_batch.req_id_to_index)
+        self.sampled_tokens.resolve(self.input_batch.req_id_to_index)
         inputs = self.prepare_inputs(scheduler_output)
         # Every rank advances the same way, so all agree on next step's rows.
         for target in inputs.prompt_targets:
@@ -268,8 +268,9 @@ class ModelRunner:
         start = time.perf_counter()
         with torch.inference_mode():
             hidden = self._forward(inputs)
+            drafts = inputs.num_draft_tokens
             if hidden is None:
-                self.sampled_tokens.append(inputs.sample_states, None)
+                self.sampled_tokens.append(inputs.sample_states, None, drafts)
                 return None
             num_sample = len(inputs.sample_states)
             if num_sample == 0 and not inputs.prompt_targets:
@@ -284,15 +285,22 @@ class ModelRunner:
                 # compute_logits may gather vocab shards: every last-stage TP rank calls it.
                 logits = self.model.compute_logits(hidden[indices])
                 if not self.ps.is_output_rank:
-                    self.sampled_tokens.append(inputs.sample_states, None)
+                    self.sampled_tokens.append(inputs.sample_states, None, drafts)
                     return None
                 grammar = self.grammar.take(scheduler_output, inputs.sample_states,
                                             logits.shape[-1], self.device)
-                out = self.sample(logits[:num_sample], inputs.sample_states, grammar)
-                self.sampled_tokens.append(inputs.sample_states, out.sampled_token_ids)
+                num_rows = num_sample + len(inputs.draft_token_ids)
+                if inputs.draft_token_ids:
+                    out, tokens = verify_drafts(self.sampler, logits[:num_rows],
+                                                inputs.sample_states, drafts,
+                                                inputs.draft_token_ids, grammar)
+                else:
+                    out = self.sample(logits[:num_rows], inputs.sample_states, grammar)
+                    tokens = [[t] for t in out.sampled_token_ids]
+                self.sampled_tokens.append(inputs.sample_states, tokens, drafts)
                 if inputs.prompt_targets:
                     out.prompt_logprobs = prompt_logprobs(
-                        logits[num_sample:], inputs.prompt_targets
+                        logits[num_rows:], inputs.prompt_targets
                     )
         if out is not None:
             waits = self.last_recv_wait_s + self.grammar.last_wait_s
@@ -369,46 +377,7 @@ class ModelRunner:
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-            batch.remove_request(req_id)
-        # The batch holds exactly this step's requests: preempted ones and
-        # running ones the scheduler skipped leave it but keep their state.
-        for req_id in batch.req_ids:
-            if req_id in so.preempted_req_ids or so.num_scheduled_tokens.get(req_id, 0) == 0:
-                batch.remove_request(req_id)
-
-        for new in so.scheduled_new_reqs:
-            # A re-formed group may resend a request: the new data wins.
-            batch.remove_request(new.req_id)
-            state = CachedRequestState.from_new_request(new, self.device)
-            self.requests[new.req_id] = state
-            if so.num_scheduled_tokens.get(new.req_id, 0) > 0:
-                batch.add_request(state)
-
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                raise KeyError(f"cached request {req_id!r} is unknown to this worker")
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
-            resumed = cached.resumed_from_preemption[i]
-            if resumed:
-                state.block_ids = list(new_block_ids)
-            else:
-                state.block_ids.extend(new_block_ids)
-            if req_id not in batch:
-                if so.num_scheduled_tokens.get(req_id, 0) > 0:
-                    batch.add_request(state)
-            elif resumed:
-                # Only if the preemption never reached this rank; the resume
-                # still defines the block list, so replace the row too.
-                batch.set_block_ids(req_id, state.block_ids)
-            else:
-                batch.append_block_ids(req_id, new_block_ids)
-        batch.condense()
+        apply_scheduler_output(so, self.requests, self.input_batch, self.device)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Step 2: the model inputs of the step `so` schedules, laid out from
@@ -420,6 +389,9 @@ class ModelRunner:
         block_size = self.block_size
         query_lens = [so.num_scheduled_tokens[s.req_id] for s in states]
         starts = [s.num_computed_tokens for s in states]
+        spec = so.scheduled_spec_decode_tokens
+        num_draft_tokens: list[int] = []
+        draft_token_ids: list[int] = []
 
         input_ids: list[int] = []
         logits_indices: list[int] = []
@@ -429,12 +401,17 @@ class ModelRunner:
         num_tokens = 0
         for state, start, n in zip(states, starts, query_lens, strict=True):
             end = start + n
-            if end > state.num_tokens:
+            drafts = spec.get(state.req_id, ()) if spec else ()
+            # Drafts follow the last known token: a step verifying them
+            # computes exactly up to the last one.
+            known = state.num_tokens
+            if end > known + len(drafts) or (drafts and end != known + len(drafts)):
                 raise ValueError(
                     f"request {state.req_id!r}: {n} tokens scheduled from {start} "
-                    f"but it holds only {state.num_tokens}"
+                    f"but it holds {known} and {len(drafts)} draft(s)"
                 )
-            input_ids.extend(state.all_token_ids[start:end])
+            input_ids.extend(state.all_token_ids[start:min(end, known)])
+            input_ids.extend(drafts)
             if state.sampling_params.prompt_logprobs is not None:
                 target = prompt_target(state, start, end)
                 if target is not None:
@@ -444,9 +421,13 @@ class ModelRunner:
                     prompt_targets.append(target)
             num_tokens += n
             # A partial prefill chunk ends before the context does: no sample.
-            if end == state.num_tokens:
-                logits_indices.append(num_tokens - 1)
+            # With drafts, the logits of the last known token and of each
+            # draft are verified (the rows of verify_drafts).
+            if end == known + len(drafts):
+                logits_indices.extend(range(num_tokens - 1 - len(drafts), num_tokens))
                 sample_states.append(state)
+                num_draft_tokens.append(len(drafts))
+                draft_token_ids.extend(drafts)
 
         # The index arithmetic runs in numpy: a dozen small ops each step,
         # each far cheaper than a torch dispatch on tensors this small
@@ -491,6 +472,8 @@ class ModelRunner:
             sample_states=sample_states,
             prompt_logits_indices=prompt_indices,
             prompt_targets=prompt_targets,
+            num_draft_tokens=num_draft_tokens,
+            draft_token_ids=draft_token_ids,
         )
 
     # ---- profiling --------------------------------------------------------

@@ -11,9 +11,16 @@ one token per request that sampled in a step, as soon as the step ends:
 * every other rank only needs the count (its inputs are hidden states), so it
   appends a PLACEHOLDER that stays.
 
+A request that verified drafts (speculative decoding) emits 1 to 1 + k
+tokens, a count only the output rank knows: its entry in the message is
+1 + k wide, padded with PLACEHOLDER after what it emitted, and such a step's
+message goes to every other rank, since all of them must append the same
+number of tokens. (The controlplane schedules that request again only once
+it has the step's output, so no rank needs the count before it arrives.)
+
 All ranks lay out the same step the same way, so they agree on which
-requests sample and in which order: the message needs no header, its length
-is known to the receiver. A receiver posts its irecv when the step ends and
+requests sample, in which order and with how many drafts: the message needs
+no header, its length is known to the receiver. A receiver posts its irecv when the step ends and
 waits on it only before a step that needs one of those requests' tokens: a
 first stage can run another micro-batch (PP batch queue) while the last
 stage is still sampling this one.
@@ -41,8 +48,10 @@ class _Receipt:
     """Sampled ids of one step, on their way from the output rank."""
 
     req_ids: frozenset[str]
-    # (state, index in state.all_token_ids of its placeholder), in send order.
-    slots: list[tuple[CachedRequestState, int]]
+    # (state, index in state.all_token_ids of its placeholder or of its
+    # first token to come, the entry's width), in send order. Width 1: one
+    # PLACEHOLDER was appended; wider: drafts, nothing appended yet.
+    slots: list[tuple[CachedRequestState, int, int]]
     buffer: torch.Tensor
     work: object
 
@@ -58,30 +67,38 @@ class SampledTokens:
         """This rank embeds tokens it did not sample."""
         return self.ps.is_first_pp_rank and not self.ps.is_output_rank
 
-    def _destinations(self) -> list[int]:
+    def _destinations(self, every_rank: bool) -> list[int]:
+        if every_rank:
+            return [r for r in range(self.ps.world_size) if r != self.ps.rank]
         # The first stage's TP ranks (rank = pp_rank * tp_size + tp_rank).
         return [r for r in range(self.ps.tp_size) if r != self.ps.rank]
 
-    def append(self, states: list[CachedRequestState], sampled: list[int] | None) -> None:
-        """End of a step: one token per state that sampled, on every rank.
-        sampled: the output rank's ids (None on every other rank)."""
+    def append(self, states: list[CachedRequestState], sampled: list[list[int]] | None,
+               num_drafts: list[int] | None = None) -> None:
+        """End of a step: the tokens of each state that sampled, on every rank.
+        sampled: the output rank's tokens per state (None on every other
+        rank); num_drafts: each state's drafts this step (None: none)."""
         if not states:
             return
+        drafts = num_drafts if num_drafts is not None and any(num_drafts) else None
         if self.ps.is_output_rank:
             assert sampled is not None and len(sampled) == len(states)
-            for state, token in zip(states, sampled, strict=True):
-                state.all_token_ids.append(token)
-            self._send(sampled)
+            for state, tokens in zip(states, sampled, strict=True):
+                state.all_token_ids.extend(tokens)
+            self._send(sampled, drafts)
             return
         slots = []
-        for state in states:
-            slots.append((state, len(state.all_token_ids)))
-            state.all_token_ids.append(PLACEHOLDER)
-        if self.receives:
+        for i, state in enumerate(states):
+            width = 1 + drafts[i] if drafts is not None else 1
+            slots.append((state, len(state.all_token_ids), width))
+            if width == 1:
+                state.all_token_ids.append(PLACEHOLDER)
+        if self.receives or drafts is not None:
+            width = sum(w for _, _, w in slots)
             # A normal tensor, not an inference one (the step runs under
             # inference_mode): it is written when the message lands, later.
             with torch.inference_mode(False):
-                buffer = torch.empty(len(states), dtype=torch.int64, device=self.ps.device)
+                buffer = torch.empty(width, dtype=torch.int64, device=self.ps.device)
             work = dist.irecv(buffer, src=self._output_rank(), tag=SAMPLED_TAG)
             self._pending.append(
                 _Receipt(frozenset(s.req_id for s in states), slots, buffer, work))
@@ -89,15 +106,22 @@ class SampledTokens:
     def _output_rank(self) -> int:
         return (self.ps.pp_size - 1) * self.ps.tp_size
 
-    def _send(self, sampled: list[int]) -> None:
-        dsts = self._destinations()
+    def _send(self, sampled: list[list[int]], num_drafts: list[int] | None) -> None:
+        dsts = self._destinations(every_rank=num_drafts is not None)
         if not dsts:
             return
         # Sends of earlier steps are done by now (their receivers posted
         # irecvs long ago); waiting on them keeps this list short.
         for work in self._sends:
             work.wait()
-        ids = torch.tensor(sampled, dtype=torch.int64, device=self.ps.device)
+        if num_drafts is None:
+            flat = [tokens[0] for tokens in sampled]
+        else:
+            flat = []
+            for tokens, k in zip(sampled, num_drafts, strict=True):
+                flat.extend(tokens)
+                flat.extend([PLACEHOLDER] * (1 + k - len(tokens)))
+        ids = torch.tensor(flat, dtype=torch.int64, device=self.ps.device)
         self._sends = [dist.isend(ids, dst=d, tag=SAMPLED_TAG) for d in dsts]
         self._send_buffer = ids  # alive until the sends complete
 
@@ -116,9 +140,18 @@ class SampledTokens:
         for _ in range(last + 1):
             receipt = pending.popleft()
             receipt.work.wait()
-            for (state, index), token in zip(receipt.slots, receipt.buffer.tolist(),
-                                             strict=True):
-                state.all_token_ids[index] = token
+            received = receipt.buffer.tolist()
+            offset = 0
+            for state, index, width in receipt.slots:
+                if width == 1:
+                    state.all_token_ids[index] = received[offset]
+                else:
+                    tokens = received[offset:offset + width]
+                    # Nothing was appended since: the request is not
+                    # scheduled again before its tokens are known.
+                    del state.all_token_ids[index:]
+                    state.all_token_ids.extend(t for t in tokens if t != PLACEHOLDER)
+                offset += width
 
     def reset(self) -> None:
         """The group failed: whatever was in flight belongs to it."""

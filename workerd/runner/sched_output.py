@@ -162,6 +162,9 @@ class SchedulerOutput:
     constrained_req_ids: list[str] = field(default_factory=list)
     # The step's KV connector instructions; None when nothing moves.
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # req_id -> draft tokens to verify after its last known token
+    # (speculative decoding); only requests with drafts appear.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -185,9 +188,13 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]
+    # Concatenated: one token per request, or with drafts the accepted ones
+    # and one more (num_sampled_tokens[i] for req_ids[i]).
     sampled_token_ids: list[int]
     forward_time_s: float = 0.0
-    # Aligned with req_ids when any sampling request asked for logprobs (None
-    # for those that did not), empty otherwise.
+    # Aligned with sampled_token_ids when any sampling request asked for
+    # logprobs (None for tokens of those that did not), empty otherwise.
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Empty when every request emitted exactly one token.
+    num_sampled_tokens: list[int] = field(default_factory=list)

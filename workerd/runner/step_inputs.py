@@ -20,7 +20,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn_metadata: AttentionMetadata
-    # [num_sampled] rows of the hidden states whose logits are sampled.
+    # Rows of the hidden states whose logits are sampled: one per sampling
+    # request, or 1 + its drafts for one that verifies drafts.
     logits_indices: torch.Tensor
     # Requests that sample this step, in logits_indices order.
     sample_states: list[CachedRequestState]
@@ -28,4 +29,8 @@ class StepInputs:
     # empty unless a request asked for prompt logprobs.
     prompt_logits_indices: list[int] = field(default_factory=list)
     prompt_targets: list[PromptLogprobsTarget] = field(default_factory=list)
+    # Drafts each of sample_states verifies (speculative decoding), and the
+    # drafts themselves, concatenated; all zero / empty without drafts.
+    num_draft_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
 

@@ -13,6 +13,11 @@ worker's default generator. A grammar-constrained row (structured outputs)
 then has every token its grammar forbids set to -inf, last, so no edit can
 bring one back. The input logits are never modified, so the runner can take
 logprobs of the raw logits afterwards (workerd.sample.logprobs).
+
+Everything before the noise is Sampler.compute_probs: speculative decoding's
+rejection sampler (workerd.sample.rejection_sampler) verifies drafts against
+the same distributions and draws its noise the same way, so the two paths
+cannot drift apart.
 """
 
 from __future__ import annotations
@@ -138,6 +143,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+@dataclass
+class SamplerProbs:
+    """What the Sampler samples from, before any noise is drawn.
+
+    The rejection sampler (workerd.sample.rejection_sampler) verifies drafts
+    against exactly these, so speculative and ordinary decoding share one
+    definition of the target distribution."""
+
+    greedy: torch.Tensor  # [n] int64 argmax of the processed logits, every row
+    rows: torch.Tensor | None  # [m] int64 the sampled rows; None when all are greedy
+    probs: torch.Tensor | None  # [m, vocab] float32 their distributions; rows' order
+
+
 class Sampler:
     """Samples one token per logits row according to SamplingMetadata."""
 
@@ -147,12 +165,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits: [n, vocab]; returns [n] int64 token ids on logits' device."""
+        target = self.compute_probs(logits, metadata)
+        if target.rows is None:
+            return target.greedy
+        noise = self.exponential_noise(target.probs, target.rows.tolist(), metadata.generators)
+        sampled = (target.probs / noise).argmax(dim=-1)
+        out = target.greedy.clone()
+        out[target.rows] = sampled
+        return out
+
+    def compute_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerProbs:
+        """The logits processors on every row, then temperature, top-k, top-p,
+        min-p and softmax on the sampled rows. The returned probs are a fresh
+        tensor the caller may edit in place."""
         logits = self._apply_logits_processors(logits.float(), metadata)
         greedy = logits.argmax(dim=-1)
         if metadata.all_greedy:
-            return greedy
+            return SamplerProbs(greedy, None, None)
         rows = torch.nonzero(metadata.temperature > 0.0).squeeze(-1)
-        row_list = rows.tolist()
         scaled = logits[rows] / metadata.temperature[rows].unsqueeze(-1)
         if metadata.any_top_k or metadata.any_top_p:
             scaled = apply_top_k_top_p(
@@ -162,12 +192,7 @@ class Sampler:
             )
         if metadata.min_p is not None:
             scaled = apply_min_p(scaled, metadata.min_p[rows])
-        probs = scaled.softmax(dim=-1)
-        noise = self._exponential_noise(probs, row_list, metadata.generators)
-        sampled = (probs / noise).argmax(dim=-1)
-        out = greedy.clone()
-        out[rows] = sampled
-        return out
+        return SamplerProbs(greedy, rows, scaled.softmax(dim=-1))
 
     @staticmethod
     def _apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -189,13 +214,15 @@ class Sampler:
             apply_grammar(out, logits, md)
         return out
 
-    def _exponential_noise(
+    def exponential_noise(
         self,
         probs: torch.Tensor,
         row_list: list[int],
         generators: dict[int, torch.Generator],
     ) -> torch.Tensor:
-        """One Exp(1) row per sampled row; generators must live on probs' device."""
+        """One Exp(1) row per entry of row_list (rows of the logits tensor), from
+        that row's generator if it has one, else from one batched draw of the
+        default generator; generators must live on probs' device."""
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(row_list) if r not in generators]
         if unseeded:

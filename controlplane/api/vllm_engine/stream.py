@@ -61,7 +61,7 @@ class TokenStream:
     __slots__ = ("index", "stream", "_eos", "_num_prompt", "_cached", "_ids", "_num_out",
                  "_logprobs", "_pending_logprobs", "_prompt_logprobs", "_next_prompt_pos",
                  "_prompt_ids", "_sent_first", "_stops", "_end", "finished",
-                 "stopped_by_string", "_kv_transfer_params")
+                 "stopped_by_string", "_kv_transfer_params", "_spec")
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  stream: bool, eos_token_ids: frozenset[int], tokenizer=None):
@@ -91,6 +91,8 @@ class TokenStream:
         self._kv_transfer_params: dict | None = None
         # Set when a stop string ended the sample: the engine must be told.
         self.stopped_by_string = False
+        # (drafts verified, drafts accepted) so far (speculative decoding).
+        self._spec = (0, 0)
 
     def add(self, out: EngineCoreOutput) -> None:
         """Take one engine output; flush() turns what was taken into messages."""
@@ -100,6 +102,8 @@ class TokenStream:
             self._cached = out.num_cached_tokens
         if out.num_prompt_tokens:
             self._num_prompt = out.num_prompt_tokens
+        if out.spec_num_draft_tokens:
+            self._spec = (out.spec_num_draft_tokens, out.spec_num_accepted_tokens)
         if out.prompt_logprobs is not None and self._prompt_logprobs is not None:
             self._add_prompt_logprobs(out.prompt_logprobs)
         ids = out.new_token_ids
@@ -153,7 +157,8 @@ class TokenStream:
     def _complete(self, reason: str, matched, last_ids: list[int]) -> vpb.GenerateResponse:
         done = vpb.GenerateComplete(
             finish_reason=reason, prompt_tokens=self._num_prompt,
-            completion_tokens=self._num_out, cached_tokens=self._cached, index=self.index)
+            completion_tokens=self._num_out, cached_tokens=self._cached, index=self.index,
+            spec_draft_tokens=self._spec[0], spec_accepted_tokens=self._spec[1])
         if self.stream:
             # As vLLM's servicer: the last delta (the gateway reads chunks only).
             done.output_ids.extend(last_ids)

@@ -43,6 +43,7 @@ def test_a_producer_and_a_consumer_config_and_their_connectors():
 @pytest.mark.parametrize("raw,names", [
     ("[1]", "JSON object"),
     ("{not json", "not JSON"),
+    ("[" * 4000, "nested too deeply"),
     ('{"kv_role": "kv_producer"}', "kv_connector is required"),
     ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_producer"}', "kv_connector"),
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_master"}', "kv_role"),

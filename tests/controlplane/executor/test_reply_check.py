@@ -160,7 +160,7 @@ def _bad_prompt(**changes) -> ModelRunnerOutput:
             "token id -1 for request 'a' is outside the vocabulary (size 100)",
         ),
         (_with(logprobs=[]), "no logprobs for request(s) 'a', 'c', which asked"),
-        (_with(logprobs=[_entry(0), _entry(2)]), "2 logprobs entries for 3 sampled request(s)"),
+        (_with(logprobs=[_entry(0), _entry(2)]), "2 logprobs entries for 3 sampled token(s)"),
         (
             _with(logprobs=[_entry(0), _entry(2), _entry(0)]),
             "logprobs for request 'b', which did not ask",
@@ -270,7 +270,7 @@ def test_proto_replies_are_converted_then_checked():
     with pytest.raises(ProtocolViolation) as info:
         check_step_reply(bad, STEP, VOCAB, RANK)
     assert str(info.value) == (
-        "protocol violation: rank 3 answered step 9: 2 logprobs entries for 3 sampled requests"
+        "protocol violation: rank 3 answered step 9: 2 logprobs entries for 3 sampled tokens"
     )
     bad = _proto(_good())
     bad.prompt_logprobs[0].positions[2].rank = 0
@@ -514,3 +514,43 @@ def test_fuzz_arbitrary_replies_raise_only_protocol_violations(so, msg):
         w = so.prompt_logprobs_windows[chunk.req_id]
         assert w.start <= chunk.start_position < chunk.start_position + len(chunk.positions)
         assert chunk.start_position + len(chunk.positions) <= w.stop
+
+
+# Speculative decoding: "d" verifies 3 drafts (emits 1 to 4 tokens) and asks
+# for 1 logprob per token, "e" samples one as usual.
+DRAFT_STEP = ExpectedReply(9, {"d": 1, "e": None}, {}, {"d": 3})
+
+
+def _drafted(tokens_d: list[int], logprobs=None) -> ModelRunnerOutput:
+    out = ModelRunnerOutput(["d", "e"], [*tokens_d, 5], num_sampled_tokens=[len(tokens_d), 1])
+    out.logprobs = logprobs if logprobs is not None else [_entry(1) for _ in tokens_d] + [None]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_verified_run_of_one_to_drafts_plus_one_tokens_passes(n):
+    check_model_runner_output(_drafted(list(range(n))), DRAFT_STEP, VOCAB, RANK)
+
+
+@pytest.mark.parametrize("out,what", [
+    (_drafted([1, 2, 3, 4, 5]), "5 token(s) for request 'd', which emits 1 to 4 this step"),
+    (_drafted([]), "0 token(s) for request 'd', which emits 1 to 4 this step"),
+    # Drafts were only d's: e emits exactly one.
+    (ModelRunnerOutput(["d", "e"], [1, 5, 6], num_sampled_tokens=[1, 2],
+                       logprobs=[_entry(1), None, None]),
+     "2 token(s) for request 'e', which emits 1 to 1 this step"),
+    (_drafted([1, 2], logprobs=[_entry(1), None, None]),
+     "no logprobs for request 'd', which asked for 1"),
+    (_drafted([1, VOCAB]), "token id 100 for request 'd' is outside the vocabulary (size 100)"),
+])
+def test_a_verified_run_that_breaks_its_bounds_is_a_violation(out, what):
+    with pytest.raises(ProtocolViolation) as info:
+        check_model_runner_output(out, DRAFT_STEP, VOCAB, RANK)
+    assert info.value.what == f"answered step 9: {what}"
+
+
+def test_token_counts_that_do_not_add_up_are_refused_on_the_wire():
+    msg = worker_pb2.ModelRunnerOutput(req_ids=["d", "e"], sampled_token_ids=[1, 2, 5],
+                                       num_sampled_tokens=[3, 1])
+    with pytest.raises(ProtocolViolation, match="token counts sum to 4, but 3 tokens"):
+        check_step_reply(msg, DRAFT_STEP, VOCAB, RANK)

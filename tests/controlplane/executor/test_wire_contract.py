@@ -13,6 +13,8 @@ from kvloom.worker.v1 import worker_pb2
 
 # Carried per request, in NewRequestData and CachedRequestData.
 PER_REQUEST = {"num_scheduled_tokens"}
+# Carried per request in CachedRequestData only (drafts follow a decode).
+PER_CACHED_REQUEST = {"scheduled_spec_decode_tokens": {"spec_token_ids", "num_spec_tokens"}}
 
 
 def _fields(dataclass) -> set[str]:
@@ -21,9 +23,11 @@ def _fields(dataclass) -> set[str]:
 
 def test_scheduler_output_has_exactly_the_wire_fields():
     wire = set(worker_pb2.SchedulerOutput.DESCRIPTOR.fields_by_name)
-    assert _fields(SchedulerOutput) == wire | PER_REQUEST
+    assert _fields(SchedulerOutput) == wire | PER_REQUEST | set(PER_CACHED_REQUEST)
     for message in (worker_pb2.NewRequestData, worker_pb2.CachedRequestData):
         assert set(message.DESCRIPTOR.fields_by_name) >= PER_REQUEST, message
+    for columns in PER_CACHED_REQUEST.values():
+        assert set(worker_pb2.CachedRequestData.DESCRIPTOR.fields_by_name) >= columns
 
 
 def test_the_step_record_holds_what_is_not_sent():

@@ -237,7 +237,14 @@ def test_prepare_inputs_rejects_inconsistent_diffs():
     r = fake_runner()
     so = step(1, {"a": 3}, new=[new_req("a", [1, 2], [0])])
     r._update_states(so)
-    with pytest.raises(ValueError, match="holds only 2"):
+    with pytest.raises(ValueError, match="holds 2 and 0 draft"):
+        r.prepare_inputs(so)
+    # Drafts must end the request's window exactly: 2 known + 2 drafts, 3 scheduled.
+    r = fake_runner()
+    so = step(1, {"a": 3}, new=[new_req("a", [1, 2], [0])])
+    so.scheduled_spec_decode_tokens = {"a": [7, 8]}
+    r._update_states(so)
+    with pytest.raises(ValueError, match="holds 2 and 2 draft"):
         r.prepare_inputs(so)
 
 

@@ -1,0 +1,135 @@
+"""The scheduler's half of speculative decoding (--speculative-config ngram).
+
+The controlplane holds every request's tokens, so it proposes n-gram drafts
+itself (spec_decode/ngram.py): the workers spend nothing on proposing, and
+drafts work at any pipeline depth. A running request in decode gets up to K
+drafts appended to the token it computes; the step counts them in its
+budget and lists them in scheduled_spec_decode_tokens; the output rank keeps
+the longest prefix the target model agrees with plus one token of its own.
+The scheduler then rolls num_computed_tokens back over the rejected
+positions (their KV is simply overwritten later) and never hashes a draft
+into the prefix cache (cache_full_blocks stops at the known tokens).
+
+With async scheduling a request may be scheduled while its previous token is
+in flight: its drafts are then proposed from the tokens known, for K + the
+in-flight count, and the guesses for the in-flight tokens are dropped. A
+guess that turns out wrong costs acceptance, never exactness: the worker
+verifies every draft against the real context. A step with drafts emits an
+unknown number of tokens, so that request is not scheduled again until the
+step's output is applied (the others keep pipelining); docs/spec_decode.md.
+
+Drafts that keep being rejected cost a verify each, so every request adapts
+on its own: its draft length follows what it last accepted, and after steps
+that accepted nothing it stops drafting for a while (doubling, capped), so a
+workload with nothing to look up runs as it would without speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+from controlplane.core.request import Request
+from controlplane.spec_decode.config import SpeculativeConfig
+from controlplane.spec_decode.ngram import propose_ngram
+
+# Steps without drafts after a fruitless draft step: 1, 2, 4, ... this many.
+MAX_COOLDOWN_STEPS = 32
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One request's adaptive drafting."""
+
+    # Drafts to propose next time (at most K).
+    num_drafts: int
+    # Decode steps left without drafts, and the next such pause.
+    cooldown: int = 0
+    next_cooldown: int = 1
+
+
+@dataclass(slots=True)
+class SpecDecodingStats:
+    """Cumulative counts with vLLM's metric names (metrics/exporter.py): steps
+    of a request with at least one draft, drafts verified, drafts accepted,
+    and accepted ones by position in their run."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+
+class SpecDecoding:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"the scheduler proposes ngram drafts only, not {config.method!r}")
+        self.k = config.num_speculative_tokens
+        # (token ids, n) -> up to n tokens that may follow them.
+        self.proposer: Callable[[Sequence[int], int], list[int]] = partial(
+            propose_ngram, min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max)
+        self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
+        self.states: dict[str, SpecState] = {}
+
+    def propose(self, request: Request, room: int) -> list[int]:
+        """Drafts for a request about to compute one decode token: at most
+        `room` (what the step's budget leaves), never past max_tokens. Its
+        tokens in flight (placeholders) are guessed and skipped."""
+        if request.grammar is not None:
+            # Drafts would need the grammar's validation and a mask per
+            # position: not built yet (docs/spec_decode.md, "Left out").
+            return []
+        state = self.states.get(request.request_id)
+        if state is None:
+            state = self.states[request.request_id] = SpecState(self.k)
+        if state.cooldown:
+            state.cooldown -= 1
+            return []
+        pending = request.num_output_placeholders
+        # The step emits at most k + 1 tokens after those in flight.
+        k = min(state.num_drafts, room,
+                request.max_tokens - request.num_output_tokens - pending - 1)
+        if k <= 0:
+            return []
+        return self.proposer(request.all_token_ids, k=k + pending)[pending:]
+
+    def apply_verified(self, request: Request, num_drafts: int, num_accepted: int,
+                       step_id: int) -> None:
+        """Step step_id verified num_drafts of request's drafts and kept
+        num_accepted: its rejected positions are computed again later (their
+        KV is simply overwritten), unless a preemption since reset its
+        progress anyway; the counts and the request's next draft length follow."""
+        if request.spec_step == step_id:
+            request.num_computed_tokens -= num_drafts - num_accepted
+            request.spec_step = 0
+        request.spec_num_draft_tokens += num_drafts
+        request.spec_num_accepted_tokens += num_accepted
+        self.stats.observe(num_drafts, num_accepted)
+        state = self.states.get(request.request_id)
+        if state is None:
+            return
+        if num_accepted == 0:
+            state.num_drafts = 1
+            state.cooldown = state.next_cooldown
+            state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN_STEPS)
+            return
+        state.next_cooldown = 1
+        state.num_drafts = min(self.k, num_accepted + 1 if num_accepted < num_drafts
+                               else 2 * num_drafts)
+
+    def forget(self, req_id: str) -> None:
+        self.states.pop(req_id, None)

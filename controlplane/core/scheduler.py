@@ -285,6 +285,9 @@ class Scheduler:
             if spec is not None and num_new == 1:
                 room = (min(budget, threshold) if threshold > 0 else budget) - 1
                 drafts = spec.propose(request, room)
+                if drafts is None:  # drafts next step, once its tokens are in
+                    i += 1
+                    continue
                 num_new += len(drafts)
             new_blocks = allocate(request, num_new)
             if new_blocks is None:

@@ -85,14 +85,13 @@ class SpecDecoding:
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
         self.states: dict[str, SpecState] = {}
 
-    def propose(self, request: Request, room: int) -> list[int]:
+    def propose(self, request: Request, room: int) -> list[int] | None:
         """Drafts for a request about to compute one decode token: at most
         `room` (what the step's budget leaves), never past max_tokens. Its
-        tokens in flight (placeholders) are guessed and skipped."""
-        if request.grammar is not None:
-            # Drafts would need the grammar's validation and a mask per
-            # position: not built yet (docs/spec_decode.md, "Left out").
-            return []
+        tokens in flight (placeholders) are guessed and skipped. None: hold
+        the request back this step (a constrained one with a token in flight
+        and drafts in sight: its grammar can validate them once that token
+        is in, the next step)."""
         state = self.states.get(request.request_id)
         if state is None:
             state = self.states[request.request_id] = SpecState(self.k)
@@ -105,7 +104,20 @@ class SpecDecoding:
                 request.max_tokens - request.num_output_tokens - pending - 1)
         if k <= 0:
             return []
-        return self.proposer(request.all_token_ids, k=k + pending)[pending:]
+        drafts = self.proposer(request.all_token_ids, k=k + pending)[pending:]
+        grammar = request.grammar
+        if grammar is None or not drafts:
+            return drafts
+        if pending:
+            # Its matcher is at its last known token: drafts after a token
+            # in flight cannot be validated yet.
+            return None
+        # The longest prefix the grammar allows; the step's masks then hold
+        # one row per draft (engine/grammar_gate.py).
+        drafts = drafts[:grammar.validate_drafts(drafts)]
+        if not drafts:
+            self._pause(state)  # what a fruitless verify would have cost
+        return drafts
 
     def apply_verified(self, request: Request, num_drafts: int, num_accepted: int,
                        step_id: int) -> None:
@@ -123,13 +135,17 @@ class SpecDecoding:
         if state is None:
             return
         if num_accepted == 0:
-            state.num_drafts = 1
-            state.cooldown = state.next_cooldown
-            state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN_STEPS)
+            self._pause(state)
             return
         state.next_cooldown = 1
         state.num_drafts = min(self.k, num_accepted + 1 if num_accepted < num_drafts
                                else 2 * num_drafts)
+
+    @staticmethod
+    def _pause(state: SpecState) -> None:
+        state.num_drafts = 1
+        state.cooldown = state.next_cooldown
+        state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN_STEPS)
 
     def forget(self, req_id: str) -> None:
         self.states.pop(req_id, None)

@@ -170,11 +170,15 @@ class GrammarGate:
         step.masks_pending = False
         scratch = self._scratch
         masks = []
+        spec = so.scheduled_spec_decode_tokens
         for req_id in so.constrained_req_ids:
             request = requests.get(req_id)
+            drafts = spec.get(req_id, ()) if spec else ()
             if request is None or request.added_after_step >= so.step_id:
-                # Ended since (its token will be dropped), or the id is reused.
-                masks.append(unconstrained_mask())
+                # Ended since (its tokens will be dropped), or the id is reused.
+                masks.extend(unconstrained_mask() for _ in range(1 + len(drafts)))
+            elif drafts:
+                masks.extend(request.grammar.fill_with_drafts(scratch, drafts))
             else:
                 masks.append(request.grammar.fill(scratch))
         # A failing group: the step fails with it, and its wait reports that.

@@ -38,6 +38,39 @@ class RequestGrammar:
         self.num_accepted += 1
         return True
 
+    def validate_drafts(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar allows (vLLM's
+        validate_tokens): drafts past the first it forbids could never be
+        accepted. The matcher ends where it began."""
+        matcher = self.matcher
+        n = 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
+
+    def fill_with_drafts(self, scratch, drafts: list[int]) -> list[TokenMask]:
+        """The masks of a step verifying `drafts` (validated): the next
+        token's, then each draft position's as if the drafts before it were
+        accepted; len(drafts) + 1 in all. The matcher ends where it began."""
+        matcher = self.matcher
+        masks = [self.fill(scratch)]
+        n = 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            n += 1
+            masks.append(self.fill(scratch))
+        if n:
+            matcher.rollback(n)
+        # A draft the grammar forbids is rejected at its own row; the rows
+        # after it can never emit a token.
+        masks.extend(unconstrained_mask() for _ in range(len(drafts) + 1 - len(masks)))
+        return masks
+
     def fill(self, scratch) -> TokenMask:
         """The next token's mask; scratch is a [1, words] int32 bitmask (xgrammar's)."""
         matcher = self.matcher

@@ -3,8 +3,9 @@
 A SchedulerOutput that lists constrained_req_ids samples only once that
 step's GrammarMasks is in (workerd.sample.grammar_masks): after the forward,
 the runner takes them from the worker's GrammarMaskBox, checks they answer
-the step (one mask per constrained request, each of which samples now),
-and hands the sampler one row of allowed tokens per constrained request.
+the step (one mask per constrained request, each of which samples now; one
+more per draft it verifies, for the rows of its drafts), and hands the
+sampler one row of allowed tokens per logits row it constrains.
 Anything that does not add up raises, and the step fails with a WorkerError:
 a constrained row is never sampled freely. Other ranks never wait: the
 masks go to the output rank alone.
@@ -37,25 +38,35 @@ class StepGrammar:
         self.last_wait_s = 0.0
 
     def take(self, so: SchedulerOutput, states: list[CachedRequestState], vocab_size: int,
-             device: torch.device) -> GrammarMetadata | None:
+             device: torch.device, num_drafts: list[int] | None = None
+             ) -> GrammarMetadata | None:
         """The grammar part of the sampling metadata of `so`, whose sampling
-        rows are `states`; None for a step without constrained requests."""
+        requests are `states` with num_drafts[i] drafts each (None: none),
+        laid out as 1 + drafts rows each; None for a step without constrained
+        requests."""
         self.last_wait_s = 0.0
         ids = so.constrained_req_ids
         if not ids:
             return None
-        row_of = {s.req_id: i for i, s in enumerate(states)}
+        # Each sampling request's first logits row, and its number of rows.
+        rows_of, first = {}, 0
+        for i, state in enumerate(states):
+            n = 1 + (num_drafts[i] if num_drafts else 0)
+            rows_of[state.req_id] = range(first, first + n)
+            first += n
         if len(set(ids)) != len(ids):
             raise ValueError(f"step {so.step_id} lists a constrained request twice: {ids}")
-        not_sampling = [r for r in ids if r not in row_of]
+        not_sampling = [r for r in ids if r not in rows_of]
         if not_sampling:
             raise ValueError(f"step {so.step_id}: constrained request(s) {not_sampling} do "
                              f"not sample in this step")
         t0 = time.perf_counter()
         msg = self.box.take(so.step_id, GRAMMAR_WAIT_S)
         self.last_wait_s = time.perf_counter() - t0
-        if len(msg.masks) != len(ids):
+        rows = [row for r in ids for row in rows_of[r]]
+        if len(msg.masks) != len(rows):
             raise ValueError(f"step {so.step_id}: {len(msg.masks)} grammar masks for "
-                             f"{len(ids)} constrained requests")
-        rows = torch.tensor([row_of[r] for r in ids], dtype=torch.int64, device=device)
+                             f"{len(ids)} constrained requests and their drafts "
+                             f"({len(rows)} rows)")
+        rows = torch.tensor(rows, dtype=torch.int64, device=device)
         return GrammarMetadata(rows, decode_token_masks(msg.masks, vocab_size, device))

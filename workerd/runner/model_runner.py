@@ -288,7 +288,7 @@ class ModelRunner:
                     self.sampled_tokens.append(inputs.sample_states, None, drafts)
                     return None
                 grammar = self.grammar.take(scheduler_output, inputs.sample_states,
-                                            logits.shape[-1], self.device)
+                                            logits.shape[-1], self.device, drafts)
                 num_rows = num_sample + len(inputs.draft_token_ids)
                 if inputs.draft_token_ids:
                     out, tokens = verify_drafts(self.sampler, logits[:num_rows],

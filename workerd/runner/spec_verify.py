@@ -32,7 +32,6 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, states: list[CachedReq
     reply (each request's emitted tokens, the logprobs asked for, of the raw
     logits at the row each token was emitted from) and the tokens per request."""
     row_params, row_prompts, row_outputs, row_generators = [], [], [], []
-    first_row: list[int] = []
     needs_tokens = False
     offset = 0
     for state, k in zip(states, num_draft_tokens, strict=True):
@@ -41,7 +40,6 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, states: list[CachedReq
         needs_tokens |= uses_tokens
         drafts = draft_token_ids[offset:offset + k]
         offset += k
-        first_row.append(len(row_params))
         output = state.output_token_ids if uses_tokens else []
         generators = state.generators_for_tokens(k + 1)
         for j in range(k + 1):
@@ -52,10 +50,9 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, states: list[CachedReq
     metadata = SamplingMetadata.from_params(
         row_params, row_generators, logits.device, prompt_token_ids=row_prompts,
         output_token_ids=row_outputs if needs_tokens else None)
-    if grammar is not None:
-        # Constrained requests get no drafts (the controlplane's rule): one row each.
-        rows = torch.tensor(first_row, dtype=torch.int64, device=grammar.rows.device)
-        metadata.grammar = GrammarMetadata(rows[grammar.rows], grammar.allowed)
+    # Its rows are already this layout's (grammar_step.py): one per row of a
+    # constrained request, its drafts' included.
+    metadata.grammar = grammar
     tokens, emitted_rows = rejection_sample(sampler, logits, metadata, num_draft_tokens,
                                             draft_token_ids)
     out = ModelRunnerOutput([s.req_id for s in states], [t for ts in tokens for t in ts],

@@ -126,7 +126,7 @@ def build_config(
         cache=config_from_args(CacheConfig, args,
                                sliding_window=info.sliding_window_all_layers),
         scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len,
-                                   speculative=speculative_config(args)),
+                                   speculative=speculative_config(args, info, model_path)),
         parallel=config_from_args(ParallelConfig, args),
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),
@@ -138,9 +138,11 @@ def build_config(
     return config, info
 
 
-def speculative_config(args: argparse.Namespace):
-    """--speculative-config parsed, or a start-up error naming the key at fault."""
-    from controlplane.spec_decode.config import parse_speculative_config
+def speculative_config(args: argparse.Namespace, info: ModelInfo, model_path: str):
+    """--speculative-config parsed, or a start-up error naming the key at fault
+    (a draft model must share the target's vocabulary and tokenizer)."""
+    from controlplane.spec_decode.config import DRAFT_MODEL, parse_speculative_config
+    from controlplane.spec_decode.draft_check import draft_model_problem
 
     if not args.speculative_config:
         return None
@@ -148,9 +150,10 @@ def speculative_config(args: argparse.Namespace):
         parsed = parse_speculative_config(args.speculative_config)
     except ValueError as exc:
         fail(str(exc))
-    if parsed.method != "ngram":
-        fail(f"--speculative-config: method {parsed.method!r} is not served yet; kvloom "
-             f"verifies ngram drafts (docs/spec_decode.md, \"Left out\")")
+    if parsed.method == DRAFT_MODEL:
+        problem = draft_model_problem(parsed.model, model_path, info.vocab_size)
+        if problem is not None:
+            fail(f"--speculative-config: model {parsed.model!r}: {problem}")
     return parsed
 
 

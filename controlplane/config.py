@@ -112,7 +112,9 @@ class SchedulerConfig:
     speculative_config: str = option(
         "", "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": a, \"prompt_lookup_max\": b} "
-        "(n-gram drafts proposed by the controlplane, verified by the workers); empty = none")
+        "(n-gram drafts proposed by the controlplane, verified by the workers), or "
+        "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} (a "
+        "small model with the same tokenizer on the output rank); empty = none")
     speculative: SpeculativeConfig | None = None
 
 

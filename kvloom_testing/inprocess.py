@@ -123,6 +123,8 @@ def handshake(
     call_ids: Callable[[], int] | None = None,
     attention_backend: str = "",
     num_offload_slots: int = 0,
+    draft_model_path: str = "",
+    num_speculative_tokens: int = 0,
 ) -> int:
     """The group start-up on one rank; returns the KV block count it was given.
 
@@ -150,7 +152,9 @@ def handshake(
     if isinstance(model, str | os.PathLike):
         call(load_model=worker_pb2.LoadModel(model_path=str(model), dtype=dtype, seed=seed,
                                              limits=limits_pb(),
-                                             attention_backend=attention_backend))
+                                             attention_backend=attention_backend,
+                                             draft_model_path=draft_model_path,
+                                             num_speculative_tokens=num_speculative_tokens))
     else:
         # Stand-in models skip the checkpoint load, nothing else.
         runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed,
@@ -217,6 +221,8 @@ class InProcessExecutor(StepExecutor):
         attention_backend: str = "",
         num_offload_slots: int = 0,
         on_failed: Callable[[str, FailureKind], None] | None = None,
+        draft_model_path: str = "",
+        num_speculative_tokens: int = 0,
     ):
         if num_gpu_blocks is None and not kv_cache_memory_bytes:
             raise ValueError("size the KV cache: num_gpu_blocks or kv_cache_memory_bytes")
@@ -228,6 +234,8 @@ class InProcessExecutor(StepExecutor):
             dtype=dtype,
             attention_backend=attention_backend,
             num_offload_slots=num_offload_slots,
+            draft_model_path=draft_model_path,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.model = model
         # The host tier's blocks on the worker (make_scheduler gives the scheduler as many).

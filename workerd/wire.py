@@ -191,6 +191,8 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunn
         sampled_token_ids=out.sampled_token_ids,
         forward_time_s=out.forward_time_s,
         num_sampled_tokens=out.num_sampled_tokens,
+        draft_token_ids=out.draft_token_ids,
+        num_draft_tokens=out.num_draft_tokens,
     )
     # The common step asks for no logprobs: both loops are skipped entirely.
     for entry in out.logprobs:

@@ -36,6 +36,7 @@ from workerd.limits import WorkerLimits
 from workerd.runner.sched_output import KVJobDone
 from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.wire import (
+    MAX_SPEC_TOKENS,
     kv_transfer_agent_to_proto,
     kv_transfer_report_to_proto,
     model_runner_output_to_proto,
@@ -164,7 +165,11 @@ class Worker:
             raise CommandError(str(exc)) from None
         # The model object carries its attention backend, so a different one
         # is a different model (the same weights, loaded again).
-        key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition), backend)
+        key = (cmd.model_path, cmd.dtype, cmd.seed, tuple(cmd.pp_layer_partition), backend,
+               cmd.draft_model_path, cmd.num_speculative_tokens)
+        if cmd.draft_model_path and not 1 <= cmd.num_speculative_tokens <= MAX_SPEC_TOKENS:
+            raise CommandError(f"num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS} with "
+                               f"a draft model, got {cmd.num_speculative_tokens}")
         if self.runner is not None and self._loaded == key:
             if (self.runner.limits, self.runner.enforce_eager) != (limits, cmd.enforce_eager):
                 # The weights depend on neither: a runner built for the new
@@ -178,7 +183,8 @@ class Worker:
         runner = ModelRunner(
             self.ps, cmd.model_path, _DTYPES[cmd.dtype], cmd.seed, tuple(cmd.pp_layer_partition),
             limits=limits, attention_backend=backend, enforce_eager=cmd.enforce_eager,
-            grammar_masks=self.grammar_masks,
+            grammar_masks=self.grammar_masks, draft_model_path=cmd.draft_model_path,
+            num_speculative_tokens=cmd.num_speculative_tokens,
         )
         runner.load_model()
         self.runner, self._loaded = runner, key

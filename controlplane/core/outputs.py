@@ -210,6 +210,10 @@ class ModelRunnerOutput:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # Empty when every request emitted exactly one token.
     num_sampled_tokens: list[int] = field(default_factory=list)
+    # A draft model's proposals for each request's next step, concatenated
+    # (num_draft_tokens[i] for req_ids[i]); empty without a draft model.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
 
     def token_spans(self) -> list[tuple[int, int]]:
         """[start, end) of each request's tokens in sampled_token_ids."""

@@ -150,6 +150,9 @@ class Request:
     # while that step's output is not applied (0: none, or preempted since),
     # and its drafts verified and accepted so far (GenerateComplete reports them).
     spec_step: int = 0
+    # A draft model's proposals for its next step (the output rank's, with
+    # its last tokens); [] once used or without a draft model.
+    spec_token_ids: list[int] = field(default_factory=list)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
 

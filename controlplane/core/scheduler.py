@@ -215,6 +215,9 @@ class Scheduler:
             active = min(len(self.running) + len(self.waiting), max_reqs)
             max_reqs = max(1, -(-active // self.num_micro_batches))
         self._spec_tokens = spec_tokens = {}
+        if self.placeholders and self.spec is not None and self.spec.verifying(self.running):
+            # The batch waits for the drafts out (SpecDecoding.verifying).
+            budget = 0
         budget = self._schedule_running(budget, max_reqs, cached, num_scheduled, preempted)
         # As vLLM: admitting while preempting would just thrash the pool.
         if not preempted:
@@ -460,6 +463,8 @@ class Scheduler:
         preempted_finished: set[str] = set()
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        proposals = (self.spec.draft_spans(model_runner_output)
+                     if model_runner_output.num_draft_tokens and self.spec is not None else None)
         for req_id, (start, end) in zip(model_runner_output.req_ids,
                                         model_runner_output.token_spans(), strict=True):
             request = requests.get(req_id)
@@ -470,6 +475,8 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            if proposals:
+                request.spec_token_ids = proposals[req_id]
             if spec_tokens and req_id in spec_tokens:
                 self.spec.apply_verified(request, len(spec_tokens[req_id]), end - start - 1,
                                          step_id)

@@ -1,14 +1,18 @@
-"""The scheduler's half of speculative decoding (--speculative-config ngram).
+"""The scheduler's half of speculative decoding (--speculative-config).
 
 The controlplane holds every request's tokens, so it proposes n-gram drafts
 itself (spec_decode/ngram.py): the workers spend nothing on proposing, and
-drafts work at any pipeline depth. A running request in decode gets up to K
-drafts appended to the token it computes; the step counts them in its
-budget and lists them in scheduled_spec_decode_tokens; the output rank keeps
-the longest prefix the target model agrees with plus one token of its own.
-The scheduler then rolls num_computed_tokens back over the rejected
-positions (their KV is simply overwritten later) and never hashes a draft
-into the prefix cache (cache_full_blocks stops at the known tokens).
+drafts work at any pipeline depth. With a draft model the output rank
+proposes after each step and the drafts come back with the step's tokens
+(workerd/runner/draft_model.py); from there both are scheduled alike.
+
+A running request in decode gets up to K drafts appended to the token it
+computes; the step counts them in its budget and lists them in
+scheduled_spec_decode_tokens; the output rank keeps the longest prefix the
+target model agrees with plus one token of its own. The scheduler then rolls
+num_computed_tokens back over the rejected positions (their KV is simply
+overwritten later) and never hashes a draft into the prefix cache
+(cache_full_blocks stops at the known tokens).
 
 With async scheduling a request may be scheduled while its previous token is
 in flight: its drafts are then proposed from the tokens known, for K + the
@@ -16,7 +20,8 @@ in-flight count, and the guesses for the in-flight tokens are dropped. A
 guess that turns out wrong costs acceptance, never exactness: the worker
 verifies every draft against the real context. A step with drafts emits an
 unknown number of tokens, so that request is not scheduled again until the
-step's output is applied (the others keep pipelining); docs/spec_decode.md.
+step's output is applied, and the batch waits with it (verifying()); while
+no request drafts, steps pipeline as without speculation (docs/spec_decode.md).
 
 Drafts that keep being rejected cost a verify each, so every request adapts
 on its own: its draft length follows what it last accepted, and after steps
@@ -30,8 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from controlplane.core.outputs import ModelRunnerOutput
 from controlplane.core.request import Request
-from controlplane.spec_decode.config import SpeculativeConfig
+from controlplane.spec_decode.config import DRAFT_MODEL, SpeculativeConfig
 from controlplane.spec_decode.ngram import propose_ngram
 
 # Steps without drafts after a fruitless draft step: 1, 2, 4, ... this many.
@@ -76,9 +82,9 @@ class SpecDecodingStats:
 
 class SpecDecoding:
     def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"the scheduler proposes ngram drafts only, not {config.method!r}")
         self.k = config.num_speculative_tokens
+        # Drafts from a draft model on the output rank, not from n-grams here.
+        self.uses_draft_model = config.method == DRAFT_MODEL
         # (token ids, n) -> up to n tokens that may follow them.
         self.proposer: Callable[[Sequence[int], int], list[int]] = partial(
             propose_ngram, min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max)
@@ -89,9 +95,9 @@ class SpecDecoding:
         """Drafts for a request about to compute one decode token: at most
         `room` (what the step's budget leaves), never past max_tokens. Its
         tokens in flight (placeholders) are guessed and skipped. None: hold
-        the request back this step (a constrained one with a token in flight
-        and drafts in sight: its grammar can validate them once that token
-        is in, the next step)."""
+        the request back this step, until its tokens in flight are in (a
+        draft model's drafts come with them; a constrained request's grammar
+        can validate drafts only after them)."""
         state = self.states.get(request.request_id)
         if state is None:
             state = self.states[request.request_id] = SpecState(self.k)
@@ -104,7 +110,12 @@ class SpecDecoding:
                 request.max_tokens - request.num_output_tokens - pending - 1)
         if k <= 0:
             return []
-        drafts = self.proposer(request.all_token_ids, k=k + pending)[pending:]
+        if self.uses_draft_model:
+            if pending:
+                return None  # its drafts come with the tokens in flight
+            drafts, request.spec_token_ids = request.spec_token_ids[:k], []
+        else:
+            drafts = self.proposer(request.all_token_ids, k=k + pending)[pending:]
         grammar = request.grammar
         if grammar is None or not drafts:
             return drafts
@@ -140,6 +151,27 @@ class SpecDecoding:
         state.next_cooldown = 1
         state.num_drafts = min(self.k, num_accepted + 1 if num_accepted < num_drafts
                                else 2 * num_drafts)
+
+    @staticmethod
+    def verifying(running: list[Request]) -> bool:
+        """Whether a running request's drafts are out. With async scheduling
+        (PP = 1) the scheduler then holds the whole batch until that output
+        is in: the drafting request cannot go on before it anyway, and steps
+        of the others sent meanwhile would be applied first and delay it by
+        the depth of the queue, a step or two for every drafting step, while
+        splitting one batch into smaller steps. (At PP > 1 micro-batches are
+        disjoint and no request is scheduled while its step is out: nothing
+        to hold.)"""
+        return any(r.spec_step for r in running)
+
+    @staticmethod
+    def draft_spans(out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """A draft model's proposals in a reply, by request."""
+        spans, offset = {}, 0
+        for req_id, n in zip(out.req_ids, out.num_draft_tokens, strict=True):
+            spans[req_id] = out.draft_token_ids[offset:offset + n]
+            offset += n
+        return spans
 
     @staticmethod
     def _pause(state: SpecState) -> None:

@@ -25,6 +25,7 @@ from controlplane.config import (
 )
 from controlplane.executor.model_dtype import resolve_dtype
 from controlplane.executor.worker_calls import WorkerGroupFailed
+from controlplane.spec_decode.config import DRAFT_MODEL
 from kvloom.kvtransfer.v1 import kv_transfer_pb2
 from kvloom.worker.v1 import worker_pb2
 
@@ -96,6 +97,9 @@ class GroupStartup:
         await self._init_distributed(master_addr, master_port)
         logger.info("group formed: world size %d (%.1f s)", par.world_size, time.monotonic() - t0)
 
+        # A draft model is loaded by the output rank beside its shard.
+        spec = self.scheduler.speculative
+        draft = spec if spec is not None and spec.method == DRAFT_MODEL else None
         load = worker_pb2.ControlMessage(
             load_model=worker_pb2.LoadModel(
                 model_path=self.model.worker_model_path,
@@ -104,6 +108,8 @@ class GroupStartup:
                 seed=self.model.seed,
                 attention_backend=self.model.attention_backend,
                 enforce_eager=self.model.enforce_eager,
+                draft_model_path=draft.model if draft is not None else "",
+                num_speculative_tokens=draft.num_speculative_tokens if draft is not None else 0,
                 limits=worker_pb2.WorkerLimits(
                     max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                     max_num_seqs=self.scheduler.max_num_seqs,

@@ -30,6 +30,7 @@ from controlplane.core.outputs import (
 )
 from controlplane.executor.wire import model_runner_output_from_proto
 from controlplane.executor.worker_calls import WorkerGroupFailed
+from controlplane.spec_decode.config import MAX_SPEC_TOKENS
 from kvloom.worker.v1 import worker_pb2
 
 # The payload that answers each command; every other kind is a violation
@@ -104,6 +105,7 @@ def check_model_runner_output(
     sampling = expected.sampling_reqs
     try:
         _check_sampled(out, expected, vocab_size)
+        _check_proposed_drafts(out, vocab_size)
         _check_logprobs(out, sampling, vocab_size)
         _check_prompt_logprobs(out.prompt_logprobs, expected.prompt_logprobs_windows, vocab_size)
     except _Mismatch as exc:
@@ -144,6 +146,21 @@ def _check_sampled(out: ModelRunnerOutput, expected: ExpectedReply, vocab: int) 
     if len(seen) != len(sampling):
         missing = [r for r in sampling if r not in seen]
         raise _Mismatch(f"no token for request(s) {_listed(missing)}")
+
+
+def _check_proposed_drafts(out: ModelRunnerOutput, vocab: int) -> None:
+    """A draft model's proposals: a bounded run of token ids per request
+    (the scheduler trims them to its own K)."""
+    offset = 0
+    for req_id, n in zip(out.req_ids, out.num_draft_tokens, strict=False):
+        if n > MAX_SPEC_TOKENS:
+            raise _Mismatch(f"{n} proposed drafts for request {req_id!r}, at most "
+                            f"{MAX_SPEC_TOKENS}")
+        for token_id in out.draft_token_ids[offset:offset + n]:
+            if not 0 <= token_id < vocab:
+                raise _Mismatch(f"proposed draft {token_id} for request {req_id!r} is outside "
+                                f"the vocabulary (size {vocab})")
+        offset += n
 
 
 def _check_logprobs(out: ModelRunnerOutput, sampling: dict[str, int | None], vocab: int) -> None:

@@ -107,20 +107,30 @@ def _token_logprobs(pb: worker_pb2.TokenLogprobs) -> TokenLogprobs | None:
     return TokenLogprobs(pb.logprob, pb.rank, list(pb.top_token_ids), list(pb.top_logprobs))
 
 
+def _check_column(counts: list[int], num_reqs: int, num_values: int, what: str) -> None:
+    """counts[i] of the concatenated values are request i's."""
+    if len(counts) != num_reqs:
+        raise ValueError(f"{len(counts)} {what} counts for {num_reqs} sampled requests")
+    if sum(counts) != num_values:
+        raise ValueError(f"{what} counts sum to {sum(counts)}, but {num_values} {what}s "
+                         f"were sent")
+
+
 def model_runner_output_from_proto(msg: worker_pb2.ModelRunnerOutput) -> ModelRunnerOutput:
     out = ModelRunnerOutput(
         req_ids=list(msg.req_ids),
         sampled_token_ids=list(msg.sampled_token_ids),
         forward_time_s=msg.forward_time_s,
         num_sampled_tokens=list(msg.num_sampled_tokens),
+        draft_token_ids=list(msg.draft_token_ids),
+        num_draft_tokens=list(msg.num_draft_tokens),
     )
     if out.num_sampled_tokens:
-        if len(out.num_sampled_tokens) != len(out.req_ids):
-            raise ValueError(f"{len(out.num_sampled_tokens)} token counts for "
-                             f"{len(out.req_ids)} sampled requests")
-        if sum(out.num_sampled_tokens) != len(out.sampled_token_ids):
-            raise ValueError(f"token counts sum to {sum(out.num_sampled_tokens)}, but "
-                             f"{len(out.sampled_token_ids)} tokens were sent")
+        _check_column(out.num_sampled_tokens, len(out.req_ids), len(out.sampled_token_ids),
+                      "token")
+    if out.num_draft_tokens or out.draft_token_ids:
+        _check_column(out.num_draft_tokens, len(out.req_ids), len(out.draft_token_ids),
+                      "draft")
     # Empty unless some request asked, which keeps the common step cheap.
     if msg.logprobs:
         if len(msg.logprobs) != len(out.sampled_token_ids):

@@ -14,7 +14,7 @@ from tests.checkpoints import config_only_checkpoint
 
 # Fields that are no flag: build_config resolves them at start-up.
 RESOLVED = {("SchedulerConfig", "max_model_len"), ("CacheConfig", "sliding_window"),
-            ("ModelConfig", "checkpoint_dtype")}
+            ("ModelConfig", "checkpoint_dtype"), ("SchedulerConfig", "speculative")}
 
 # Every spelling the launcher, compose file, Helm chart and tests pass today.
 DEPLOYED_FLAGS = [

@@ -35,7 +35,11 @@ class Run:
 
     def __init__(self, model_dir: str, *, async_scheduling: bool, num_blocks: int = 64,
                  **overrides):
-        self.executor = InProcessExecutor(model_dir, num_gpu_blocks=num_blocks)
+        spec = overrides.get("speculative")
+        draft = spec.model if spec is not None and spec.method == "draft_model" else ""
+        self.executor = InProcessExecutor(
+            model_dir, num_gpu_blocks=num_blocks, draft_model_path=draft or "",
+            num_speculative_tokens=spec.num_speculative_tokens if draft else 0)
         self.client = Client()
         self.engine = make_engine(self.executor, self.client.emit,
                                   async_scheduling=async_scheduling, **overrides)

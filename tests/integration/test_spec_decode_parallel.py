@@ -71,6 +71,21 @@ def test_drafts_verified_across_ranks_match_transformers(echo_model_dir, tp, pp,
     assert 0 < accepted < drafted
 
 
+def test_a_draft_model_on_the_last_stage_matches_transformers(echo_model_dir):
+    # The target drafting for itself at PP=2: the output rank (the last
+    # stage) loads it beside its layers and proposes after every step.
+    spec = ("--speculative-config", json.dumps(
+        {"method": "draft_model", "model": echo_model_dir, "num_speculative_tokens": 3}))
+    prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(len(MAX_TOKENS))]
+    with running_cluster(echo_model_dir, pp=2, args=spec) as cluster:
+        tokens = asyncio.run(_generate(cluster.api_address, prompts))
+        accepted = _metric(cluster, "kvloom_spec_decode_num_accepted_tokens_total")
+        drafted = _metric(cluster, "kvloom_spec_decode_num_draft_tokens_total")
+    for prompt, got, max_tokens in zip(prompts, tokens, MAX_TOKENS, strict=True):
+        assert got == hf_greedy(echo_model_dir, prompt, max_tokens)
+    assert accepted >= 0.9 * drafted > 0
+
+
 def test_a_killed_output_rank_with_drafts_in_flight_loses_nothing(echo_model_dir):
     with supervised(echo_model_dir, pp=2, args=SPEC) as cluster:
         tokens = asyncio.run(_generate_through(cluster, [[1]]))

@@ -45,6 +45,7 @@ from workerd.runner.cuda_graphs import (
     graphs_memory_bytes,
     graphs_unavailable,
 )
+from workerd.runner.draft_model import DraftModelProposer
 from workerd.runner.grammar_step import StepGrammar
 from workerd.runner.host_kv_tier import HostKVTier, OnLoadsDone, close_tier
 from workerd.runner.input_batch import CachedRequestState, InputBatch, apply_scheduler_output
@@ -94,6 +95,8 @@ class ModelRunner:
         enforce_eager: bool = False,
         pack_weights: bool = True,
         grammar_masks: GrammarMaskBox | None = None,
+        draft_model_path: str = "",
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.ps = ps
         self.model_path = model_path
@@ -137,11 +140,19 @@ class ModelRunner:
         # The output rank's wait for a step's grammar masks (the worker's
         # box); like the receive above, kept out of forward_time_s.
         self.grammar = StepGrammar(grammar_masks)
+        # Speculative decoding with a draft model: the output rank's proposer
+        # (draft_model.py), loaded by load_model; None elsewhere.
+        self.draft_model_path = draft_model_path
+        self.num_speculative_tokens = num_speculative_tokens
+        self.drafter: DraftModelProposer | None = None
 
     # ---- start-up -------------------------------------------------------
 
     def load_model(self) -> None:
         self.model = load_model(self.model_path, self.ps, self.dtype, self.pp_layer_partition)
+        if self.draft_model_path and self.ps.is_output_rank:
+            self.drafter = DraftModelProposer(self.draft_model_path, self.dtype, self.device,
+                                              self.num_speculative_tokens)
         self.model.set_attention_backend(make_attention_backend(
             self.attention_backend, self.device,
             kv_width=self.model.num_kv_heads * self.model.head_dim))
@@ -165,8 +176,13 @@ class ModelRunner:
         runner = ModelRunner(
             self.ps, self.model_path, self.dtype, 0, self.pp_layer_partition, limits=limits,
             attention_backend=self.attention_backend, enforce_eager=enforce_eager,
-            pack_weights=self.pack_weights, grammar_masks=self.grammar.box)
+            pack_weights=self.pack_weights, grammar_masks=self.grammar.box,
+            draft_model_path=self.draft_model_path,
+            num_speculative_tokens=self.num_speculative_tokens)
         runner.model = self.model  # in place of runner.load_model()
+        runner.drafter = self.drafter
+        if runner.drafter is not None:
+            runner.drafter.reset()
         runner.generator.set_state(self.generator.get_state())
         runner.graph_capture = self.graph_capture
         return runner
@@ -242,6 +258,8 @@ class ModelRunner:
         self.requests = {}
         self.input_batch = InputBatch()
         self.sampled_tokens.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
         self.kv_tier = close_tier(self.kv_tier)  # a re-formed group's tier starts empty
         self.kv_transfer = kv_connector.close_transfer(self.kv_transfer)  # and its producers
         self.kv_caches = []
@@ -252,6 +270,8 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self.last_recv_wait_s = self.grammar.last_wait_s = 0.0
+        if self.drafter is not None:
+            self.drafter.forget(scheduler_output.finished_req_ids)
         self._update_states(scheduler_output)
         kv_connector.run_kv_connector(self.kv_tier, self.kv_transfer,
                                       scheduler_output.kv_connector_metadata)
@@ -298,6 +318,10 @@ class ModelRunner:
                     out = self.sample(logits[:num_rows], inputs.sample_states, grammar)
                     tokens = [[t] for t in out.sampled_token_ids]
                 self.sampled_tokens.append(inputs.sample_states, tokens, drafts)
+                if self.drafter is not None:
+                    proposals = self.drafter.propose(inputs.sample_states)
+                    out.num_draft_tokens = [len(p) for p in proposals]
+                    out.draft_token_ids = [t for p in proposals for t in p]
                 if inputs.prompt_targets:
                     out.prompt_logprobs = prompt_logprobs(
                         logits[num_rows:], inputs.prompt_targets

@@ -78,7 +78,7 @@ class InitDistributed(_message.Message):
     def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits", "attention_backend", "enforce_eager")
+    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits", "attention_backend", "enforce_eager", "draft_model_path", "num_speculative_tokens")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PP_LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class LoadModel(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     dtype: str
     pp_layer_partition: _containers.RepeatedScalarFieldContainer[int]
@@ -93,7 +95,9 @@ class LoadModel(_message.Message):
     limits: WorkerLimits
     attention_backend: str
     enforce_eager: bool
-    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ...) -> None: ...
+    draft_model_path: str
+    num_speculative_tokens: int
+    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., draft_model_path: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerLimits(_message.Message):
     __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
@@ -334,20 +338,24 @@ class PromptLogprobs(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., start_position: _Optional[int] = ..., positions: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ModelRunnerOutput(_message.Message):
-    __slots__ = ("req_ids", "sampled_token_ids", "forward_time_s", "logprobs", "prompt_logprobs", "num_sampled_tokens")
+    __slots__ = ("req_ids", "sampled_token_ids", "forward_time_s", "logprobs", "prompt_logprobs", "num_sampled_tokens", "draft_token_ids", "num_draft_tokens")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_time_s: float
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., forward_time_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ()

@@ -167,3 +167,28 @@ def test_preemption_clears_the_rollback_of_drafts_in_flight():
     sched.update_from_output(so, _reply(so, sched, {"a": 1}))
     # Recomputed from scratch: no rollback below zero.
     assert request.num_computed_tokens == 0
+
+
+def test_with_async_scheduling_the_batch_waits_for_drafts_out():
+    sched = _scheduler()
+    a = _prefilled(sched)
+    other = make_request([40, 41, 42, 43, 44], max_tokens=30, req_id="b", temperature=0.0,
+                         ignore_eos=True)
+    sched.add_request(other)
+    sched.placeholders = True
+    first = sched.schedule()
+    assert first.scheduled_spec_decode_tokens.keys() == {"a"} and "b" in first.num_scheduled_tokens
+    # a's drafts are out: nothing else is scheduled either (b would run ahead
+    # and its steps would be applied before a could go on).
+    assert sched.schedule().num_scheduled_tokens == {}
+    sched.update_from_output(first, _reply(first, sched, {"a": 1}))
+    assert a.spec_step == 0
+    assert sched.schedule().num_scheduled_tokens.keys() == {"a", "b"}
+    # PP > 1: micro-batches of disjoint requests, no placeholders: nothing is held.
+    sched = _scheduler()
+    _prefilled(sched)
+    sched.add_request(make_request([40, 41, 42], max_tokens=30, req_id="b", ignore_eos=True))
+    sched.num_micro_batches = 2
+    first = sched.schedule()
+    assert first.num_scheduled_tokens.keys() == {"a"} and first.scheduled_spec_decode_tokens
+    assert sched.schedule().num_scheduled_tokens.keys() == {"b"}

@@ -554,3 +554,23 @@ def test_token_counts_that_do_not_add_up_are_refused_on_the_wire():
                                        num_sampled_tokens=[3, 1])
     with pytest.raises(ProtocolViolation, match="token counts sum to 4, but 3 tokens"):
         check_step_reply(msg, DRAFT_STEP, VOCAB, RANK)
+
+
+def test_a_draft_models_proposals_are_bounded_ids():
+    ok = _drafted([1, 2])
+    ok.num_draft_tokens, ok.draft_token_ids = [2, 0], [7, 8]
+    check_model_runner_output(ok, DRAFT_STEP, VOCAB, RANK)
+    for counts, drafts, what in [
+        ([17, 0], list(range(17)), "17 proposed drafts for request 'd', at most 16"),
+        ([1, 1], [7, VOCAB], f"proposed draft {VOCAB} for request 'e' is outside the "
+                             f"vocabulary (size {VOCAB})"),
+    ]:
+        bad = _drafted([1, 2])
+        bad.num_draft_tokens, bad.draft_token_ids = counts, drafts
+        with pytest.raises(ProtocolViolation) as info:
+            check_model_runner_output(bad, DRAFT_STEP, VOCAB, RANK)
+        assert info.value.what == f"answered step 9: {what}"
+    msg = worker_pb2.ModelRunnerOutput(req_ids=["d", "e"], sampled_token_ids=[1, 5],
+                                       draft_token_ids=[3], num_draft_tokens=[2, 0])
+    with pytest.raises(ProtocolViolation, match="draft counts sum to 2, but 1 drafts"):
+        check_step_reply(msg, DRAFT_STEP, VOCAB, RANK)

@@ -218,3 +218,31 @@ def test_logprobs_misaligned_with_req_ids_are_rejected():
     del msg.logprobs[1]
     with pytest.raises(ValueError, match="logprobs entries"):
         model_runner_output_from_proto(msg)
+
+
+def test_drafts_and_variable_token_counts_cross_the_wire():
+    so = _step(1)
+    so.scheduled_spec_decode_tokens = {"old-b": [4, 5, 6]}
+    so.num_scheduled_tokens["old-b"] = 4
+    back = scheduler_output_from_proto(scheduler_output_to_proto(so))
+    assert back.scheduled_spec_decode_tokens == {"old-b": [4, 5, 6]}
+    # A step without drafts sends no draft columns at all.
+    assert not scheduler_output_to_proto(_step(1)).scheduled_cached_reqs.num_spec_tokens
+    out = ModelRunnerOutput(["a", "b"], [1, 2, 3, 9], num_sampled_tokens=[3, 1],
+                            draft_token_ids=[7, 7], num_draft_tokens=[0, 2])
+    cp = model_runner_output_from_proto(model_runner_output_to_proto(out))
+    assert cp.token_spans() == [(0, 3), (3, 4)]
+    assert (cp.draft_token_ids, cp.num_draft_tokens) == ([7, 7], [0, 2])
+
+
+@pytest.mark.parametrize("counts,drafts,match", [
+    ([3], [4, 5], "columns differ in length"),
+    ([3, 0], [4, 5], "column counts sum to 3, but 2 values"),
+    ([65, 0], list(range(65)), "65 draft tokens, more than 64"),
+])
+def test_hostile_draft_columns_are_refused_at_the_worker(counts, drafts, match):
+    msg = scheduler_output_to_proto(_step(1))
+    msg.scheduled_cached_reqs.num_spec_tokens.extend(counts)
+    msg.scheduled_cached_reqs.spec_token_ids.extend(drafts)
+    with pytest.raises(ValueError, match=match):
+        scheduler_output_from_proto(msg)

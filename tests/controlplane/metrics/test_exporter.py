@@ -303,3 +303,36 @@ def test_remote_reads_and_leases_count_apart_from_the_host_tier(metrics):
     assert _get(s, "kvloom_kv_transfer_read_seconds_total") == 0.5
     assert _get(s, "kvloom_kv_transfer_failed_blocks_total") == 1
     assert _get(s, "kvloom_kv_offload_load_jobs_total") == 0
+
+
+def test_speculative_decoding_counts_with_vllms_names(metrics):
+    from controlplane.config import SchedulerConfig
+    from controlplane.spec_decode.config import SpeculativeConfig
+
+    _, _, engine = metrics
+    config = ControlPlaneConfig(
+        model=ModelConfig(model="/m/tiny", served_model_name="tiny", worker_model_path="/m"),
+        scheduler=SchedulerConfig(speculative=SpeculativeConfig("ngram", 3, 2, 4)))
+    status = ExecutorStatus(state=GroupState.READY, world_size=1, ranks=(), num_gpu_blocks=64)
+    m = ControlPlaneMetrics(config, engine, SimpleNamespace(status=lambda: status))
+    before = SchedulerStats(spec_num_drafts=2, spec_num_draft_tokens=6,
+                            spec_num_accepted_tokens=3, spec_num_accepted_tokens_per_pos=(2, 1, 0))
+    after = SchedulerStats(spec_num_drafts=5, spec_num_draft_tokens=14,
+                           spec_num_accepted_tokens=9, spec_num_accepted_tokens_per_pos=(5, 3, 1))
+    m.observe([], record(1.0, stats=before))
+    m.observe([], record(2.0, stats=after))
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_spec_decode_num_drafts_total") == 5
+    assert _get(s, "kvloom_spec_decode_num_draft_tokens_total") == 14
+    assert _get(s, "kvloom_spec_decode_num_accepted_tokens_total") == 9
+    per_pos = [_get(s, "kvloom_spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+               for p in range(3)]
+    assert per_pos == [5, 3, 1]
+    # A new scheduler (the group re-formed) starts its counts at zero: only what it adds counts.
+    m.observe([], record(3.0, stats=SchedulerStats(spec_num_drafts=1, spec_num_draft_tokens=3,
+                                                   spec_num_accepted_tokens=1,
+                                                   spec_num_accepted_tokens_per_pos=(1, 0, 0)),
+                         generation=2))
+    s = _samples(m.registry)
+    assert _get(s, "kvloom_spec_decode_num_drafts_total") == 6
+    assert _get(s, "kvloom_spec_decode_num_accepted_tokens_per_pos_total", position="0") == 6

@@ -120,3 +120,20 @@ def test_outputs_that_queued_up_go_out_as_one_chunk():
 def test_an_abort_ends_with_abort():
     s = TokenStream(0, PROMPT, SamplingParams(), stream=True, eos_token_ids=EOS)
     assert feed(s, out([], FinishReason.ABORT))[-1].complete.finish_reason == "abort"
+
+
+def test_the_complete_reports_drafted_and_accepted_tokens():
+    # Speculative decoding: each output carries the request's totals so far.
+    for stream in (True, False):
+        s = TokenStream(0, PROMPT, SamplingParams(), stream=stream, eos_token_ids=EOS)
+        msgs = feed(s, out([4], spec_num_draft_tokens=0),
+                    out([5, 6, 7], spec_num_draft_tokens=4, spec_num_accepted_tokens=2),
+                    out([8, 9], FinishReason.LENGTH, spec_num_draft_tokens=8,
+                        spec_num_accepted_tokens=3))
+        done = msgs[-1].complete
+        assert (done.spec_draft_tokens, done.spec_accepted_tokens) == (8, 3)
+        assert done.completion_tokens == 6
+    # Without drafts the fields stay zero.
+    s = TokenStream(0, PROMPT, SamplingParams(), stream=True, eos_token_ids=EOS)
+    done = feed(s, out([4], FinishReason.LENGTH))[-1].complete
+    assert (done.spec_draft_tokens, done.spec_accepted_tokens) == (0, 0)

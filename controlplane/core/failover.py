@@ -35,7 +35,7 @@ def reset_for_recompute(sched: Scheduler) -> None:
     for request in sched.requests.values():
         # Steps in flight on the failed group never answer (nor do their drafts).
         request.num_output_placeholders = 0
-        request.spec_step = 0
+        request.spec_step, request.spec_token_ids = 0, []
     sched.waiting.prepend_many(sched.running + loading)
     sched.running = []
     kv.reset_prefix_cache()

@@ -439,7 +439,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_step = 0  # recomputed from scratch: nothing to roll back
+        # Recomputed from scratch: nothing to roll back, no drafts kept (vLLM).
+        request.spec_step, request.spec_token_ids = 0, []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

@@ -162,8 +162,10 @@ def test_preemption_clears_the_rollback_of_drafts_in_flight():
     sched = _scheduler()
     request = _prefilled(sched)
     so = sched.schedule()
+    request.spec_token_ids = [1, 2]  # as a draft model's proposals would be
     sched._preempt(sched.running.pop(), set())
     assert request.spec_step == 0 and request.num_computed_tokens == 0
+    assert request.spec_token_ids == []
     sched.update_from_output(so, _reply(so, sched, {"a": 1}))
     # Recomputed from scratch: no rollback below zero.
     assert request.num_computed_tokens == 0

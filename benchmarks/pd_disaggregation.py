@@ -52,6 +52,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from benchmarks.arg_types import bounded  # noqa: E402
 from kvloom.common.cpu_cores import available_cores, pin_process  # noqa: E402
 from kvloom_cli import launcher  # noqa: E402
 
@@ -210,32 +211,23 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _bounded(low: float, high: float, kind=int):
-    def parse(text: str):
-        value = kind(text)
-        if not low <= value <= high:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {text}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint dir; default: the embedded SmolLM2-135M")
-    p.add_argument("--decoders", type=_bounded(1, 256), default=4)
-    p.add_argument("--decoder-len", type=_bounded(1, 4096), default=32,
+    p.add_argument("--decoders", type=bounded(1, 256), default=4)
+    p.add_argument("--decoder-len", type=bounded(1, 4096), default=32,
                    help="prompt tokens of each decode stream")
-    p.add_argument("--decode-len", type=_bounded(2, 4096), default=96)
-    p.add_argument("--long-prompts", type=_bounded(1, 256), default=6)
-    p.add_argument("--long-len", type=_bounded(1, 8192), default=1024)
-    p.add_argument("--long-max-tokens", type=_bounded(1, 1024), default=4)
-    p.add_argument("--interval", type=_bounded(0.0, 60.0, float), default=1.0)
-    p.add_argument("--warmup", type=_bounded(0.0, 60.0, float), default=1.0,
+    p.add_argument("--decode-len", type=bounded(2, 4096), default=96)
+    p.add_argument("--long-prompts", type=bounded(1, 256), default=6)
+    p.add_argument("--long-len", type=bounded(1, 8192), default=1024)
+    p.add_argument("--long-max-tokens", type=bounded(1, 1024), default=4)
+    p.add_argument("--interval", type=bounded(0.0, 60.0, float), default=1.0)
+    p.add_argument("--warmup", type=bounded(0.0, 60.0, float), default=1.0,
                    help="seconds of decoding before the first long prompt")
     p.add_argument("--modes", default="idle,colocated,pd-idle,pd")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ready-timeout", type=_bounded(1, 3600, float), default=600.0)
+    p.add_argument("--ready-timeout", type=bounded(1, 3600, float), default=600.0)
     p.add_argument("--logs", action="store_true", help="the daemons' logs to stderr")
     p.add_argument("--json", help="write the results here")
     return p

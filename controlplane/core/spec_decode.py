@@ -25,7 +25,7 @@ no request drafts, steps pipeline as without speculation (docs/spec_decode.md).
 
 Drafts that keep being rejected cost a verify each, so every request adapts
 on its own: its draft length follows what it last accepted, and after steps
-that accepted nothing it stops drafting for a while (doubling, capped), so a
+that accepted nothing it stops drafting for a while (growing, capped), so a
 workload with nothing to look up runs as it would without speculation.
 """
 
@@ -40,8 +40,10 @@ from controlplane.core.request import Request
 from controlplane.spec_decode.config import DRAFT_MODEL, SpeculativeConfig
 from controlplane.spec_decode.ngram import propose_ngram
 
-# Steps without drafts after a fruitless draft step: 1, 2, 4, ... this many.
-MAX_COOLDOWN_STEPS = 32
+# Steps without drafts after a fruitless draft step: 1, 4, 16, ... this many.
+MAX_COOLDOWN_STEPS = 64
+# Each fruitless draft step multiplies the next pause by this.
+COOLDOWN_GROWTH = 4
 
 
 @dataclass(slots=True)
@@ -177,7 +179,7 @@ class SpecDecoding:
     def _pause(state: SpecState) -> None:
         state.num_drafts = 1
         state.cooldown = state.next_cooldown
-        state.next_cooldown = min(2 * state.next_cooldown, MAX_COOLDOWN_STEPS)
+        state.next_cooldown = min(COOLDOWN_GROWTH * state.next_cooldown, MAX_COOLDOWN_STEPS)
 
     def forget(self, req_id: str) -> None:
         self.states.pop(req_id, None)

@@ -35,6 +35,7 @@ HELPERS = {
     "structured_report": "structured_outputs' series and tables",
     "hf_baseline": "engine_core --hf-baseline (serving.py --hf-baseline too)",
     "recovery_netns": "recovery --netns (it has no command line of its own)",
+    "arg_types": "pd_disaggregation and spec_decode bound their arguments with it",
 }
 
 

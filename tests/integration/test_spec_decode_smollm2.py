@@ -2,7 +2,8 @@
 task that repeats its prompt: the greedy answer is transformers' token for
 token, most drafts are accepted, and a stop string that lands inside an
 accepted run ends the text exactly where the model without drafts would.
-n = 2 greedy samples are each the reference."""
+n = 2 greedy samples are each the reference. At TP=1 and PP=2 (where the
+output rank sends each request's emitted tokens back to the first stage)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ async def _ask(address: str, ids: list[int], **sampling) -> dict[int, tuple[list
         return got
 
 
-def test_a_repeated_paragraph_is_drafted_and_exact(default_model, prompt_and_answer):
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp1", "pp2"])
+def test_a_repeated_paragraph_is_drafted_and_exact(default_model, prompt_and_answer, pp):
     ids, want, tok = prompt_and_answer
     want_text = tok.decode(want, skip_special_tokens=True)
     # The answer repeats the paragraph: what n-grams are for.
@@ -72,7 +74,7 @@ def test_a_repeated_paragraph_is_drafted_and_exact(default_model, prompt_and_ans
     # A word deep inside the repeated run, so the stop lands in an accepted run.
     stop = "great lamp"
     assert stop in want_text
-    with running_cluster(default_model, args=SPEC, timeout=400) as cluster:
+    with running_cluster(default_model, pp=pp, args=SPEC, timeout=400) as cluster:
         plain = asyncio.run(_ask(cluster.api_address, ids, n=2))
         stopped = asyncio.run(_ask(cluster.api_address, ids, stop=[stop]))
         accepted = _metric(cluster, "kvloom_spec_decode_num_accepted_tokens_total")

@@ -1,11 +1,11 @@
-"""Rejection sampler: verifies a step's n-gram drafts on the output rank.
+"""Rejection sampler: verifies a step's drafts on the output rank.
 
 Speculative decoding is only worth having if it is lossless: every emitted
 token must be distributed exactly as ordinary decoding would have sampled it,
 and greedy output must be token-identical. This is the scheme of Leviathan et
 al. (arXiv 2211.17192) as vLLM's rejection sampler implements it, with the
-draft probabilities one-hot: an n-gram proposer has no distribution, it just
-names a token d. At a draft position with target distribution p, d is
+draft probabilities one-hot: an n-gram proposer has no distribution, and a
+greedy draft model's is one-hot by construction; each just names a token d. At a draft position with target distribution p, d is
 accepted with probability p(d); on the first rejection the *recovered* token
 is drawn from the residual max(p - onehot(d), 0), i.e. p without d,
 renormalised, and the request stops there. If every draft is accepted, a

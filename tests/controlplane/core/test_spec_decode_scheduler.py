@@ -147,12 +147,12 @@ def test_fruitless_drafts_back_off_then_drafting_resumes():
             plain += 1
 
     assert run_until_drafts(0) == (0, K)
-    # Nothing accepted: one draft at a time, after pauses that double up to the cap.
-    pauses = [run_until_drafts(0) for _ in range(7)]
-    assert pauses == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (32, 1)]
-    assert MAX_COOLDOWN_STEPS == 32
+    # Nothing accepted: one draft at a time, after pauses that grow up to the cap.
+    pauses = [run_until_drafts(0) for _ in range(5)]
+    assert pauses == [(1, 1), (4, 1), (16, 1), (64, 1), (64, 1)]
+    assert MAX_COOLDOWN_STEPS == 64
     # One accepted: the pause resets and the run grows again.
-    assert run_until_drafts(1) == (32, 1)
+    assert run_until_drafts(1) == (64, 1)
     assert run_until_drafts(1) == (0, 2)
     assert run_until_drafts(2) == (0, 2)
     assert run_until_drafts(2) == (0, 4)

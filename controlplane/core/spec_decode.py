@@ -25,8 +25,9 @@ no request drafts, steps pipeline as without speculation (docs/spec_decode.md).
 
 Drafts that keep being rejected cost a verify each, so every request adapts
 on its own: its draft length follows what it last accepted, and after steps
-that accepted nothing it stops drafting for a while (growing, capped), so a
-workload with nothing to look up runs as it would without speculation.
+that accepted nothing it drafts only from the longest n-grams for a while
+(growing, capped), so a workload with nothing to look up runs about as it
+would without speculation while a copy that starts later is still caught.
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ class SpecDecoding:
         # (token ids, n) -> up to n tokens that may follow them.
         self.proposer: Callable[[Sequence[int], int], list[int]] = partial(
             propose_ngram, min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max)
+        # The longest n-grams only: what a pausing request still drafts from.
+        # A copy of the prompt under way matches that long; a chance repeat
+        # of two or three tokens seldom does, and that is what the pause is for.
+        self.strong_proposer: Callable[[Sequence[int], int], list[int]] | None = None
+        if not self.uses_draft_model and config.prompt_lookup_min < config.prompt_lookup_max:
+            self.strong_proposer = partial(propose_ngram, min_n=config.prompt_lookup_max,
+                                           max_n=config.prompt_lookup_max)
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.k)
         self.states: dict[str, SpecState] = {}
 
@@ -103,9 +111,12 @@ class SpecDecoding:
         state = self.states.get(request.request_id)
         if state is None:
             state = self.states[request.request_id] = SpecState(self.k)
+        proposer = self.proposer
         if state.cooldown:
             state.cooldown -= 1
-            return []
+            if self.strong_proposer is None:
+                return []
+            proposer = self.strong_proposer
         pending = request.num_output_placeholders
         # The step emits at most k + 1 tokens after those in flight.
         k = min(state.num_drafts, room,
@@ -117,7 +128,7 @@ class SpecDecoding:
                 return None  # its drafts come with the tokens in flight
             drafts, request.spec_token_ids = request.spec_token_ids[:k], []
         else:
-            drafts = self.proposer(request.all_token_ids, k=k + pending)[pending:]
+            drafts = proposer(request.all_token_ids, k=k + pending)[pending:]
         grammar = request.grammar
         if grammar is None or not drafts:
             return drafts

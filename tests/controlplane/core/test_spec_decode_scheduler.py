@@ -134,6 +134,7 @@ def test_fruitless_drafts_back_off_then_drafting_resumes():
     sched = _scheduler()
     _prefilled(sched, max_tokens=240)
     sched.spec.proposer = lambda ids, k: [5] * k
+    sched.spec.strong_proposer = lambda ids, k: []  # no long match: the pause holds
 
     def run_until_drafts(accepted: int) -> tuple[int, int]:
         """(plain steps before the next step with drafts, its drafts)."""
@@ -194,3 +195,17 @@ def test_with_async_scheduling_the_batch_waits_for_drafts_out():
     first = sched.schedule()
     assert first.num_scheduled_tokens.keys() == {"a"} and first.scheduled_spec_decode_tokens
     assert sched.schedule().num_scheduled_tokens.keys() == {"b"}
+
+
+def test_a_long_match_drafts_even_while_the_request_pauses():
+    sched = _scheduler()  # lookup 1..3: "long" is 3 tokens
+    request = _prefilled(sched, max_tokens=100)
+    so = sched.schedule()
+    sched.update_from_output(so, _reply(so, sched, {"a": 0}, bonus=50))  # fruitless: pause
+    state = sched.spec.states["a"]
+    assert state.cooldown == 1
+    # Its last three tokens, 20 21 22, occur in the prompt: drafts despite the pause.
+    request.append_output_token_ids([20, 21, 22])
+    request.num_computed_tokens = request.num_tokens - 1
+    assert sched.schedule().scheduled_spec_decode_tokens == {"a": [23]}
+    assert state.cooldown == 0

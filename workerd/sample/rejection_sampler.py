@@ -5,13 +5,14 @@ token must be distributed exactly as ordinary decoding would have sampled it,
 and greedy output must be token-identical. This is the scheme of Leviathan et
 al. (arXiv 2211.17192) as vLLM's rejection sampler implements it, with the
 draft probabilities one-hot: an n-gram proposer has no distribution, and a
-greedy draft model's is one-hot by construction; each just names a token d. At a draft position with target distribution p, d is
-accepted with probability p(d); on the first rejection the *recovered* token
-is drawn from the residual max(p - onehot(d), 0), i.e. p without d,
-renormalised, and the request stops there. If every draft is accepted, a
-*bonus* token is drawn from the row after the last draft. Summed over both
-branches P(emit x) = p(x), which is why the residual matters: drawing the
-replacement from p itself would over-weight tokens the drafts like.
+greedy draft model's is one-hot by construction; each just names a token d.
+At a draft position with target distribution p, d is accepted with
+probability p(d); on the first rejection the *recovered* token is drawn from
+the residual max(p - onehot(d), 0), i.e. p without d, renormalised, and the
+request stops there. If every draft is accepted, a *bonus* token is drawn
+from the row after the last draft. Summed over both branches P(emit x) =
+p(x), which is why the residual matters: drawing the replacement from p
+itself would over-weight tokens the drafts like.
 
 p is, by construction, what the ordinary Sampler would sample from at that
 row (Sampler.compute_probs): the caller builds the metadata so that row j

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
+
 from controlplane.core.outputs import ModelRunnerOutput
 from controlplane.core.request import Request
 from controlplane.spec_decode.config import DRAFT_MODEL, SpeculativeConfig
@@ -56,6 +58,26 @@ class SpecState:
     # Decode steps left without drafts, and the next such pause.
     cooldown: int = 0
     next_cooldown: int = 1
+    # The request's tokens as numpy, extended as they come: the proposer's
+    # input. Converting the whole list every step costs more than the search
+    # itself, which at hundreds of drafting requests is the engine thread's
+    # time (docs/spec_decode.md, "Drafts from the controlplane").
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    num_tokens: int = 0
+
+    def token_array(self, token_ids: list[int]) -> np.ndarray:
+        """token_ids (a request's all_token_ids, which only grows) as numpy."""
+        n = len(token_ids)
+        if n < self.num_tokens:  # never for a request's tokens; copy afresh
+            self.num_tokens = 0
+        if n > len(self.tokens):
+            grown = np.empty(max(n, 2 * len(self.tokens), 64), dtype=np.int64)
+            grown[:self.num_tokens] = self.tokens[:self.num_tokens]
+            self.tokens = grown
+        if n > self.num_tokens:
+            self.tokens[self.num_tokens:n] = token_ids[self.num_tokens:n]
+            self.num_tokens = n
+        return self.tokens[:n]
 
 
 @dataclass(slots=True)
@@ -128,7 +150,8 @@ class SpecDecoding:
                 return None  # its drafts come with the tokens in flight
             drafts, request.spec_token_ids = request.spec_token_ids[:k], []
         else:
-            drafts = proposer(request.all_token_ids, k=k + pending)[pending:]
+            drafts = proposer(state.token_array(request.all_token_ids),
+                              k=k + pending)[pending:]
         grammar = request.grammar
         if grammar is None or not drafts:
             return drafts

@@ -209,3 +209,18 @@ def test_a_long_match_drafts_even_while_the_request_pauses():
     request.num_computed_tokens = request.num_tokens - 1
     assert sched.schedule().scheduled_spec_decode_tokens == {"a": [23]}
     assert state.cooldown == 0
+
+
+def test_the_proposers_numpy_copy_follows_the_requests_tokens():
+    sched = _scheduler()
+    request = _prefilled(sched, max_tokens=120)
+    seen = []
+    sched.spec.proposer = lambda ids, k: seen.append(list(ids)) or []
+    for bonus in (7, 8, 9):
+        so = sched.schedule()
+        sched.update_from_output(so, _reply(so, sched, {}, bonus=bonus))
+    # Each proposal saw exactly the tokens the request held then.
+    assert seen == [PROMPT + [21], PROMPT + [21, 7], PROMPT + [21, 7, 8]]
+    state = sched.spec.states["a"]
+    request.append_output_token_ids(list(range(100, 190)))  # past its capacity
+    assert list(state.token_array(request.all_token_ids)) == request.all_token_ids

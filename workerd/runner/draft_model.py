@@ -38,11 +38,14 @@ class DraftModelProposer:
                  num_speculative_tokens: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
-        self.model.eval()
+        # The path came in LoadModel, over the network: weights from
+        # safetensors only (never a pickled .bin), no code from the checkpoint.
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, use_safetensors=True, trust_remote_code=False,
+            local_files_only=True)
+        self.model = model.to(device).train(False)  # inference: no dropout
         self.device = device
         self.k = num_speculative_tokens
-        self.vocab_size = self.model.config.vocab_size
         self._caches: dict[str, _DraftCache] = {}
 
     def propose(self, states: list[CachedRequestState]) -> list[list[int]]:

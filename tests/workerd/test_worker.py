@@ -101,6 +101,18 @@ def test_unsupported_dtype_is_refused_before_loading(tiny_model_dir, dtype):
     assert worker.runner is None
 
 
+@pytest.mark.parametrize("k", [0, 65, 2**31])
+def test_a_draft_model_with_an_unbounded_k_is_refused_before_loading(tiny_model_dir, k):
+    worker = Worker("cpu")
+    _send(worker, init_distributed=_init_distributed())
+    load = worker_pb2.LoadModel(model_path=tiny_model_dir, dtype="float32", limits=limits_pb(),
+                                draft_model_path=tiny_model_dir, num_speculative_tokens=k)
+    kind, message = _error_of(_send(worker, load_model=load))
+    assert kind == "load_model"
+    assert f"num_speculative_tokens must be in 1..64 with a draft model, got {k}" in message
+    assert worker.runner is None
+
+
 def test_handshake_then_steps_and_a_failing_step_is_an_error_reply(tiny_model_dir):
     worker = Worker("cpu")
     assert _send(worker, 1, init_distributed=_init_distributed()).call_id == 1

@@ -65,6 +65,21 @@ class GenerationStub:
                 request_serializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvloom.v1.Generation/LoadLoRAAdapter',
+                request_serializer=kvloom_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvloom_dot_v1_dot_generation__pb2.LoRAAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvloom.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=kvloom_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvloom_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/kvloom.v1.Generation/ListLoRAAdapters',
+                request_serializer=kvloom_dot_v1_dot_generation__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=kvloom_dot_v1_dot_generation__pb2.ListLoRAAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -122,6 +137,37 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoadLoRAAdapter loads a PEFT LoRA adapter (adapter_config.json +
+        adapter_model.safetensors in lora_path, as the workers see it) on every
+        worker, and answers once every rank holds it: a request may name it from
+        then on. Needs a server started with --enable-lora and
+        --allow-runtime-lora-updating (FAILED_PRECONDITION otherwise).
+        ALREADY_EXISTS: the name is taken (unload it first); INVALID_ARGUMENT:
+        an adapter the server cannot serve, the message naming the field or
+        tensor; RESOURCE_EXHAUSTED: --max-cpu-loras adapters are loaded and every
+        one serves requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """UnloadLoRAAdapter frees an adapter on every worker. NOT_FOUND: no such
+        adapter; FAILED_PRECONDITION: requests naming it are still unfinished
+        (they are not aborted: wait for them or abort them, then unload).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """ListLoRAAdapters lists the adapters requests may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +200,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
                     response_serializer=kvloom_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvloom_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=kvloom_dot_v1_dot_generation__pb2.LoRAAdapter.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvloom_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvloom_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=kvloom_dot_v1_dot_generation__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=kvloom_dot_v1_dot_generation__pb2.ListLoRAAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +380,87 @@ class Generation:
             '/kvloom.v1.Generation/Detokenize',
             kvloom_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
             kvloom_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloom.v1.Generation/LoadLoRAAdapter',
+            kvloom_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            kvloom_dot_v1_dot_generation__pb2.LoRAAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloom.v1.Generation/UnloadLoRAAdapter',
+            kvloom_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvloom_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloom.v1.Generation/ListLoRAAdapters',
+            kvloom_dot_v1_dot_generation__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            kvloom_dot_v1_dot_generation__pb2.ListLoRAAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

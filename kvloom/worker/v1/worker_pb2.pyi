@@ -17,6 +17,7 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROTOCOL_VERSION_4: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_5: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_6: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_7: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_1: ProtocolVersion
@@ -25,6 +26,7 @@ PROTOCOL_VERSION_3: ProtocolVersion
 PROTOCOL_VERSION_4: ProtocolVersion
 PROTOCOL_VERSION_5: ProtocolVersion
 PROTOCOL_VERSION_6: ProtocolVersion
+PROTOCOL_VERSION_7: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class RegisterRequest(_message.Message):
@@ -78,7 +80,7 @@ class InitDistributed(_message.Message):
     def __init__(self, master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class LoadModel(_message.Message):
-    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits", "attention_backend", "enforce_eager", "draft_model_path", "num_speculative_tokens")
+    __slots__ = ("model_path", "dtype", "pp_layer_partition", "seed", "limits", "attention_backend", "enforce_eager", "draft_model_path", "num_speculative_tokens", "lora")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PP_LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class LoadModel(_message.Message):
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     dtype: str
     pp_layer_partition: _containers.RepeatedScalarFieldContainer[int]
@@ -97,7 +100,48 @@ class LoadModel(_message.Message):
     enforce_eager: bool
     draft_model_path: str
     num_speculative_tokens: int
-    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., draft_model_path: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    lora: LoRAConfig
+    def __init__(self, model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., pp_layer_partition: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., limits: _Optional[_Union[WorkerLimits, _Mapping]] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., draft_model_path: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRAConfig, _Mapping]] = ...) -> None: ...
+
+class LoRAConfig(_message.Message):
+    __slots__ = ("max_loras", "max_lora_rank", "max_cpu_loras")
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    def __init__(self, max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
+
+class LoadLoRA(_message.Message):
+    __slots__ = ("lora_id", "lora_name", "lora_path")
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoRALoaded(_message.Message):
+    __slots__ = ("digest", "num_bytes", "num_modules", "rank", "error")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MODULES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    num_bytes: int
+    num_modules: int
+    rank: int
+    error: str
+    def __init__(self, digest: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_modules: _Optional[int] = ..., rank: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RemoveLoRA(_message.Message):
+    __slots__ = ("lora_id",)
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    def __init__(self, lora_id: _Optional[int] = ...) -> None: ...
 
 class WorkerLimits(_message.Message):
     __slots__ = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
@@ -168,7 +212,7 @@ class RequestSamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_tokens_stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_id")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +220,7 @@ class NewRequestData(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -183,7 +228,8 @@ class NewRequestData(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[RequestSamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[RequestSamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
     __slots__ = ("req_ids", "resumed_from_preemption", "num_computed_tokens", "num_scheduled_tokens", "new_block_ids", "num_new_block_ids", "spec_token_ids", "num_spec_tokens")
@@ -388,7 +434,7 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset", "grammar_masks", "start_kv_transfer")
+    __slots__ = ("call_id", "registered", "init_distributed", "load_model", "profile_memory", "init_kv_cache", "execute_model", "ping", "shutdown", "reset", "grammar_masks", "start_kv_transfer", "load_lora", "remove_lora")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     INIT_DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +447,8 @@ class ControlMessage(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASKS_FIELD_NUMBER: _ClassVar[int]
     START_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_LORA_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_LORA_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     registered: RegisterReply
     init_distributed: InitDistributed
@@ -413,7 +461,9 @@ class ControlMessage(_message.Message):
     reset: Reset
     grammar_masks: GrammarMasks
     start_kv_transfer: StartKVTransfer
-    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ..., grammar_masks: _Optional[_Union[GrammarMasks, _Mapping]] = ..., start_kv_transfer: _Optional[_Union[StartKVTransfer, _Mapping]] = ...) -> None: ...
+    load_lora: LoadLoRA
+    remove_lora: RemoveLoRA
+    def __init__(self, call_id: _Optional[int] = ..., registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., init_distributed: _Optional[_Union[InitDistributed, _Mapping]] = ..., load_model: _Optional[_Union[LoadModel, _Mapping]] = ..., profile_memory: _Optional[_Union[ProfileMemory, _Mapping]] = ..., init_kv_cache: _Optional[_Union[InitKVCache, _Mapping]] = ..., execute_model: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., reset: _Optional[_Union[Reset, _Mapping]] = ..., grammar_masks: _Optional[_Union[GrammarMasks, _Mapping]] = ..., start_kv_transfer: _Optional[_Union[StartKVTransfer, _Mapping]] = ..., load_lora: _Optional[_Union[LoadLoRA, _Mapping]] = ..., remove_lora: _Optional[_Union[RemoveLoRA, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
@@ -434,7 +484,7 @@ class WorkerError(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded", "kv_transfer_report", "kv_transfer_agent")
+    __slots__ = ("call_id", "register", "ack", "memory_profile", "model_runner_output", "error", "heartbeat", "reset_done", "model_loaded", "kv_transfer_report", "kv_transfer_agent", "lora_loaded")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +496,7 @@ class WorkerMessage(_message.Message):
     MODEL_LOADED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_REPORT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADED_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     register: RegisterRequest
     ack: Ack
@@ -457,4 +508,5 @@ class WorkerMessage(_message.Message):
     model_loaded: ModelLoaded
     kv_transfer_report: KVTransferReport
     kv_transfer_agent: _kv_transfer_pb2.KVTransferAgent
-    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ..., kv_transfer_report: _Optional[_Union[KVTransferReport, _Mapping]] = ..., kv_transfer_agent: _Optional[_Union[_kv_transfer_pb2.KVTransferAgent, _Mapping]] = ...) -> None: ...
+    lora_loaded: LoRALoaded
+    def __init__(self, call_id: _Optional[int] = ..., register: _Optional[_Union[RegisterRequest, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., memory_profile: _Optional[_Union[MemoryProfile, _Mapping]] = ..., model_runner_output: _Optional[_Union[ModelRunnerOutput, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., reset_done: _Optional[_Union[ResetDone, _Mapping]] = ..., model_loaded: _Optional[_Union[ModelLoaded, _Mapping]] = ..., kv_transfer_report: _Optional[_Union[KVTransferReport, _Mapping]] = ..., kv_transfer_agent: _Optional[_Union[_kv_transfer_pb2.KVTransferAgent, _Mapping]] = ..., lora_loaded: _Optional[_Union[LoRALoaded, _Mapping]] = ...) -> None: ...

@@ -1,15 +1,16 @@
 """kvloom's C kernels for CPU ranks: built on the worker, loaded with ctypes.
 
-workerd/kernels/*.c (paged attention, and the fused residual-add + RMSNorm
-and SiLU-and-mul around the matmuls) are plain C with no torch headers, so
-the machine's own compiler (`$CC`, else `cc`) builds them quickly, for
-this very CPU (-march=native), the first time a worker needs them. The
-library is cached under the kvloom cache directory, keyed by the sources,
-the flags, the compiler's version and the CPU's feature flags, so a cache on
-shared storage or an image moved between hosts never runs code built for
-another CPU. Without a compiler they are unavailable, and the caller says
-what that means (workerd/layers/attention/backend.py: `auto` keeps the torch
-backend, an explicit `cpu` is refused with the reason).
+workerd/kernels/*.c (paged attention, the fused residual-add + RMSNorm
+and SiLU-and-mul around the matmuls, batched multi-LoRA) are plain C with
+no torch headers, so the machine's own compiler (`$CC`, else `cc`) builds
+them quickly, for this very CPU (-march=native), the first time a worker
+needs them. The library is cached under the kvloom cache directory, keyed
+by the sources, the flags, the compiler's version and the CPU's feature
+flags, so a cache on shared storage or an image moved between hosts never
+runs code built for another CPU. Without a compiler they are unavailable,
+and the caller says what that means (workerd/layers/attention/backend.py:
+`auto` keeps the torch backend, an explicit `cpu` is refused with the
+reason).
 
 Nothing here is ever handed a pointer it has not checked the shape of; the
 attention kernel also checks every index of the step's metadata itself.
@@ -35,7 +36,8 @@ import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels bi
 from kvloom.common.default_model import cache_root
 
 KERNELS_DIR = Path(__file__).resolve().parent
-SOURCES = tuple(KERNELS_DIR / name for name in ("cpu_paged_attention.c", "cpu_elementwise.c"))
+SOURCES = tuple(KERNELS_DIR / name for name in (
+    "cpu_paged_attention.c", "cpu_elementwise.c", "cpu_lora.c"))
 HEADERS = tuple(KERNELS_DIR / name for name in (
     "cpu_math.h", "cpu_bf16.h", "cpu_parallel.h", "cpu_attend_avx512bf16.h"))
 # No -ffast-math: a shared object built with it may switch the whole process
@@ -74,6 +76,12 @@ _SIGNATURES = {
         _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64]),
     "kvloom_silu_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
     "kvloom_gelu_tanh_and_mul_bf16": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64]),
+    # Batched multi-LoRA (cpu_lora.c): x, x_stride, n_rows, n_in, y, y_stride, n_y,
+    # segments, num_segments, table, num_adapters, num_parts; 0 or an error code.
+    "kvloom_lora_add_f32": (ctypes.c_int, [
+        _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64]),
+    "kvloom_lora_add_bf16": (ctypes.c_int, [
+        _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64]),
 }
 
 
@@ -94,6 +102,8 @@ class CpuKernels:
     rms_norm_bf16_f32_weight: ctypes._CFuncPtr
     silu_and_mul_bf16: ctypes._CFuncPtr
     gelu_tanh_and_mul_bf16: ctypes._CFuncPtr
+    lora_add: ctypes._CFuncPtr
+    lora_add_bf16: ctypes._CFuncPtr
 
 
 def _cpu_flags() -> str:

@@ -9,9 +9,19 @@ are stacked in one weight, and each checkpoint tensor loads into its view.
 
 Every weight carries a `shard` attribute, (dim, start, end) into the full
 checkpoint tensor, so the loader can read just this rank's slice from disk.
+
+LoRA (workerd/lora/layers.py) hooks in through one attribute, `lora`: None
+unless an adapter manager attached a LinearLoRA, which then adds each row's
+adapter delta to the layer's LOCAL output, before a row layer's all-reduce
+and bias, so the delta rides the reduction the base output already does.
+Where a part of the output sits (output_parts, input_shard) is recorded
+apart from the weight's `shard`, because packing frees the plain weight
+(and the views that carry it) and a manager may attach after that.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +30,9 @@ from workerd.distributed.parallel_state import ParallelState, tp_all_reduce
 from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.packed_linear import Packable, linear
 from workerd.models.weight_targets import LoadTarget, narrow_index
+
+if TYPE_CHECKING:  # workerd.lora imports this module
+    from workerd.lora.layers import LinearLoRA
 
 
 def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
@@ -40,6 +53,9 @@ class ColumnParallelLinear(Packable, DirectCallModule):
     projections with fewer KV heads than TP ranks pass num_shards=num_kv_heads so
     that several ranks hold (replicate) the same piece."""
 
+    # A class attribute: a layer no adapter targets pays one attribute read.
+    lora: LinearLoRA | None = None
+
     def __init__(
         self,
         input_size: int,
@@ -58,6 +74,8 @@ class ColumnParallelLinear(Packable, DirectCallModule):
         self.output_size_per_partition = output_size // num_shards
         start = shard_index * self.output_size_per_partition
         end = start + self.output_size_per_partition
+        # (name, full output size, start, end) of each projection in the output.
+        self.output_parts = ((None, output_size, start, end),)
         self.weight = set_shard(
             _empty_param(self.output_size_per_partition, input_size), 0, start, end
         )
@@ -66,12 +84,17 @@ class ColumnParallelLinear(Packable, DirectCallModule):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 class RowParallelLinear(Packable, DirectCallModule):
     """y = all_reduce(x_local W_local^T) + b with W's columns (input features)
     split across TP ranks; x arrives already split (output of a column layer)."""
+
+    lora: LinearLoRA | None = None
 
     def __init__(self, input_size: int, output_size: int, ps: ParallelState, bias: bool = False):
         super().__init__()
@@ -80,6 +103,9 @@ class RowParallelLinear(Packable, DirectCallModule):
         self.ps = ps
         self.input_size_per_partition = input_size // ps.tp_size
         start = ps.tp_rank * self.input_size_per_partition
+        self.output_size = output_size
+        # (full input size, start, end) of this rank's input columns.
+        self.input_shard = (input_size, start, start + self.input_size_per_partition)
         self.weight = set_shard(
             _empty_param(output_size, self.input_size_per_partition),
             1,
@@ -90,7 +116,12 @@ class RowParallelLinear(Packable, DirectCallModule):
         self.bias = _empty_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight), self.ps)
+        y = linear(x, self.weight, None, self.packed_weight)
+        if self.lora is not None:
+            # Each rank's (x_i A_i^T) B^T is a partial sum like its base
+            # output: the all-reduce below sums both, no collective of its own.
+            self.lora.add_to(x, y)
+        y = tp_all_reduce(y, self.ps)
         return y if self.bias is None else y + self.bias
 
 
@@ -109,6 +140,8 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
     then read from their own range of it, sharded as the part is, rather
     than the fused tensor being split by TP rank."""
 
+    lora: LinearLoRA | None = None
+
     def __init__(
         self,
         input_size: int,
@@ -125,7 +158,8 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
         for name, output_size, _, _ in parts:
             self._fused_offsets[name] = row
             row += output_size
-        shards = []
+        self.input_size = input_size
+        shards, output_parts = [], []
         for name, output_size, num_shards, shard_index in parts:
             num_shards = ps.tp_size if num_shards is None else num_shards
             shard_index = ps.tp_rank if shard_index is None else shard_index
@@ -134,6 +168,9 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
                                  f"{num_shards} shards")
             size = output_size // num_shards
             shards.append((name, size, shard_index * size))
+            output_parts.append((name, output_size, shard_index * size, (shard_index + 1) * size))
+        # As ColumnParallelLinear's, one per part, in output column order.
+        self.output_parts = tuple(output_parts)
         self.output_sizes = [size for _, size, _ in shards]
         total = sum(self.output_sizes)
         self.weight = _empty_param(total, input_size)
@@ -171,7 +208,10 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
         self._views = {}  # views into the freed storage would keep it alive
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
 
 
 def _view(param: nn.Parameter, offset: int, size: int) -> nn.Parameter:

@@ -125,6 +125,7 @@ def handshake(
     num_offload_slots: int = 0,
     draft_model_path: str = "",
     num_speculative_tokens: int = 0,
+    lora: worker_pb2.LoRAConfig | None = None,
 ) -> int:
     """The group start-up on one rank; returns the KV block count it was given.
 
@@ -154,7 +155,8 @@ def handshake(
                                              limits=limits_pb(),
                                              attention_backend=attention_backend,
                                              draft_model_path=draft_model_path,
-                                             num_speculative_tokens=num_speculative_tokens))
+                                             num_speculative_tokens=num_speculative_tokens,
+                                             lora=lora))
     else:
         # Stand-in models skip the checkpoint load, nothing else.
         runner = ModelRunner(worker.ps, "<stand-in>", torch.float32, seed,
@@ -223,6 +225,7 @@ class InProcessExecutor(StepExecutor):
         on_failed: Callable[[str, FailureKind], None] | None = None,
         draft_model_path: str = "",
         num_speculative_tokens: int = 0,
+        lora: worker_pb2.LoRAConfig | None = None,
     ):
         if num_gpu_blocks is None and not kv_cache_memory_bytes:
             raise ValueError("size the KV cache: num_gpu_blocks or kv_cache_memory_bytes")
@@ -236,6 +239,7 @@ class InProcessExecutor(StepExecutor):
             num_offload_slots=num_offload_slots,
             draft_model_path=draft_model_path,
             num_speculative_tokens=num_speculative_tokens,
+            lora=lora,
         )
         self.model = model
         # The host tier's blocks on the worker (make_scheduler gives the scheduler as many).
@@ -284,6 +288,13 @@ class InProcessExecutor(StepExecutor):
         )
         self.failure_reason = ""
         return self.num_gpu_blocks
+
+    def call(self, **command) -> worker_pb2.WorkerMessage | None:
+        """A command outside steps (LoadLoRA, RemoveLoRA) through bytes, as
+        the gRPC executor sends it between steps."""
+        assert self.worker is not None
+        return call_worker(self.worker, worker_pb2.ControlMessage(
+            call_id=next(self._call_ids), **command))
 
     def _on_report(self, msg: worker_pb2.WorkerMessage) -> None:
         """A message outside any call, from the worker's load thread: parsed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvloom.kvtransfer.v1 import kv_transfer_pb2
 from kvloom.worker.v1 import worker_pb2
+from workerd.lora.config import LoRAConfig
 from workerd.runner.sched_output import (
     CachedRequestData,
     KVBlockCopies,
@@ -28,6 +29,11 @@ from workerd.runner.sched_output import (
 # Drafts one request may verify in a step; the controlplane's bound
 # (spec_decode/config.py) is lower.
 MAX_SPEC_TOKENS = 64
+# LoadModel.lora's bounds (the controlplane's flags are bounded tighter):
+# what a rank would size itself by, so a hostile value cannot make it try.
+MAX_LORAS = 256
+MAX_LORA_RANK = 1024
+MAX_CPU_LORAS = 4096
 
 
 def _split(flat, counts) -> list[list[int]]:
@@ -70,6 +76,7 @@ def scheduler_output_from_proto(msg: worker_pb2.SchedulerOutput) -> SchedulerOut
                 sampling_params=_sampling_params_from_proto(pb.sampling_params),
                 block_ids=list(pb.block_ids),
                 num_computed_tokens=pb.num_computed_tokens,
+                lora_id=pb.lora_id,
             )
         )
         num_scheduled[pb.req_id] = pb.num_scheduled_tokens
@@ -202,3 +209,17 @@ def model_runner_output_to_proto(out: ModelRunnerOutput) -> worker_pb2.ModelRunn
         for entry in chunk.positions:
             _fill_token_logprobs(entry, pb.positions.add())
     return msg
+
+
+def lora_config_from_proto(msg: worker_pb2.LoRAConfig) -> LoRAConfig:
+    """LoadModel.lora, bounded; ValueError naming the field."""
+    for name, value, most in (("max_loras", msg.max_loras, MAX_LORAS),
+                              ("max_lora_rank", msg.max_lora_rank, MAX_LORA_RANK),
+                              ("max_cpu_loras", msg.max_cpu_loras, MAX_CPU_LORAS)):
+        if not 1 <= value <= most:
+            raise ValueError(f"LoadModel.lora.{name} must be in 1..{most}, got {value}")
+    if msg.max_cpu_loras < msg.max_loras:
+        raise ValueError(f"LoadModel.lora.max_cpu_loras {msg.max_cpu_loras} is below "
+                         f"max_loras {msg.max_loras}")
+    return LoRAConfig(max_loras=msg.max_loras, max_lora_rank=msg.max_lora_rank,
+                      max_cpu_loras=msg.max_cpu_loras)

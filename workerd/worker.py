@@ -39,6 +39,7 @@ from workerd.wire import (
     MAX_SPEC_TOKENS,
     kv_transfer_agent_to_proto,
     kv_transfer_report_to_proto,
+    lora_config_from_proto,
     model_runner_output_to_proto,
     scheduler_output_from_proto,
 )
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 RENDEZVOUS_PORT = PortReservation()
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A refused adapter's reason, as sent back (it ends up in a client's status).
+MAX_LORA_ERROR_CHARS = 2000
 
 
 class CommandError(Exception):
@@ -84,6 +87,8 @@ class Worker:
             "reset": self.reset,
             "grammar_masks": self.file_grammar_masks,
             "start_kv_transfer": self.start_kv_transfer,
+            "load_lora": self.load_lora,
+            "remove_lora": self.remove_lora,
         }
 
     def handle(self, msg: worker_pb2.ControlMessage) -> worker_pb2.WorkerMessage | None:
@@ -154,6 +159,7 @@ class Worker:
             raise CommandError(f"unsupported dtype {cmd.dtype!r}; use one of {sorted(_DTYPES)}")
         try:
             limits = WorkerLimits.from_proto(cmd.limits)
+            lora = lora_config_from_proto(cmd.lora) if cmd.HasField("lora") else None
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         try:
@@ -177,6 +183,8 @@ class Worker:
                 self.runner = self.runner.with_limits(limits, enforce_eager=cmd.enforce_eager)
             logger.info("reusing the weights loaded from %s (%.1f MiB on this rank)",
                         cmd.model_path, self.runner.weights_bytes() / 2**20)
+            # The old group's adapters go: the controlplane loads the ones it serves.
+            self.runner.init_lora(lora)
             return _model_loaded(True, self.runner.weights_bytes())
         self.runner = None  # a different model: let the old one go first
         t0 = time.monotonic()
@@ -187,6 +195,7 @@ class Worker:
             num_speculative_tokens=cmd.num_speculative_tokens,
         )
         runner.load_model()
+        runner.init_lora(lora)
         self.runner, self._loaded = runner, key
         logger.info(
             "model loaded from %s: %.1f MiB of weights on this rank in %.1f s; %s attention",
@@ -233,6 +242,34 @@ class Worker:
                                          cmd.serve_reads)
         logger.info("KV transfer started: NIXL agent %s", agent.agent_name)
         return worker_pb2.WorkerMessage(kv_transfer_agent=kv_transfer_agent_to_proto(agent))
+
+    def load_lora(self, cmd: worker_pb2.LoadLoRA) -> worker_pb2.WorkerMessage:
+        """Read an adapter into this rank's memory, off any step. An adapter
+        this rank cannot serve is a refusal in the reply (LoRALoaded.error),
+        not a failure: the group serves on."""
+        runner = self._require_runner()
+        if runner.lora is None:
+            raise CommandError("LoadLoRA without LoRA enabled in LoadModel")
+        t0 = time.monotonic()
+        try:
+            loaded = runner.lora.add(cmd.lora_id, cmd.lora_name, cmd.lora_path)
+        except Exception as exc:  # noqa: BLE001 - the adapter's fault, told to the controlplane
+            logger.warning("LoRA adapter %s (%s) refused: %s", cmd.lora_name, cmd.lora_path,
+                           exc)
+            return worker_pb2.WorkerMessage(lora_loaded=worker_pb2.LoRALoaded(
+                error=f"{type(exc).__name__}: {exc}"[:MAX_LORA_ERROR_CHARS]))
+        logger.info("LoRA adapter %s loaded as %d: %d modules, %.2f MiB on this rank in %.2f s",
+                    cmd.lora_name, cmd.lora_id, loaded.num_modules, loaded.num_bytes / 2**20,
+                    time.monotonic() - t0)
+        return worker_pb2.WorkerMessage(lora_loaded=worker_pb2.LoRALoaded(
+            digest=loaded.digest, num_bytes=loaded.num_bytes, num_modules=loaded.num_modules,
+            rank=loaded.rank))
+
+    def remove_lora(self, cmd: worker_pb2.RemoveLoRA) -> worker_pb2.WorkerMessage:
+        runner = self._require_runner()
+        if runner.lora is not None:
+            runner.lora.remove(cmd.lora_id, runner.requests)
+        return _ack()
 
     def _report_loads(self, done: list[KVJobDone]) -> None:
         """Finished load jobs (host tier or NIXL), to the controlplane (call_id 0)."""

@@ -28,6 +28,8 @@ DISPATCHED = {
     "ping",
     "reset",
     "grammar_masks",
+    "load_lora",
+    "remove_lora",
     "start_kv_transfer",
 }
 _ONEOF = worker_pb2.ControlMessage.DESCRIPTOR.oneofs_by_name["command"]
@@ -259,3 +261,9 @@ def test_a_changed_load_model_gets_a_new_runner_and_the_same_one_reuses(tiny_mod
     step = _send(worker, 7, execute_model=_step_for([5, 6, 7], "a", 1))
     assert list(step.model_runner_output.req_ids) == ["a"]
     worker.close()
+
+
+def test_lora_commands_before_a_model_or_without_lora_are_errors_not_crashes(tiny_model_dir):
+    worker = Worker("cpu")
+    reply = _send(worker, call_id=5, load_lora=worker_pb2.LoadLoRA(lora_id=1, lora_path="/x"))
+    assert _error_of(reply) == ("load_lora", "CommandError: the model is not loaded yet")

@@ -52,6 +52,8 @@ class CachedRequestState:
     # More generators of a seeded request, for the rows of a step that
     # verifies drafts (generators_for_tokens).
     draft_generators: list[torch.Generator] = field(default_factory=list)
+    # The LoRA adapter its rows run with (LoadLoRA.lora_id); 0 = none.
+    lora_id: int = 0
 
     @classmethod
     def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -70,6 +72,7 @@ class CachedRequestState:
             all_token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             # A request that already has outputs finished its prompt before.
             prompt_logprobs_from=len(new.prompt_token_ids) if new.output_token_ids else 1,
+            lora_id=new.lora_id,
         )
 
     @property

@@ -37,6 +37,7 @@ from workerd.layers.attention.metadata import AttentionMetadata
 from workerd.layers.custom_op import rank_kernels, use_custom_op_kernels
 from workerd.layers.packed_linear import pack_linear_weights, packed_bytes, packing_unavailable
 from workerd.limits import WorkerLimits
+from workerd.lora.config import LoRAConfig
 from workerd.models.loader import load_model
 from workerd.runner import kv_connector_worker as kv_connector
 from workerd.runner.cuda_graphs import (
@@ -56,6 +57,7 @@ from workerd.runner.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
+from workerd.runner.lora_step import RunnerLoRA, detach_lora
 from workerd.runner.nixl_kv import NixlKVTransfer
 from workerd.runner.profile_run import profile_run
 from workerd.runner.sampled_tokens import SampledTokens
@@ -145,6 +147,8 @@ class ModelRunner:
         self.draft_model_path = draft_model_path
         self.num_speculative_tokens = num_speculative_tokens
         self.drafter: DraftModelProposer | None = None
+        # --enable-lora (lora_step.py, set by init_lora); None: no adapters.
+        self.lora: RunnerLoRA | None = None
 
     # ---- start-up -------------------------------------------------------
 
@@ -248,7 +252,17 @@ class ModelRunner:
             serve_reads)
         return self.kv_transfer.transfer_agent
 
+    def init_lora(self, config: LoRAConfig | None) -> None:
+        """After load_model (or on reused weights): a fresh adapter manager,
+        holding none, or none at all; adapters come with LoadLoRA."""
+        detach_lora(self.model)
+        # The C kernel where the rank runs its other C kernels (custom_op.py).
+        kernels = rank_kernels(self.device, self.dtype, self.attention_backend)
+        self.lora = RunnerLoRA(self.model, config, kernels) if config is not None else None
+
     def _graphs_unavailable(self) -> str | None:
+        if self.lora is not None:
+            return "LoRA adapters are on (steps run eagerly)"
         return graphs_unavailable(self.device, backend_class(self.attention_backend),
                                   self.ps.world_size, self.enforce_eager)
 
@@ -381,6 +395,8 @@ class ModelRunner:
         ps = self.ps
         if self.graphs is not None and self.graphs.can_run(inputs.attn_metadata):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if self.lora is not None:
+            self.lora.begin_step(self.input_batch.states(), inputs.attn_metadata.query_lens_cpu)
         intermediate = None
         if not ps.is_first_pp_rank:
             t0 = time.perf_counter()
@@ -402,6 +418,8 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         apply_scheduler_output(so, self.requests, self.input_batch, self.device)
+        if self.lora is not None:
+            self.lora.after_update(self.requests)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Step 2: the model inputs of the step `so` schedules, laid out from

@@ -45,6 +45,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The LoRA adapter (LoadLoRA.lora_id); 0 = the base model.
+    lora_id: int = 0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,97 @@
+"""The runner's LoRA glue: LoadLoRA and RemoveLoRA from the controlplane, and
+each step's adapters handed to the layers (workerd/lora/manager.py).
+
+A step's token rows are its requests' rows in batch order, so the rows of
+one request are contiguous: the step's segments are (first row, end row,
+lora_id) runs of rows, neighbours with the same adapter merged. Every rank
+of the group derives the same segments from the same step.
+
+RemoveLoRA may reach a rank before the step that finishes the last request
+naming the adapter (a request's end reaches the workers with the next
+step), so an adapter a request in this rank's state still names is let go
+once the last such request leaves, never under a step that uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from torch import nn
+
+from workerd.kernels.loader import CpuKernels
+from workerd.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from workerd.lora.config import LoRAConfig
+from workerd.lora.manager import LoadedAdapter, LoRAManager
+from workerd.runner.input_batch import CachedRequestState
+
+logger = logging.getLogger(__name__)
+
+_LORA_LAYERS = (ColumnParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
+
+
+def detach_lora(model: nn.Module) -> None:
+    """No layer adds any adapter (a model reused without --enable-lora)."""
+    for module in model.modules():
+        if isinstance(module, _LORA_LAYERS):
+            module.lora = None
+
+
+def lora_segments(states: Iterable[CachedRequestState],
+                  query_lens: Iterable[int]) -> list[tuple[int, int, int]]:
+    """(row_start, row_end, lora_id) of the step's rows that run an adapter."""
+    segments: list[tuple[int, int, int]] = []
+    row = 0
+    for state, n in zip(states, query_lens, strict=True):
+        lora_id = state.lora_id
+        if lora_id and n:
+            if segments and segments[-1][1] == row and segments[-1][2] == lora_id:
+                segments[-1] = (segments[-1][0], row + n, lora_id)
+            else:
+                segments.append((row, row + n, lora_id))
+        row += n
+    return segments
+
+
+class RunnerLoRA:
+    def __init__(self, model: nn.Module, config: LoRAConfig,
+                 kernels: CpuKernels | None = None):
+        # kernels: the rank's C kernels (the LoRA kernel among them), or None: torch.
+        self.manager = LoRAManager(model, config, kernels)
+        # Adapters RemoveLoRA named while a request here still names them.
+        self.pending_removal: set[int] = set()
+
+    def add(self, lora_id: int, name: str, path: str) -> LoadedAdapter:
+        return self.manager.add_adapter(lora_id, name, path)
+
+    def remove(self, lora_id: int, requests: Mapping[str, CachedRequestState]) -> None:
+        """RemoveLoRA: now, or once no request here names it. An id this rank
+        does not hold is already gone (a load another rank refused)."""
+        if lora_id not in self.manager.adapter_ids():
+            return
+        if any(s.lora_id == lora_id for s in requests.values()):
+            self.pending_removal.add(lora_id)
+            return
+        self.manager.remove_adapter(lora_id)
+
+    def after_update(self, requests: Mapping[str, CachedRequestState]) -> None:
+        """A step's finished requests left this rank: let go what they held."""
+        if not self.pending_removal:
+            return
+        named = {s.lora_id for s in requests.values()}
+        for lora_id in sorted(self.pending_removal - named):
+            self.pending_removal.discard(lora_id)
+            self.manager.remove_adapter(lora_id)
+            logger.info("LoRA adapter %d freed (its last request left)", lora_id)
+
+    def begin_step(self, states: list[CachedRequestState], query_lens: list[int]) -> None:
+        """The layers add each row's adapter this step; base rows get nothing."""
+        segments = lora_segments(states, query_lens)
+        if segments:
+            self.manager.set_active(segments)
+        else:
+            self.manager.clear_active()

@@ -40,8 +40,18 @@ def hash_block_tokens(
 
 
 def _first_block_extra_keys(request: Request) -> bytes:
+    """The cache salt and the LoRA adapter's version. The first block is
+    enough: every later block's hash folds in its parent's, so an adapter
+    (or salt) that differs makes every block of the request differ. The
+    version is the digest of the adapter's files, not its name: a reload
+    under the same name with other weights must not reuse the old KV."""
     salt = request.cache_salt
-    return salt.encode() if salt else b""
+    extra = salt.encode() if salt else b""
+    if request.lora is not None:
+        # Length-prefixed, so no salt can spell an adapter's key.
+        extra = len(extra).to_bytes(4, "little") + extra + b"lora:" + \
+            request.lora.version.encode()
+    return extra
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[bytes]:

@@ -39,6 +39,8 @@ class NewRequestData:
     # while the request has fewer than min_tokens outputs. Empty when
     # min_tokens is 0; EOS lives on the Request, not on SamplingParams.
     min_tokens_stop_ids: tuple[int, ...] = ()
+    # The LoRA adapter's id (LoadLoRA.lora_id); 0 = the base model.
+    lora_id: int = 0
 
 
 @dataclass(slots=True)
@@ -267,6 +269,8 @@ class EngineCoreOutput:
     # Speculative decoding: the request's drafts verified and accepted so far.
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # The LoRA adapter's name ("" = the base model), for per-adapter metrics.
+    lora_name: str = ""
 
     @property
     def finished(self) -> bool:

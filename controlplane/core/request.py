@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from controlplane.lora.names import LoRARequest
     from controlplane.structured.params import StructuredOutputsParams
     from controlplane.structured.request_grammar import RequestGrammar
 
@@ -155,6 +156,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # The LoRA adapter it runs with (controlplane/lora/); None = the base model.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -53,6 +53,11 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): --max-loras (0: LoRA off), and the
+    # running and waiting requests per adapter name now.
+    max_loras: int = 0
+    running_lora_adapters: tuple[tuple[str, int], ...] = ()
+    waiting_lora_adapters: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, scheduler) -> SchedulerStats:
@@ -93,4 +98,16 @@ class SchedulerStats:
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_num_accepted_tokens_per_pos=(tuple(spec.num_accepted_tokens_per_pos)
                                               if spec else ()),
+            max_loras=scheduler.lora_gate.max_loras if scheduler.lora_gate else 0,
+            running_lora_adapters=_per_adapter(scheduler.running) if scheduler.lora_gate else (),
+            waiting_lora_adapters=_per_adapter(scheduler.waiting) if scheduler.lora_gate else (),
         )
+
+
+def _per_adapter(requests) -> tuple[tuple[str, int], ...]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora is not None:
+            name = request.lora.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return tuple(sorted(counts.items()))

@@ -39,6 +39,7 @@ from controlplane.core.kv_cache_utils import max_step_tokens
 from controlplane.core.kv_leases import KVLeases, free_or_hold
 from controlplane.core.kv_loads import KVLoads, release_loaded
 from controlplane.core.kv_remote import RemoteReads
+from controlplane.core.lora_gate import LoRAGate
 from controlplane.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -113,6 +114,9 @@ class Scheduler:
         spec_config = scheduler_config.speculative
         self.spec = SpecDecoding(spec_config) if spec_config is not None else None
         self._spec_tokens: dict[str, list[int]] = {}
+        # --max-loras (core/lora_gate.py); None without --enable-lora.
+        self.lora_gate = (LoRAGate(scheduler_config.max_loras)
+                          if scheduler_config.max_loras else None)
 
     # -- request lifecycle ----------------------------------------------
 
@@ -218,6 +222,8 @@ class Scheduler:
         if self.placeholders and self.spec is not None and self.spec.verifying(self.running):
             # The batch waits for the drafts out (SpecDecoding.verifying).
             budget = 0
+        if self.lora_gate is not None:
+            self.lora_gate.begin_step()
         budget = self._schedule_running(budget, max_reqs, cached, num_scheduled, preempted)
         # As vLLM: admitting while preempting would just thrash the pool.
         if not preempted:
@@ -281,7 +287,8 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            if num_new <= 0:
+            if num_new <= 0 or (self.lora_gate is not None
+                                and not self.lora_gate.admits(request)):
                 i += 1
                 continue
             drafts = None
@@ -358,6 +365,8 @@ class Scheduler:
         waiting = self.waiting
         running = self.running
         threshold = cfg.long_prefill_token_threshold
+        gate = self.lora_gate
+        skipped: list[Request] = []  # over --max-loras this step: they keep their place
         while (waiting and budget > 0 and len(running) < cfg.max_num_seqs
                and len(num_scheduled) < max_reqs):
             request = waiting.peek()
@@ -365,6 +374,9 @@ class Scheduler:
                 # Preempted with its last step still in flight: it resumes
                 # once that step's token is in (the engine's next update).
                 break
+            if gate is not None and not gate.admits(request):
+                skipped.append(waiting.pop())
+                continue
             if request.request_id in kv.req_to_blocks:  # back from its load (kv_loads.py)
                 hit_blocks, num_hit = None, request.num_computed_tokens
             else:
@@ -405,6 +417,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit + num_new
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        if skipped:
+            waiting.prepend_many(skipped)
 
     def _pop_victim(self) -> tuple[Request, int]:
         running = self.running
@@ -507,6 +521,8 @@ class Scheduler:
                 out.new_logprobs = logprobs[start:start + len(new_token_ids)]
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
             out.kv_transfer_params = request.kv_transfer_params
+            if request.lora is not None:
+                out.lora_name = request.lora.lora_name
             if request.spec_num_draft_tokens:
                 out.spec_num_draft_tokens = request.spec_num_draft_tokens
                 out.spec_num_accepted_tokens = request.spec_num_accepted_tokens

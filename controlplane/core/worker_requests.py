@@ -44,7 +44,8 @@ class WorkerRequests:
             new_reqs.append(NewRequestData(
                 req_id, request.prompt_token_ids, list(request.output_token_ids),
                 request.sampling_params, block_ids, num_computed,
-                min_tokens_stop_ids(request)))
+                min_tokens_stop_ids(request),
+                request.lora.lora_id if request.lora is not None else 0))
         else:
             cached.req_ids.append(req_id)
             cached.resumed_from_preemption.append(True)

@@ -24,6 +24,7 @@ from controlplane.config import (
     ApiSecurityConfig,
     CacheConfig,
     ControlPlaneConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -53,6 +54,7 @@ CONFIG_GROUPS = (
     ("api limits", ApiLimitsConfig),
     ("structured outputs", StructuredOutputConfig),
     ("client api security", ApiSecurityConfig),
+    ("lora adapters", LoRAConfig),
 )
 
 
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     groups["model"].add_argument(
         "--max-model-len", type=int, default=0,
         help="longest prompt + output; 0 = the model's max_position_embeddings")
+    groups["lora adapters"].add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help="LoRA adapters loaded at start-up (PEFT directories as the workers see them); "
+             "needs --enable-lora")
     p.add_argument("--log-level", default="INFO", help="logging level of the controlplane")
     p.add_argument("--cpu-cores", default="",
                    help="CPU cores every controlplane thread runs on, e.g. 1-3 (Linux); keep "
@@ -111,6 +117,8 @@ def build_config(
     except (OSError, ValueError, KeyError) as exc:
         fail(f"--model {model_path}: {exc}")
     kv_transfer = kv_transfer_config(args, info)
+    served_name = args.served_model_name or os.path.basename(model_path.rstrip("/"))
+    lora = lora_config(args, served_name)
     max_model_len = args.max_model_len or info.max_position_embeddings
     if not 0 < max_model_len <= info.max_position_embeddings:
         fail(f"--max-model-len {max_model_len} must be in 1..{info.max_position_embeddings}, "
@@ -119,14 +127,15 @@ def build_config(
         model=config_from_args(
             ModelConfig, args,
             model=model_path,
-            served_model_name=args.served_model_name or os.path.basename(model_path.rstrip("/")),
+            served_model_name=served_name,
             worker_model_path=args.worker_model_path or model_path,
             checkpoint_dtype=info.checkpoint_dtype,
         ),
         cache=config_from_args(CacheConfig, args,
                                sliding_window=info.sliding_window_all_layers),
         scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len,
-                                   speculative=speculative_config(args, info, model_path)),
+                                   speculative=speculative_config(args, info, model_path),
+                                   max_loras=lora.max_loras if lora.enabled else 0),
         parallel=config_from_args(ParallelConfig, args),
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),
@@ -134,8 +143,35 @@ def build_config(
         structured_output=config_from_args(StructuredOutputConfig, args),
         api_security=config_from_args(ApiSecurityConfig, args),
         kv_transfer=kv_transfer,
+        lora=lora,
     )
     return config, info
+
+
+def lora_config(args: argparse.Namespace, served_model_name: str) -> LoRAConfig:
+    """The LoRA flags, --lora-modules parsed; a start-up error names the flag."""
+    from controlplane.lora.names import parse_lora_modules
+
+    if args.lora_modules and not args.enable_lora:
+        fail("--lora-modules needs --enable-lora")
+    if args.enable_lora and args.kv_transfer_config:
+        fail("--enable-lora with --kv-transfer-config: a disaggregated consumer cannot know "
+             "which adapter a producer's KV was computed with (not built yet)")
+    if args.max_cpu_loras and args.max_cpu_loras < args.max_loras:
+        fail(f"--max-cpu-loras {args.max_cpu_loras} must be at least --max-loras "
+             f"{args.max_loras} (every adapter of a step must be loaded), or 0")
+    from controlplane.api.lora_endpoints import parse_port_range
+
+    try:
+        parse_port_range(args.lora_engine_ports)
+    except ValueError as exc:
+        fail(str(exc))
+    slots = args.max_cpu_loras or max(args.max_loras, len(args.lora_modules))
+    try:
+        modules = parse_lora_modules(args.lora_modules, served_model_name, slots)
+    except ValueError as exc:
+        fail(str(exc))
+    return config_from_args(LoRAConfig, args, lora_modules=modules)
 
 
 def speculative_config(args: argparse.Namespace, info: ModelInfo, model_path: str):

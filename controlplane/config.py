@@ -116,6 +116,50 @@ class SchedulerConfig:
         "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} (a "
         "small model with the same tokenizer on the output rank); empty = none")
     speculative: SpeculativeConfig | None = None
+    # Distinct LoRA adapters in one step: LoRAConfig.max_loras with
+    # --enable-lora, 0 without (core/lora_gate.py); resolved at start-up.
+    max_loras: int = 0
+
+
+# Bounds of the LoRA flags: far above what a CPU or one GPU serves, low
+# enough that a typo cannot make every rank allocate for it.
+MAX_LORAS = 64
+MAX_LORA_RANK = 512
+MAX_CPU_LORAS = 1024
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags; controlplane/lora/, workerd/lora/)."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) beside the base "
+                                      "model; requests name one with lora_name")
+    max_loras: int = option(1, "distinct LoRA adapters in one step; a waiting request whose "
+                               "adapter would exceed it waits, later ones go first",
+                            ge=1, le=MAX_LORAS)
+    max_lora_rank: int = option(16, "largest adapter rank accepted", ge=1, le=MAX_LORA_RANK)
+    max_cpu_loras: int = option(
+        0, "adapters the workers hold loaded at once (LRU: an idle one is let go for a new "
+           "one and loaded again when named); 0 = max(--max-loras, the --lora-modules)",
+        ge=0, le=MAX_CPU_LORAS)
+    allow_runtime_lora_updating: bool = option(
+        False, "serve LoadLoRAAdapter and UnloadLoRAAdapter (vLLM's "
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING): whoever may call the API may then make "
+               "the workers read adapter directories")
+    lora_engine_ports: str = option(
+        "", "ports START-END for each adapter's own vllm.grpc.engine.VllmEngine listener (the "
+            "SMG gateway's worker for that model id); empty = free ports picked at run time")
+    # --lora-modules NAME=PATH ...: parsed by __main__ (controlplane/lora/names.py).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora
+
+    @property
+    def cpu_slots(self) -> int:
+        """How many adapters the workers hold at once."""
+        return self.max_cpu_loras or max(self.max_loras, len(self.lora_modules))
 
 
 @dataclass(frozen=True)
@@ -287,6 +331,7 @@ class ControlPlaneConfig:
     api_limits: ApiLimitsConfig = field(default_factory=ApiLimitsConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     api_security: ApiSecurityConfig = field(default_factory=ApiSecurityConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # --kv-transfer-config parsed (and its engine id drawn) once at start-up;
     # None: no disaggregation.
     kv_transfer: KVTransferConfig | None = None

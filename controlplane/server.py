@@ -34,6 +34,8 @@ from controlplane.api.auth import ApiKeyInterceptor, ApiKeys, install_reload
 from controlplane.api.generation_service import GenerationService
 from controlplane.api.kv_transfer.service import KVTransferService
 from controlplane.api.kv_transfer.wiring import KVTransferWiring
+from controlplane.api.lora_endpoints import LoRAEndpoints, parse_port_range
+from controlplane.api.lora_service import LoRAService
 from controlplane.api.malformed_requests import MalformedRequestInterceptor
 from controlplane.api.offload import Offload, new_pool
 from controlplane.api.output_router import OutputRouter
@@ -47,6 +49,8 @@ from controlplane.executor.grpc_executor import Executor
 from controlplane.executor.status import FailureKind
 from controlplane.executor.worker_plane import WorkerPlane
 from controlplane.executor.worker_service import SERVICE_NAME as WORKER_SERVICE
+from controlplane.lora.registry import LoRARegistry
+from controlplane.lora.wiring import EngineLoRABackend
 from controlplane.metrics.exporter import ControlPlaneMetrics
 from controlplane.metrics.grpc_interceptor import GrpcMetricsInterceptor
 from controlplane.metrics.loop_lag import LoopLagProbe
@@ -108,6 +112,10 @@ class ControlPlane:
         # --kv-transfer-config: prefill/decode disaggregation (api/kv_transfer/).
         self.kv_transfer = (KVTransferWiring(config, model_info)
                             if config.kv_transfer is not None else None)
+        # --enable-lora: the adapters (controlplane/lora/); its backend is wired below.
+        self.lora = (LoRARegistry(config.lora, config.model.served_model_name)
+                     if config.lora.enabled else None)
+        self.lora_endpoints: LoRAEndpoints | None = None  # bound in run()
         self.executor = Executor(
             config.parallel,
             config.workers,
@@ -119,6 +127,8 @@ class ControlPlane:
             scheduler=config.scheduler,
             kv_layout_base=self.kv_transfer.layout_base if self.kv_transfer else None,
             kv_serve_reads=self.kv_transfer is not None and self.kv_transfer.config.produces,
+            lora=config.lora,
+            lora_startup=self.lora,
         )
         self.engine = EngineCore(
             config.scheduler, config.cache, self.executor, self._emit,
@@ -134,6 +144,8 @@ class ControlPlane:
             self.executor, config.server.host, config.server.worker_port, grpc_options(config),
             lag_probe=self.loop_probes["workers"],
         )
+        if self.lora is not None:
+            self.lora.backend = EngineLoRABackend(self.worker_plane, self.executor, self.engine)
         # Tokenizing and long detokenizing, off the api loop (shut down after the API).
         self.offload_pool = new_pool()
         self.readiness = Readiness(
@@ -244,6 +256,22 @@ class ControlPlane:
         interceptors.append(MalformedRequestInterceptor())
         api = grpc.aio.server(options=options, interceptors=interceptors)
         offload = Offload(self.offload_pool)
+        security = self.config.api_security
+
+        def adapter_server(name: str) -> grpc.aio.Server:
+            """An adapter's own VllmEngine listener (api/lora_endpoints.py)."""
+            server = grpc.aio.server(options=options, interceptors=interceptors)
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineService(
+                generation, self.readiness.reason, self.kv_events, offload,
+                model_dtype=lambda: self.executor.status().model_dtype, lora_name=name), server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            return server
+
+        self.lora_endpoints = LoRAEndpoints(
+            adapter_server, cfg.host, parse_port_range(self.config.lora.lora_engine_ports),
+            api_credentials(security))
+        if self.lora is not None:
+            self.lora.listeners = self.lora_endpoints
         generation = GenerationService(
             self.config,
             self.model_info,
@@ -254,6 +282,7 @@ class ControlPlane:
             attached_ranks=lambda: self.executor.status().ranks,
             metrics=self.metrics,
             offload=offload,
+            lora=LoRAService(self.lora, self.lora_endpoints.port),
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, api)
         # The SMG gateway's engine protocol, beside kvloom's own on one port.
@@ -275,7 +304,6 @@ class ControlPlane:
             (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, health.SERVICE_NAME,
              reflection.SERVICE_NAME), api
         )
-        security = self.config.api_security
         client_port = add_api_port(api, cfg.host, cfg.port, api_credentials(security))
 
         await self.health.set("", SERVING)
@@ -293,6 +321,8 @@ class ControlPlane:
             self.engine.grammar.install(await asyncio.to_thread(
                 new_grammar_backend, tokenizer, self.model_info, self.config.structured_output))
         await api.start()
+        if self.lora is not None:
+            await self.lora.open_listeners()
         self.loop_probes["api"].start()
         logger.info(
             "controlplane serving %s on %s:%d (API, %s), workers on %s:%d (%s), world size %d",
@@ -333,6 +363,7 @@ class ControlPlane:
         # Quick: stopping the executor failed any step in flight. At most 2 s,
         # so that a stuck engine leaves the API time to send its errors.
         await asyncio.to_thread(self.engine.shutdown, left(2.0))
+        await self.lora_endpoints.close_all()
         await api.stop(grace=left(2.0))
         if self.kv_transfer is not None and self.kv_transfer.producers is not None:
             await self.kv_transfer.producers.close()

@@ -28,6 +28,7 @@ import grpc
 
 from controlplane.api.auth import current_tenant, tenant_cache_salt
 from controlplane.api.in_flight import InFlight, Refusal
+from controlplane.api.lora_service import LoRAService
 from controlplane.api.offload import Offload, heavy_generate, heavy_outputs
 from controlplane.api.output_batches import feed_batch
 from controlplane.api.output_router import OutputRouter
@@ -46,6 +47,7 @@ from controlplane.core.outputs import EngineCoreOutput, EngineErrorCode
 from controlplane.core.request import Request, SamplingParams
 from controlplane.engine.core import EngineCore
 from controlplane.executor.status import RankStatus
+from controlplane.lora.names import LoRARequest
 from controlplane.model_info import ModelInfo
 from kvloom import __version__
 from kvloom.v1 import generation_pb2, generation_pb2_grpc
@@ -75,6 +77,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         metrics=None,
         offload: Offload | None = None,
         in_flight: InFlight | None = None,
+        lora: LoRAService | None = None,
     ):
         self.config = config
         self.model_info = model_info
@@ -96,6 +99,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._capacity = self.in_flight.capacity
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
         self.tokenize_service = TokenizeService(tokenizer, self.limits.vocab_size, self.offload)
+        # LoRA adapters (api/lora_service.py); without --enable-lora every
+        # request naming one is refused.
+        self.lora = lora if lora is not None else LoRAService(None)
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -164,6 +170,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         cache_salt = tenant_cache_salt(
             tenant, v.cache_salt, self.config.api_security.prefix_cache_scope)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        # The last await before the engine has the samples (api/lora_service.py).
+        lora = await self.lora.resolve(v.lora_name, context)
         children = self.in_flight.claim(key, v.n, queue)
         if isinstance(children, Refusal):
             await context.abort(children.code, children.details)
@@ -171,7 +179,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             self.add_samples(streams, children, v, cache_salt, lambda i, params: SampleStream(
                 self.tokenizer, self.token_text, i, v.prompt_token_ids, params, v.stream,
-                v.stream_interval))
+                v.stream_interval), lora=lora)
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
@@ -179,7 +187,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def add_samples(self, streams: dict, children: list[str], v: ValidatedRequest,
                     cache_salt: str | None, new_stream: Callable,
-                    kv_transfer: object | None = None) -> None:
+                    kv_transfer: object | None = None,
+                    lora: LoRARequest | None = None) -> None:
         """Hand a call's samples to the engine, each with its stream in
         `streams` (filled as they go, so end_call sees a partial hand-over)."""
         for i, child in enumerate(children):
@@ -188,7 +197,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.engine.add_request(Request(
                 request_id=child, prompt_token_ids=v.prompt_token_ids, sampling_params=params,
                 eos_token_ids=self.model_info.eos_token_ids, cache_salt=cache_salt,
-                priority=v.priority, kv_transfer=kv_transfer))
+                priority=v.priority, kv_transfer=kv_transfer, lora=lora))
         if self.metrics is not None:
             self.metrics.request_accepted(v.priority, len(children))
 
@@ -287,7 +296,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             msg.bos_token_id = bos
         for content, token_id in sorted(_special_tokens(self.tokenizer).items()):
             msg.special_tokens.add(content=content, id=token_id)
+        msg.lora_adapters.extend(self.lora.adapters())
         return msg
+
+    async def LoadLoRAAdapter(self, request, context):
+        return await self.lora.load(request, context)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        return await self.lora.unload(request, context)
+
+    async def ListLoRAAdapters(self, request, context):
+        return await self.lora.list(request, context)
 
     async def GetServerInfo(self, request, context):
         cfg = self.config

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from controlplane.api.constraint import ConstraintError, resolve_constraint
 from controlplane.core.request import SamplingParams, exceeds_max_model_len
+from controlplane.lora.names import LoRANameError, check_lora_name
 from controlplane.structured import validate as structured
 from kvloom.v1 import generation_pb2
 
@@ -133,6 +134,7 @@ class ValidatedRequest:
     stream_interval: int = 1
     cache_salt: str | None = None
     priority: int = 0  # lower is served first (vLLM)
+    lora_name: str = ""  # "" = the base model
 
 
 def _opt(msg, name: str, default):
@@ -352,6 +354,11 @@ def _check_request_options(
     request: generation_pb2.GenerateRequest, limits: Limits
 ) -> tuple[int, bool, int]:
     check_request_id(request.request_id)
+    if request.lora_name:
+        try:
+            check_lora_name(request.lora_name, "lora_name")
+        except LoRANameError as exc:
+            raise InvalidRequest(str(exc)) from None
     if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
         raise InvalidRequest(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
     n = _opt(request.sampling, "n", 1)
@@ -431,4 +438,5 @@ def validate(
         stream_interval=interval,
         cache_salt=request.cache_salt or None,
         priority=priority,
+        lora_name=request.lora_name,
     )

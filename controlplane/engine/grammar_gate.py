@@ -120,6 +120,10 @@ class GrammarGate:
         self._compiling.clear()
         return requests
 
+    def waiting_requests(self) -> list[Request]:
+        """The requests waiting for their compile (not in the scheduler yet)."""
+        return [e.request for e in self._compiling.values()]
+
     @property
     def num_waiting(self) -> int:
         return len(self._compiling)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from controlplane.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -51,6 +52,18 @@ class GroupCalls(Protocol):
         ...
 
 
+class LoRAStartup(Protocol):
+    """The adapters a forming group loads before it serves (controlplane/lora/registry.py)."""
+
+    def resident_loads(self) -> list[worker_pb2.LoadLoRA]:
+        ...
+
+    def loaded_on_startup(self, load: worker_pb2.LoadLoRA,
+                          replies: dict[int, worker_pb2.LoRALoaded]) -> bool:
+        """False: the ranks must let it go (it cannot be served)."""
+        ...
+
+
 class GroupStartup:
     def __init__(
         self,
@@ -62,8 +75,13 @@ class GroupStartup:
         scheduler: SchedulerConfig,
         kv_layout_base: kv_transfer_pb2.KVEngineLayout | None = None,
         kv_serve_reads: bool = False,
+        lora: LoRAConfig | None = None,
+        lora_startup: LoRAStartup | None = None,
     ):
         self.calls = calls
+        # --enable-lora: the ranks' limits, and the adapters each group loads.
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora_startup = lora_startup
         # --kv-transfer-config: the layout's fixed part (engine id, model
         # shape, lease); each start-up adds its blocks and the ranks' agents.
         self.kv_layout_base = kv_layout_base
@@ -110,6 +128,7 @@ class GroupStartup:
                 enforce_eager=self.model.enforce_eager,
                 draft_model_path=draft.model if draft is not None else "",
                 num_speculative_tokens=draft.num_speculative_tokens if draft is not None else 0,
+                lora=self._lora_config(),
                 limits=worker_pb2.WorkerLimits(
                     max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                     max_num_seqs=self.scheduler.max_num_seqs,
@@ -133,7 +152,29 @@ class GroupStartup:
         await self.calls.call_all(init, cfg.startup_timeout_s, "init_kv_cache")
         if self.kv_layout_base is not None:
             self.kv_layout = await self._start_kv_transfer(num_blocks)
+        await self._load_adapters()
         return num_blocks
+
+    def _lora_config(self) -> worker_pb2.LoRAConfig | None:
+        if self.lora is None:
+            return None
+        return worker_pb2.LoRAConfig(max_loras=self.lora.max_loras,
+                                     max_lora_rank=self.lora.max_lora_rank,
+                                     max_cpu_loras=self.lora.cpu_slots)
+
+    async def _load_adapters(self) -> None:
+        """Every adapter requests may name is on every rank before the group
+        serves: a re-formed group's new ranks hold none of them yet."""
+        if self.lora is None or self.lora_startup is None:
+            return
+        for load in self.lora_startup.resident_loads():
+            replies = await self.calls.call_all(worker_pb2.ControlMessage(load_lora=load),
+                                                self.cfg.startup_timeout_s, "load_lora")
+            if not self.lora_startup.loaded_on_startup(
+                    load, {rank: r.lora_loaded for rank, r in replies.items()}):
+                await self.calls.call_all(
+                    worker_pb2.ControlMessage(remove_lora=worker_pb2.RemoveLoRA(
+                        lora_id=load.lora_id)), self.cfg.startup_timeout_s, "remove_lora")
 
     async def _start_kv_transfer(self, num_blocks: int) -> kv_transfer_pb2.KVEngineLayout:
         """Every rank starts its NIXL agent over its KV cache; their answers

@@ -43,6 +43,7 @@ from types import MappingProxyType
 
 from controlplane.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -50,7 +51,7 @@ from controlplane.config import (
 )
 from controlplane.core.outputs import ExpectedReply, SchedulerOutput
 from controlplane.executor.call_router import CallRouter
-from controlplane.executor.group_startup import GroupStartup
+from controlplane.executor.group_startup import GroupStartup, LoRAStartup
 from controlplane.executor.kv_reports import KVReports
 from controlplane.executor.registration import (
     WorkerHandle,
@@ -103,6 +104,8 @@ class Executor(StepExecutor):
         scheduler: SchedulerConfig | None = None,
         kv_layout_base: object | None = None,
         kv_serve_reads: bool = False,
+        lora: LoRAConfig | None = None,
+        lora_startup: LoRAStartup | None = None,
     ):
         self.parallel = parallel
         self.cfg = workers
@@ -127,7 +130,7 @@ class Executor(StepExecutor):
         # The scheduler's limits reach the workers in LoadModel (their profile run).
         self._group_startup = GroupStartup(self._router, parallel, workers, model, cache,
                                            scheduler or SchedulerConfig(), kv_layout_base,
-                                           kv_serve_reads)
+                                           kv_serve_reads, lora, lora_startup)
         # Keep survivors of a failure attached (Reset) instead of letting them go.
         self._keep_survivors = workers.engine_recovery_timeout_s > 0
         # The survivors' pending Reset, awaited before the next handshake.
@@ -254,6 +257,15 @@ class Executor(StepExecutor):
             f"worker {handle.describe()} disconnected: {reason}", FailureKind.DISCONNECTED,
             handle.rank,
         )
+
+    async def call_ready_group(self, command: worker_pb2.ControlMessage,
+                               what: str) -> dict[int, worker_pb2.WorkerMessage]:
+        """A command outside steps (LoRA loads) to every rank of a ready
+        group, in order with the steps on each stream (loop thread). Raises
+        WorkerGroupFailed when the group is not ready or fails meanwhile."""
+        if self._state is not GroupState.READY:
+            raise WorkerGroupFailed(f"the worker group is {self._state.value}, not ready")
+        return await self._router.call_all(command, self.cfg.startup_timeout_s, what)
 
     # ---- start-up (loop thread) -------------------------------------------
 

@@ -44,6 +44,8 @@ REPLY_PAYLOAD = {
     "ping": "ack",
     "reset": "reset_done",
     "start_kv_transfer": "kv_transfer_agent",
+    "load_lora": "lora_loaded",
+    "remove_lora": "ack",
 }
 
 # log_softmax is <= 0 exactly in IEEE arithmetic; the slack only forgives a

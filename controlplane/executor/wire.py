@@ -59,6 +59,7 @@ def scheduler_output_to_proto(so: SchedulerOutput) -> worker_pb2.SchedulerOutput
             block_ids=new_req.block_ids,
             num_computed_tokens=new_req.num_computed_tokens,
             num_scheduled_tokens=num_scheduled[new_req.req_id],
+            lora_id=new_req.lora_id,
         )
         _sampling_params_to_proto(
             new_req.sampling_params, new_req.min_tokens_stop_ids, pb.sampling_params

@@ -37,6 +37,7 @@ from controlplane.core.outputs import EngineCoreOutput
 from controlplane.executor.status import ExecutorStatus, FailureKind
 from controlplane.metrics.busy import BusyWindow
 from controlplane.metrics.loop_lag import LoopLagProbe
+from controlplane.metrics.lora import LoRAMetrics, lora_requests_info
 from controlplane.metrics.records import (
     FINISH_REASONS,
     PRIORITY_CLASSES,
@@ -213,6 +214,7 @@ class ControlPlaneMetrics:
 
         self.ttft = hist("kvloom_time_to_first_token_seconds",
                          "Arrival to first token.", TTFT_BUCKETS).labels(m)
+        self.lora = LoRAMetrics(reg, m) if config.lora.enabled else None
         self.itl = hist("kvloom_inter_token_latency_seconds",
                         "Time between a request's consecutive token steps.", ITL_BUCKETS).labels(m)
         self.e2e = self._request_hist("kvloom_e2e_request_latency_seconds", "Arrival to finish.")
@@ -257,6 +259,8 @@ class ControlPlaneMetrics:
 
     def observe(self, outputs: list[EngineCoreOutput], record: StepRecord | None) -> None:
         """One step's record and outputs, or out-of-step outputs (aborts, errors)."""
+        if self.lora is not None:
+            self.lora.observe(outputs)
         if record is None:
             self._observe_timing(self._timeline.on_outputs(outputs, time.monotonic()))
             return
@@ -381,6 +385,9 @@ class _ScrapeCollector:
         yield self._loop_lag(m)
         yield from self._grammar_metrics(m)
         yield from self._lease_metrics(m)
+        if self.metrics.lora is not None:
+            yield lora_requests_info(
+                self.engine.last_stats if self.engine.scheduler is not None else None, m)
 
     def _lease_metrics(self, m: str) -> Iterable[Metric]:
         """A producer's leases (--kv-transfer-config), over its whole life."""

@@ -14,7 +14,8 @@ from tests.checkpoints import config_only_checkpoint
 
 # Fields that are no flag: build_config resolves them at start-up.
 RESOLVED = {("SchedulerConfig", "max_model_len"), ("CacheConfig", "sliding_window"),
-            ("ModelConfig", "checkpoint_dtype"), ("SchedulerConfig", "speculative")}
+            ("ModelConfig", "checkpoint_dtype"), ("SchedulerConfig", "speculative"),
+            ("SchedulerConfig", "max_loras"), ("LoRAConfig", "lora_modules")}
 
 # Every spelling the launcher, compose file, Helm chart and tests pass today.
 DEPLOYED_FLAGS = [

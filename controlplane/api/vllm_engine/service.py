@@ -69,10 +69,13 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, edge: GenerationService, readiness: Callable[[], str | None],
                  kv_events: KvEventPublisher, offload: Offload | None = None,
                  model_dtype: Callable[[], str] | None = None,
-                 producers: RemoteProducers | None = None):
+                 producers: RemoteProducers | None = None, lora_name: str = ""):
         # The kvloom.v1 edge: its config, tokenizer, limits, admission rules,
         # engine and InFlight are this service's too.
         self.edge = edge
+        # An adapter's own listener (api/lora_endpoints.py): every request
+        # runs with it, and GetModelInfo names it; "" = the base model.
+        self.lora_name = lora_name
         self.engine = edge.engine
         self.in_flight = edge.in_flight
         # None when ready, else why not: the worker group's readiness.
@@ -118,6 +121,8 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         request_id = g.request_id or uuid.uuid4().hex
         key = (tenant or "", PROTOCOL, request_id)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        # The last await before the engine has the samples (api/lora_service.py).
+        lora = await self.edge.lora.resolve(self.lora_name, context)
         children = self.in_flight.claim(key, v.n, queue, prefix=SAMPLE_PREFIX)
         if isinstance(children, Refusal):
             await context.abort(children.code, children.details)
@@ -127,7 +132,8 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
         streams: dict[str, TokenStream] = {}
         try:
             self.edge.add_samples(streams, children, v, cache_salt, lambda i, params: TokenStream(
-                i, v.prompt_token_ids, params, v.stream, eos, self.edge.tokenizer), kv_transfer)
+                i, v.prompt_token_ids, params, v.stream, eos, self.edge.tokenizer), kv_transfer,
+                lora=lora)
             async for msg in self._responses(request_id, queue, streams, context):
                 yield msg
         finally:
@@ -192,13 +198,18 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def HealthCheck(self, request, context):
         reason = self._not_ready()
+        if reason is None and self.lora_name and self.lora_name not in self.edge.lora.names():
+            reason = f"LoRA adapter {self.lora_name!r} is not loaded"
         return vllm_engine_pb2.HealthCheckResponse(
             healthy=reason is None, message="ready" if reason is None else reason)
 
     async def GetModelInfo(self, request, context):
         edge = self.edge
-        return info.model_info_response(edge.config, edge.model_info, edge.tokenizer,
-                                        edge.limits.max_model_len)
+        msg = info.model_info_response(edge.config, edge.model_info, edge.tokenizer,
+                                       edge.limits.max_model_len)
+        if self.lora_name:
+            msg.served_model_name = self.lora_name
+        return msg
 
     async def GetServerInfo(self, request, context):
         return info.server_info_response(self.edge.config, self.engine.last_stats,
@@ -231,6 +242,11 @@ class VllmEngineService(vllm_engine_pb2_grpc.VllmEngineServicer):
     # ---- KV events and the prefix cache --------------------------------------
 
     async def SubscribeKvEvents(self, request, context):
+        if self.lora_name:
+            # The engine's one event stream goes to its base listener; a
+            # gateway routes an adapter's model id on its own token tree.
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are served on "
+                                "the base model's listener (the API port)")
         if not self.kv_events.enabled:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "KV cache events are off (--no-enable-kv-cache-events)")

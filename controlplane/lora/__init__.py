@@ -1,0 +1,2 @@
+"""Multi-LoRA serving, the controlplane's half: which adapters exist, which
+the workers hold, and what a request names (docs/lora.md)."""

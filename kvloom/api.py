@@ -12,6 +12,7 @@ are left to the server so the two can never disagree.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -169,6 +170,28 @@ class Tokenized(NamedTuple):
 
 
 @dataclass(frozen=True)
+class LoRAAdapter:
+    """A loaded LoRA adapter (the proto's lora_name and lora_path are name
+    and path here): requests name it with lora_name=NAME."""
+
+    name: str
+    path: str  # its directory, as the workers see it
+    rank: int  # r of its adapter_config.json
+    # SHA-256 of its files: a reload under the same name with other weights
+    # gets another version (and never the old one's cached KV).
+    version: str
+    num_requests: int = 0  # unfinished requests naming it
+    # Its own VllmEngine listener's port, which the SMG gateway routes its
+    # model id to; 0 = none.
+    vllm_engine_port: int = 0
+
+    def describe(self) -> str:
+        port = f", engine port {self.vllm_engine_port}" if self.vllm_engine_port else ""
+        return (f"rank {self.rank}, version {self.version[:12]}, {self.path}, "
+                f"{self.num_requests} requests{port}")
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     model_name: str
     model_path: str
@@ -179,6 +202,8 @@ class ModelInfo:
     bos_token_id: int | None = None
     special_tokens: dict[str, int] = field(default_factory=dict)  # text -> id
     has_chat_template: bool = False
+    # The adapters requests may name (none without --enable-lora).
+    lora_adapters: tuple[LoRAAdapter, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -245,6 +270,7 @@ def build_request(
     cache_salt: str = "",
     request_id: str = "",
     priority: int | None = None,
+    lora_name: str | None = None,
     json_schema: str | Mapping | bool | None = None,
     json_object: bool = False,
     regex: str | None = None,
@@ -263,7 +289,9 @@ def build_request(
     sample; stream_interval batches streamed tokens; cache_salt isolates
     prefix-cache sharing; an empty request_id lets the server pick one.
     priority: lower is served first (default 0); only a server run with
-    --scheduling-policy priority accepts a non-zero value.
+    --scheduling-policy priority accepts a non-zero value. lora_name: the LoRA
+    adapter to generate with (list_lora_adapters() names them); None or ""
+    = the base model.
 
     Structured outputs, at most one: `json_schema` (JSON text, or a dict
     sent as JSON), `json_object=True` (any JSON object), `regex`, `grammar`
@@ -296,6 +324,7 @@ def build_request(
     _set(request, "stream", stream)
     _set(request, "stream_interval", stream_interval)
     _set(request, "priority", priority)
+    _set(request, "lora_name", lora_name)
     kind, value = _prompt_kind(prompt, messages)
     if kind == "text":
         request.text = value
@@ -357,6 +386,23 @@ def build_detokenize_request(
     request = pb.DetokenizeRequest()
     _extend(request.token_ids, "token_ids", token_ids)
     _set(request, "skip_special_tokens", skip_special_tokens)
+    return request
+
+
+def build_load_lora_adapter_request(
+    lora_name: str, lora_path: str | os.PathLike
+) -> pb.LoadLoRAAdapterRequest:
+    """A LoadLoRAAdapterRequest; the server checks the name and the path."""
+    request = pb.LoadLoRAAdapterRequest()
+    _set(request, "lora_name", lora_name)
+    _set(request, "lora_path", os.fspath(lora_path) if isinstance(lora_path, os.PathLike)
+         else lora_path)
+    return request
+
+
+def build_unload_lora_adapter_request(lora_name: str) -> pb.UnloadLoRAAdapterRequest:
+    request = pb.UnloadLoRAAdapterRequest()
+    _set(request, "lora_name", lora_name)
     return request
 
 
@@ -464,7 +510,14 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
         special_tokens={t.content: t.id for t in msg.special_tokens},
         has_chat_template=msg.has_chat_template,
+        lora_adapters=tuple(lora_adapter_from_pb(a) for a in msg.lora_adapters),
     )
+
+
+def lora_adapter_from_pb(msg: pb.LoRAAdapter) -> LoRAAdapter:
+    return LoRAAdapter(name=msg.lora_name, path=msg.lora_path, rank=msg.rank,
+                       version=msg.version, num_requests=msg.num_requests,
+                       vllm_engine_port=msg.vllm_engine_port)
 
 
 def server_info_from_pb(msg: pb.ServerInfo) -> ServerInfo:

@@ -17,13 +17,16 @@ plain dataclasses (kvloom.api). `generate_text` and `chat` return one
 `stream_chat` yield `GenerateChunk`s as tokens arrive (`generate` is the
 older name of `stream`). `chat` takes a string (one user turn) or chat turns
 (dicts with "role"/"content", or (role, content) tuples), rendered by the
-server's chat template. Every grpc.RpcError surfaces as a `KvloomError`
-carrying the status code, the details and the server address. Arguments are
-checked when the call is made, before anything is sent; closing a stream
-early (break, exception, task cancellation) cancels the call, which makes the
-server abort the request and free its KV blocks. Health checks use the
-standard grpc.health.v1 service ("" = live, "kvloom.v1.Generation" = ready to
-generate).
+server's chat template. `lora_name=` generates with a LoRA adapter, which
+`load_lora_adapter` / `unload_lora_adapter` / `list_lora_adapters` manage
+(on a server started with --enable-lora; loading and unloading also need
+--allow-runtime-lora-updating). Every grpc.RpcError surfaces as a
+`KvloomError` carrying the status code, the details and the server address.
+Arguments are checked when the call is made, before anything is sent;
+closing a stream early (break, exception, task cancellation) cancels the
+call, which makes the server abort the request and free its KV blocks.
+Health checks use the standard grpc.health.v1 service ("" = live,
+"kvloom.v1.Generation" = ready to generate).
 
 Security (docs/security.md): `ssl_ca_certs=` (the CA that signed the server's
 certificate; `tls=True` alone trusts the system's CAs) switches the channel
@@ -49,6 +52,7 @@ from kvloom.api import (
     InvalidArgument,
     KvloomError,
     Logprob,
+    LoRAAdapter,
     ModelInfo,
     Prompt,
     PromptInfo,
@@ -57,9 +61,12 @@ from kvloom.api import (
     Tokenized,
     TopLogprob,
     build_detokenize_request,
+    build_load_lora_adapter_request,
     build_request,
     build_tokenize_request,
+    build_unload_lora_adapter_request,
     chunk_from_pb,
+    lora_adapter_from_pb,
     model_info_from_pb,
     server_info_from_pb,
 )
@@ -69,7 +76,8 @@ from kvloom.v1 import generation_pb2_grpc as pb_grpc
 __all__ = [
     "DEFAULT_SERVER", "READY_SERVICE", "AsyncKvloomClient", "ChatTurn", "Collector", "Finish",
     "GenerateChunk", "GenerateResult", "InvalidArgument", "KvloomClient", "KvloomError",
-    "Logprob", "ModelInfo", "PromptInfo", "RankInfo", "ServerInfo", "Tokenized", "TopLogprob",
+    "Logprob", "LoRAAdapter", "ModelInfo", "PromptInfo", "RankInfo", "ServerInfo", "Tokenized",
+    "TopLogprob",
     "build_request", "chat_turns", "chunk_from_pb", "default_server",
 ]
 
@@ -77,6 +85,12 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 API_KEY_ENV = "KVLOOM_API_KEY"
 READY_SERVICE = "kvloom.v1.Generation"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# LoadLoRAAdapter answers once every worker has read, hashed and placed the
+# adapter's files, which takes as long as they are big; UnloadLoRAAdapter
+# waits for every worker too, though it has nothing to read.
+LOAD_LORA_TIMEOUT = 300.0
+UNLOAD_LORA_TIMEOUT = 60.0
 
 # A Generate stream can stay silent for a long time (queued behind other
 # requests, long prefill), so keepalive pings detect a dead peer or a NAT that
@@ -236,8 +250,8 @@ class KvloomClient(_Connection):
 
         prompt: text, token ids or chat turns. options: kvloom.api.build_request's
         keywords (every sampling knob, messages, n, stream, stream_interval,
-        cache_salt, request_id, priority); None = the server's default. Bad arguments
-        raise InvalidArgument here, before anything is sent.
+        cache_salt, request_id, priority, lora_name); None = the server's default.
+        Bad arguments raise InvalidArgument here, before anything is sent.
         """
         return self._stream(build_request(prompt, **options), timeout)
 
@@ -311,6 +325,26 @@ class KvloomClient(_Connection):
     def server_info(self, *, timeout: float | None = 10.0) -> ServerInfo:
         reply = self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
         return server_info_from_pb(reply)
+
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str | os.PathLike, *,
+        timeout: float | None = LOAD_LORA_TIMEOUT,
+    ) -> LoRAAdapter:
+        """Load the PEFT adapter in lora_path (as every worker sees it) under
+        lora_name; returns it once requests may name it."""
+        request = build_load_lora_adapter_request(lora_name, lora_path)
+        return lora_adapter_from_pb(self._call(self._stub.LoadLoRAAdapter, request, timeout))
+
+    def unload_lora_adapter(
+        self, lora_name: str, *, timeout: float | None = UNLOAD_LORA_TIMEOUT
+    ) -> None:
+        """Free an adapter; FAILED_PRECONDITION while requests naming it are unfinished."""
+        request = build_unload_lora_adapter_request(lora_name)
+        self._call(self._stub.UnloadLoRAAdapter, request, timeout)
+
+    def list_lora_adapters(self, *, timeout: float | None = 10.0) -> list[LoRAAdapter]:
+        reply = self._call(self._stub.ListLoRAAdapters, pb.ListLoRAAdaptersRequest(), timeout)
+        return [lora_adapter_from_pb(a) for a in reply.adapters]
 
     def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         """The grpc.health.v1 status name, e.g. "SERVING" or "NOT_SERVING"."""
@@ -411,6 +445,25 @@ class AsyncKvloomClient(_Connection):
     async def server_info(self, *, timeout: float | None = 10.0) -> ServerInfo:
         reply = await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
         return server_info_from_pb(reply)
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str | os.PathLike, *,
+        timeout: float | None = LOAD_LORA_TIMEOUT,
+    ) -> LoRAAdapter:
+        request = build_load_lora_adapter_request(lora_name, lora_path)
+        return lora_adapter_from_pb(
+            await self._call(self._stub.LoadLoRAAdapter, request, timeout))
+
+    async def unload_lora_adapter(
+        self, lora_name: str, *, timeout: float | None = UNLOAD_LORA_TIMEOUT
+    ) -> None:
+        request = build_unload_lora_adapter_request(lora_name)
+        await self._call(self._stub.UnloadLoRAAdapter, request, timeout)
+
+    async def list_lora_adapters(self, *, timeout: float | None = 10.0) -> list[LoRAAdapter]:
+        reply = await self._call(self._stub.ListLoRAAdapters, pb.ListLoRAAdaptersRequest(),
+                                 timeout)
+        return [lora_adapter_from_pb(a) for a in reply.adapters]
 
     async def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
         request = health_pb2.HealthCheckRequest(service=service)

@@ -428,5 +428,7 @@ def start_gateway(cluster: launcher.Cluster | ClusterSet, front: GatewaySpec,
     if isinstance(cluster, ClusterSet):
         pd.start_gateway(cluster, front, model, timeout)
         return
-    gateway.start(cluster, front)
-    gateway.wait_ready(cluster, front, model, timeout=timeout)
+    adapters = gateway.lora_listeners(cluster)
+    gateway.start(cluster, front, tuple(adapters.values()))
+    for name in (model, *adapters):
+        gateway.wait_ready(cluster, front, name, timeout=timeout)

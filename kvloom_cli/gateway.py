@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvloom.common.ports import PortInUse, pick_free_ports, port_in_use
-from kvloom_cli.children import ManagedProcess
 from kvloom_cli.launcher import Cluster, ClusterError, connect_host
 from kvloom_cli.openai_http import (
     OpenAIError,
@@ -180,10 +179,20 @@ def cluster_ports(cluster: Cluster) -> dict[str, int]:
     return taken
 
 
-def start(cluster: Cluster, spec: GatewaySpec) -> ManagedProcess:
-    """Spawn the gateway in front of the (ready) cluster's API."""
-    urls = [worker_url(cluster.spec.host, cluster.ports.api)]
-    return cluster.spawn_front(NAME, gateway_command(spec, urls), gateway_environment())
+def start(cluster: Cluster, spec: GatewaySpec, adapter_ports: tuple[int, ...] = ()) -> None:
+    """Spawn the gateway in front of the (ready) cluster's API and of each
+    LoRA adapter's own listener (adapter_ports: the gateway routes by model
+    id, and its engine protocol names no adapter: docs/lora.md, "Through the
+    gateway")."""
+    urls = [worker_url(cluster.spec.host, port) for port in (cluster.ports.api, *adapter_ports)]
+    cluster.spawn_front(NAME, gateway_command(spec, urls), gateway_environment())
+
+
+def lora_listeners(cluster: Cluster) -> dict[str, int]:
+    """The ready cluster's LoRA adapters: name -> its VllmEngine listener's port."""
+    with cluster.client() as client:
+        return {a.name: a.vllm_engine_port for a in client.list_lora_adapters()
+                if a.vllm_engine_port}
 
 
 def wait_ready(cluster: Cluster, spec: GatewaySpec, model: str,

@@ -42,7 +42,14 @@ def unescape(text: str) -> str:
     return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m[1], m[0]), text)
 
 
-def add_generation_args(parser: argparse.ArgumentParser) -> None:
+def add_generation_args(parser: argparse.ArgumentParser, *, lora: bool = True) -> None:
+    """The flags of one generation; lora=False leaves out --lora (`run`
+    starts a cluster with no adapter loaded, so there is none to name)."""
+    if lora:
+        parser.add_argument("--lora", default=None, metavar="NAME",
+                            help="the LoRA adapter to generate with; default: the base model")
+    else:
+        parser.set_defaults(lora=None)
     s = parser.add_argument_group("sampling (unset = the server's default)")
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy")
@@ -164,6 +171,7 @@ def generation_kwargs(args: argparse.Namespace) -> dict:
         "stream_interval": args.stream_interval,
         "cache_salt": args.cache_salt,
         "priority": args.priority,
+        "lora_name": args.lora,
         "timeout": args.timeout,
         **constraint_kwargs(args),
     }

@@ -5,6 +5,8 @@
     kvloom tokenize "text"        token ids of text (--chat: of a chat turn)
     kvloom detokenize 1 2 3       text of token ids
     kvloom info | health          describe / probe the server
+    kvloom lora load NAME PATH    load a LoRA adapter (also: lora unload NAME, lora list);
+                                  generate and chat take --lora NAME
     kvloom up [--detach]          start controlplane + T*P workers here (kvloom_cli.launcher)
     kvloom down                   stop a cluster started with `up --detach`
     kvloom run "prompt"           up, chat once, down: the one-command demo
@@ -24,7 +26,14 @@ import json
 import sys
 from pathlib import Path
 
-from kvloom.client import READY_SERVICE, KvloomClient, KvloomError, default_server
+from kvloom.client import (
+    LOAD_LORA_TIMEOUT,
+    READY_SERVICE,
+    KvloomClient,
+    KvloomError,
+    LoRAAdapter,
+    default_server,
+)
 from kvloom.envargs import EnvArgumentParser
 from kvloom.helpformat import DefaultsHelpFormatter
 from kvloom_cli import launcher
@@ -77,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default=None, help=f"default: both '' and {READY_SERVICE}")
     _add_server_arg(health)
 
+    _add_lora_parser(sub)
+
     up = sub.add_parser("up", help="start a local cluster (extra args go to the controlplane)")
     add_cluster_args(up)
     up.add_argument("--detach", action="store_true",
@@ -95,10 +106,46 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--system", help="system prompt")
     run.add_argument("--logs", action="store_true", help="show the daemons' logs")
     add_cluster_args(run)
-    add_generation_args(run)
+    add_generation_args(run, lora=False)
     for subparser in sub.choices.values():  # every --help shows every default
         subparser.formatter_class = DefaultsHelpFormatter
     return parser
+
+
+def _add_lora_parser(sub) -> None:
+    """`kvloom lora load|unload|list`: the adapters of a server run with
+    --enable-lora (load and unload also need --allow-runtime-lora-updating)."""
+    lora = sub.add_parser("lora", help="load, unload or list the server's LoRA adapters")
+    actions = lora.add_subparsers(dest="lora_command", required=True, metavar="ACTION")
+
+    def action(name: str, **kwargs) -> argparse.ArgumentParser:
+        # `build_parser` gives the top-level commands the formatter; these nest one deeper.
+        return actions.add_parser(name, formatter_class=DefaultsHelpFormatter, **kwargs)
+
+    load = action("load", help="load a PEFT LoRA adapter on every worker")
+    load.add_argument("name", metavar="NAME",
+                      help="the name requests give it (generate/chat --lora NAME)")
+    load.add_argument("path", metavar="PATH",
+                      help="its directory (adapter_config.json + adapter_model.safetensors), "
+                           "absolute, as every worker host sees it")
+    load.add_argument("--timeout", type=float, default=LOAD_LORA_TIMEOUT, metavar="SECONDS",
+                      help="how long every worker may take to read the adapter")
+    load.add_argument("--json", action="store_true", help="print the loaded adapter as JSON")
+    load.add_argument("--gateway", default="", metavar="URL",
+                      help="also register the adapter's listener with this SMG gateway "
+                           "(its root URL, e.g. http://127.0.0.1:8000), so OpenAI clients can "
+                           "name it as their model")
+    _add_server_arg(load)
+
+    unload = action("unload", help="free an adapter on every worker (once no unfinished "
+                                   "request names it)")
+    unload.add_argument("name", metavar="NAME")
+    _add_server_arg(unload)
+
+    listing = action("list", help="the adapters requests may name: name, rank, version, "
+                                  "path, unfinished requests")
+    listing.add_argument("--json", action="store_true", help="print them as a JSON list")
+    _add_server_arg(listing)
 
 
 def _add_server_arg(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +244,10 @@ def cmd_info(args: argparse.Namespace) -> int:
             for rank in value:
                 print(f"{f'rank {rank.rank}':<24} {rank.describe()}")
             continue
+        elif name == "lora_adapters":
+            for adapter in value:  # none: no line (most servers run without --enable-lora)
+                print(f"{f'lora {adapter.name}':<24} {adapter.describe()}")
+            continue
         elif value is None:
             value = "(none)"
         print(f"{name:<24} {value}")
@@ -214,6 +265,58 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if healthy else EXIT_FAILURE
 
 
+def _adapter_line(adapter: LoRAAdapter) -> str:
+    return f"{adapter.name:<24} {adapter.describe()}"
+
+
+def cmd_lora(args: argparse.Namespace) -> int:
+    return LORA_HANDLERS[args.lora_command](args)
+
+
+def cmd_lora_load(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        adapter = client.load_lora_adapter(args.name, args.path, timeout=args.timeout)
+    if args.gateway:
+        from kvloom_cli.gateway import worker_url
+        from kvloom_cli.openai_http import register_worker
+
+        host = args.server.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+        register_worker(args.gateway.rstrip("/"), worker_url(host, adapter.vllm_engine_port))
+    if args.json:
+        print(json.dumps(dataclasses.asdict(adapter), ensure_ascii=False, indent=2))
+    else:
+        print(_adapter_line(adapter))
+    return 0
+
+
+def cmd_lora_unload(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.unload_lora_adapter(args.name)
+    print(f"unloaded {args.name}", file=sys.stderr)
+    return 0
+
+
+def cmd_lora_list(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        adapters = client.list_lora_adapters()
+    if args.json:
+        doc = [dataclasses.asdict(adapter) for adapter in adapters]
+        print(json.dumps(doc, ensure_ascii=False, indent=2))
+        return 0
+    for adapter in adapters:
+        print(_adapter_line(adapter))
+    if not adapters:
+        # stderr: stdout stays one line per adapter, for scripts.
+        print("(no LoRA adapters loaded)", file=sys.stderr)
+    return 0
+
+
+LORA_HANDLERS = {
+    "load": cmd_lora_load,
+    "unload": cmd_lora_unload,
+    "list": cmd_lora_list,
+}
+
 HANDLERS = {
     "generate": cmd_generate,
     "chat": cmd_chat,
@@ -221,6 +324,7 @@ HANDLERS = {
     "detokenize": cmd_detokenize,
     "info": cmd_info,
     "health": cmd_health,
+    "lora": cmd_lora,
     "up": cmd_up,
     "down": cmd_down,
     "run": cmd_run,

@@ -102,6 +102,16 @@ def list_worker_types(root_url: str, timeout: float = 5.0) -> list[str]:
             raise OpenAIError(f"{url}: not a workers list ({exc})") from None
 
 
+def register_worker(root_url: str, worker_url: str, timeout: float = 10.0) -> None:
+    """POST /workers (an SMG control-plane route): the gateway adds a
+    worker by URL and discovers the model it serves (its GetModelInfo)."""
+    body = json.dumps({"url": worker_url}).encode()
+    request = urllib.request.Request(f"{root_url}/workers", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with _open(request, timeout):
+        pass
+
+
 # The generation flags (dest -> as shown) a chat through the gateway cannot take.
 _UNSUPPORTED = {
     "logprobs": "--logprobs",

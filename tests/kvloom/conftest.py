@@ -193,6 +193,9 @@ class Generation(pb_grpc.GenerationServicer):
     def GetModelInfo(self, request, context):
         return pb.ModelInfo(model_name="fake-served")
 
+    def ListLoRAAdapters(self, request, context):
+        return pb.ListLoRAAdaptersResponse()
+
 class Metrics(http.server.BaseHTTPRequestHandler):
     # Like the real one, /metrics answers on --metrics-port (tools scrape it).
     def do_GET(self):

@@ -32,7 +32,7 @@ def test_every_generation_flag_reaches_the_client_keywords():
         "--ignore-eos", "--stop", "\n", "--stop", "END", "--stop-token-id", "7",
         "--include-stop-str", "--logprobs", "3", "--prompt-logprobs", "1", "-n", "2",
         "--no-stream", "--stream-interval", "4", "--cache-salt", "t", "--timeout", "5",
-        "--priority", "-3", "--regex", "[0-9]+", "--no-json-any-whitespace",
+        "--priority", "-3", "--regex", "[0-9]+", "--no-json-any-whitespace", "--lora", "sql",
     ])
     assert generation_kwargs(args) == {
         "max_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
@@ -40,7 +40,7 @@ def test_every_generation_flag_reaches_the_client_keywords():
         "frequency_penalty": -0.5, "min_tokens": 2, "ignore_eos": True,
         "stop": ["\n", "END"], "stop_token_ids": [7], "include_stop_str_in_output": True,
         "logprobs": 3, "prompt_logprobs": 1, "n": 2, "stream": False, "stream_interval": 4,
-        "cache_salt": "t", "priority": -3, "timeout": 5.0,
+        "cache_salt": "t", "priority": -3, "lora_name": "sql", "timeout": 5.0,
         "json_schema": None, "json_object": False, "regex": "[0-9]+", "grammar": None,
         "choice": None, "structural_tag": None, "json_any_whitespace": False,
     }
@@ -51,7 +51,7 @@ def test_absent_flags_leave_knobs_to_the_server():
     unset = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "min_tokens", "logprobs",
              "prompt_logprobs", "n", "stream_interval", "timeout", "priority",
-             "json_schema", "regex", "grammar", "choice", "structural_tag",
+             "lora_name", "json_schema", "regex", "grammar", "choice", "structural_tag",
              "json_any_whitespace")
     assert all(kwargs[name] is None for name in unset)
     assert kwargs["stop"] == [] and kwargs["stop_token_ids"] == [] and kwargs["stream"]

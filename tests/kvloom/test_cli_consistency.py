@@ -24,10 +24,11 @@ def test_up_and_run_share_their_layout_defaults():
     assert (run.tensor_parallel_size, run.pipeline_parallel_size) == (1, 1)
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "info", "health", "tokenize"])
+@pytest.mark.parametrize("command", ["generate", "chat", "info", "health", "tokenize",
+                                     "lora load", "lora unload", "lora list"])
 def test_help_shows_the_server_default(command, capsys):
     with pytest.raises(SystemExit):
-        cli.parse_args([command, "--help"])
+        cli.parse_args([*command.split(), "--help"])
     out = " ".join(capsys.readouterr().out.split())  # undo the help's line wrapping
     assert f"(default: {default_server()})" in out
 

@@ -41,7 +41,7 @@ def test_every_sampling_knob_lands_in_its_field():
     request = build_request(
         "hi", **EVERY_KNOB, ignore_eos=True, stop_token_ids=[9, 8], stop=["\n", "END"],
         include_stop_str_in_output=True, stream=False, stream_interval=5, cache_salt="tenant",
-        request_id="r1", priority=-7,
+        request_id="r1", priority=-7, lora_name="sql-lora",
     )
     sp = request.sampling
     for name, value in EVERY_KNOB.items():
@@ -52,7 +52,7 @@ def test_every_sampling_knob_lands_in_its_field():
     assert request.HasField("stream") and request.stream is False
     assert request.stream_interval == 5 and request.cache_salt == "tenant"
     assert (request.request_id, request.text) == ("r1", "hi")
-    assert request.priority == -7
+    assert request.priority == -7 and request.lora_name == "sql-lora"
 
 
 def test_unset_knobs_stay_unset():
@@ -65,6 +65,7 @@ def test_unset_knobs_stay_unset():
     assert list(sp.stop) == [] and list(sp.stop_token_ids) == []
     assert request.cache_salt == "" and request.request_id == ""
     assert request.priority == 0  # the server's default (plain proto3 int32)
+    assert request.lora_name == ""  # the base model
 
 
 def test_zero_is_sent_not_dropped():

@@ -168,3 +168,48 @@ def lora_add(kernels: CpuKernels | None, x: torch.Tensor, y: torch.Tensor,
     if rc != 0:
         raise ValueError(f"lora_add refused the call: {_ERRORS.get(rc, rc)}")
     return True
+
+
+class BoundLoRACall:
+    """lora_add for one layer and one checked table, with what does not
+    change from step to step worked out once: the kernel, the table's
+    pointer and sizes, the widths of x and y. A decode step calls every
+    layer's kernel; lora_add's general checks (any layout, any overlap) cost
+    more than the kernel at a few rows, so the common layout, contiguous x
+    and y of the table's widths, not overlapping, is checked here with a
+    few comparisons and anything else is left to lora_add. The table must
+    stay alive and unchanged while this is used (the caller holds both)."""
+
+    def __init__(self, kernels: CpuKernels, table: torch.Tensor, n_in: int, n_y: int,
+                 dtype: torch.dtype):
+        if dtype not in _DTYPES or not _int64_table(table, 3, TABLE_FIELDS):
+            raise ValueError(f"no kernel call for dtype {dtype} or this table")
+        self.kernels = kernels
+        self.table = table
+        self.fn = kernels.lora_add if dtype == torch.float32 else kernels.lora_add_bf16
+        self.table_ptr = table.data_ptr()
+        self.num_adapters, self.num_parts = table.shape[0], table.shape[1]
+        self.n_in, self.n_y, self.dtype = n_in, n_y, dtype
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, segments: torch.Tensor,
+                 threads: int) -> bool:
+        """False (nothing done) for anything but the common layout: then
+        the caller goes through lora_add. segments: LoRAStep's, checked when
+        the step was set (the kernel checks its rows and adapters again)."""
+        n_in, n_y = self.n_in, self.n_y
+        if (x.dtype != self.dtype or y.dtype != self.dtype or x.dim() != 2 or y.dim() != 2
+                or x.shape[1] != n_in or y.shape[1] != n_y or x.shape[0] != y.shape[0]
+                or not x.is_contiguous() or not y.is_contiguous()
+                or x.device.type != "cpu" or y.device.type != "cpu"
+                or not _int64_table(segments, 2, 3)):
+            return lora_add(self.kernels, x, y, segments, self.table)
+        n = x.shape[0]
+        xp, yp = x.data_ptr(), y.data_ptr()
+        if xp < yp + n * n_y * self.itemsize and yp < xp + n * n_in * self.itemsize:
+            return False  # y written while x is read
+        rc = self.fn(xp, n_in, n, n_in, yp, n_y, n_y, segments.data_ptr(), segments.shape[0],
+                     self.table_ptr, self.num_adapters, self.num_parts, threads)
+        if rc != 0:
+            raise ValueError(f"lora_add refused the call: {_ERRORS.get(rc, rc)}")
+        return True

@@ -70,6 +70,8 @@ class LoRAStep:
         # For the kernel: int64 [S, 3] (row_start, row_end, slot), on the CPU.
         self.segments_tensor = torch.zeros(0, 3, dtype=torch.int64)
         self.rows_needed = 0
+        # torch's threads when the step was set: the kernel's, for every layer.
+        self.threads = 1
 
     def set(self, segments: list[tuple[int, int, int]], active_ids: tuple[int, ...]) -> None:
         """segments as (row_start, row_end, slot); ValueError for rows that
@@ -94,6 +96,7 @@ class LoRAStep:
         self.segments = tuple(cleaned)
         self.segments_tensor = torch.tensor(cleaned, dtype=torch.int64).view(-1, 3)
         self.rows_needed = cleaned[-1][1] if cleaned else 0
+        self.threads = torch.get_num_threads()
 
     def clear(self) -> None:
         """A base-only step: no layer adds anything."""
@@ -168,6 +171,8 @@ class LinearLoRA:
         # Whether any active adapter targets this layer (else a step skips it).
         self._any_active = False
         self._table: torch.Tensor | None = None
+        # The kernel bound to that table (workerd/kernels/lora.py's BoundLoRACall).
+        self._call = None
         self._table_built = False
 
     def _column_targets(self, layer, name: str) -> dict[str, LoRATarget]:
@@ -213,7 +218,7 @@ class LinearLoRA:
         self.adapters.pop(lora_id, None)
         # Drop every reference into the removed tensors (the bound slots and
         # the kernel table's raw pointers) now, not at the next step.
-        self._version, self._slot_weights, self._table = -1, [], None
+        self._version, self._slot_weights, self._table, self._call = -1, [], None, None
         self._any_active = False
 
     # ---- the step --------------------------------------------------------
@@ -221,7 +226,7 @@ class LinearLoRA:
     def _bind(self, step: LoRAStep) -> None:
         self._slot_weights = [self.adapters.get(i) for i in step.active_ids]
         self._any_active = any(w is not None for w in self._slot_weights)
-        self._table, self._table_built = None, False
+        self._table, self._call, self._table_built = None, None, False
         self._version = step.active_version
 
     def kernel_table(self) -> torch.Tensor | None:
@@ -243,8 +248,11 @@ class LinearLoRA:
             try:
                 self._table = kernel_lora.lora_table(per_slot, self.in_features,
                                                      self.out_features, self.dtype)
+                self._call = kernel_lora.BoundLoRACall(
+                    self.step.kernels, self._table, self.in_features, self.out_features,
+                    self.dtype) if self.step.kernels is not None else None
             except ValueError:
-                self._table = None
+                self._table, self._call = None, None
         return self._table
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -257,15 +265,17 @@ class LinearLoRA:
             self._bind(step)
         if not self._any_active:  # e.g. attention-only adapters, an MLP layer
             return
-        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if x.dim() == 2 and y.dim() == 2:
+            x2, y2 = x, y
+        else:
+            x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         if step.rows_needed > x2.shape[0]:
             raise ValueError(f"LoRA segments reach row {step.rows_needed} of a "
                              f"{x2.shape[0]}-row batch")
-        if step.kernels is not None and kernel_lora is not None:
-            table = self.kernel_table()
-            if table is not None and kernel_lora.lora_add(step.kernels, x2, y2,
-                                                          step.segments_tensor, table):
-                return
+        if (step.kernels is not None and kernel_lora is not None
+                and self.kernel_table() is not None
+                and self._call(x2, y2, step.segments_tensor, step.threads)):
+            return
         self._torch_add(x2, y2, step.segments)
 
     def _torch_add(self, x: torch.Tensor, y: torch.Tensor, segments) -> None:

@@ -411,3 +411,34 @@ def test_lora_table_checks_every_tensor():
 
 def test_lora_kernels_is_the_shared_library():
     assert lora_kernels() is load_kernels()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_a_bound_call_equals_lora_add_and_hands_odd_layouts_to_it(kernels, dtype):
+    from workerd.kernels.lora import BoundLoRACall
+
+    x, y0, segments, parts = _layer_case("qkv", "decode", 16, dtype)
+    table = lora_table(parts, x.shape[1], y0.shape[1], dtype)
+    seg = torch.tensor(segments, dtype=torch.int64).reshape(-1, 3)
+    call = BoundLoRACall(kernels, table, x.shape[1], y0.shape[1], dtype)
+    want = _run(kernels, x, y0, segments, parts, table=table)
+    y = y0.clone()
+    assert call(x, y, seg, 1) is True
+    assert torch.equal(_bits(y), _bits(want))
+    # Rows a column slice apart (not contiguous): lora_add's general path.
+    wide = torch.zeros(x.shape[0], x.shape[1] * 2, dtype=dtype)
+    wide[:, :x.shape[1]] = x
+    y = y0.clone()
+    assert call(wide[:, :x.shape[1]], y, seg, 1) is True
+    assert torch.equal(_bits(y), _bits(want))
+    # y over x's memory: refused, nothing written.
+    shared = torch.zeros(x.shape[0] * (x.shape[1] + y0.shape[1]), dtype=dtype)
+    xs = shared[:x.numel()].view_as(x)
+    assert call(xs, shared[:y0.numel()].view_as(y0), seg, 1) is False
+    # A segment past the rows: the kernel's own check, y untouched.
+    y = y0.clone()
+    with pytest.raises(ValueError, match="outside the batch"):
+        call(x, y, torch.tensor([[0, x.shape[0] + 1, 0]]), 1)
+    assert torch.equal(_bits(y), _bits(y0))
+    with pytest.raises(ValueError):
+        BoundLoRACall(kernels, table, x.shape[1], y0.shape[1], torch.float16)

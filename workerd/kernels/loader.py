@@ -39,7 +39,8 @@ KERNELS_DIR = Path(__file__).resolve().parent
 SOURCES = tuple(KERNELS_DIR / name for name in (
     "cpu_paged_attention.c", "cpu_elementwise.c", "cpu_lora.c"))
 HEADERS = tuple(KERNELS_DIR / name for name in (
-    "cpu_math.h", "cpu_bf16.h", "cpu_parallel.h", "cpu_attend_avx512bf16.h"))
+    "cpu_math.h", "cpu_bf16.h", "cpu_parallel.h", "cpu_attend_avx512bf16.h",
+    "cpu_lora_vec.h", "cpu_lora_shrink.h", "cpu_lora_expand.h"))
 # No -ffast-math: a shared object built with it may switch the whole process
 # to flush-to-zero when loaded (GCC 12 links crtfastmath.o), changing
 # torch's own results.

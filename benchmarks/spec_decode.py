@@ -459,16 +459,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -486,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model {args.model}: no such checkpoint directory")
     from transformers import AutoTokenizer
 
-    from workerd.cpu_features import cpu_flags, isa_summary
+    from workerd.cpu_features import cpu_flags, cpu_model_name, isa_summary
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts, prompt_format = build_prompts(tokenizer, args.workloads, args.num_prompts,
@@ -516,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: v for k, v in vars(args).items() if k != "json"}
         config["layouts"] = [f"{tp}x{pp}" for tp, pp in args.layouts]
         payload = {
-            "config": config, "cpu": _cpu_name(), "isa": isa_summary(),
+            "config": config, "cpu": cpu_model_name(), "isa": isa_summary(),
             "cpu_flags": [f for f in ISA_FLAGS if f in cpu_flags()],
             "cores": sorted(available_cores()), "prompt_format": prompt_format,
             "prompt_tokens": {w: [len(p) for p in ps] for w, ps in prompts.items()},

@@ -51,3 +51,16 @@ def isa_summary(flags: frozenset[str] | None = None) -> str:
     widest = present[0]
     extras = [f for f in ("avx512_bf16", "avx512_vnni") if f in present and f != widest]
     return "+".join([widest, *extras])
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), for benchmark records; ""
+    where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""

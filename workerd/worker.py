@@ -268,7 +268,7 @@ class Worker:
     def remove_lora(self, cmd: worker_pb2.RemoveLoRA) -> worker_pb2.WorkerMessage:
         runner = self._require_runner()
         if runner.lora is not None:
-            runner.lora.remove(cmd.lora_id, runner.requests)
+            runner.lora.remove(cmd.lora_id)
         return _ack()
 
     def _report_loads(self, done: list[KVJobDone]) -> None:

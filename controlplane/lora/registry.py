@@ -18,8 +18,8 @@ Three promises, and how they hold:
   eviction) only once the engine thread has counted no request naming it:
   it is first marked leaving, synchronously on the API loop, so every request
   resolved before is already in the engine's input queue ahead of the count,
-  and none can resolve after. Workers keep an adapter a request in their
-  state still names until that request leaves them (workerd/lora/manager.py).
+  and none can resolve after. Every step that ran one of its requests went
+  out on each rank's stream before the RemoveLoRA (workerd/runner/lora_step.py).
 * The prefix cache never serves KV computed with other weights: requests
   carry the adapter's version (the digest of its files, as the workers
   report it), which kv_cache_utils mixes into the first block's hash.

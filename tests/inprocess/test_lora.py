@@ -130,22 +130,20 @@ def test_a_reload_with_other_weights_never_reuses_the_old_kv(lora_run, tiny_mode
     assert lora_run.client.final("v2").num_cached_tokens == 0
 
 
-def test_an_adapter_removed_under_its_last_request_is_freed_after_it(lora_run, tiny_model_dir,
-                                                                     adapters):
+def test_remove_lora_frees_the_adapter_once_its_last_request_ended(lora_run, tiny_model_dir,
+                                                                   adapters):
     lora = lora_run.load("x", adapters["all16"])
     manager = lora_run.executor.runner.lora.manager
     request = _request(3, lora, max_tokens=12)
     lora_run.engine.add_request(request)
-    # The controlplane never sends RemoveLoRA while a request names the
-    # adapter; a rank may still hold that request's state when it arrives
-    # (its end reaches the workers with the next step): let the request end,
-    # remove before the next step, and the adapter goes once it leaves.
+    # The controlplane sends RemoveLoRA once no unfinished request names the
+    # adapter; this rank may still hold the finished request's state (its
+    # end reaches the workers with the next step): the adapter goes at once.
     lora_run.client.wait_finished(request.request_id)
     lora_run.remove(lora)
-    assert lora.lora_id not in manager.adapter_ids() or \
-        lora.lora_id in lora_run.executor.runner.lora.pending_removal
-    follow = _request(4, None, max_tokens=2)
-    lora_run.run([follow])
     assert lora.lora_id not in manager.adapter_ids()
+    follow = _request(4, None, max_tokens=2)
+    lora_run.run([follow])  # the next step drops the finished request's state
+    assert lora_run.executor.runner.requests == {}
     assert lora_run.client.tokens(request.request_id) == peft_greedy(
         tiny_model_dir, adapters["all16"], request.prompt_token_ids, 12)

@@ -6,16 +6,17 @@ one request are contiguous: the step's segments are (first row, end row,
 lora_id) runs of rows, neighbours with the same adapter merged. Every rank
 of the group derives the same segments from the same step.
 
-RemoveLoRA may reach a rank before the step that finishes the last request
-naming the adapter (a request's end reaches the workers with the next
-step), so an adapter a request in this rank's state still names is let go
-once the last such request leaves, never under a step that uses it.
+RemoveLoRA frees an adapter at once. The controlplane sends it only once
+no unfinished request names the adapter, and every step that ran one of
+them went out before it on this rank's stream, so no later step names the
+adapter; a finished request's state may still name it until the next step
+drops it, which changes nothing (its rows are in no step). A step that did
+name a freed adapter is refused by the manager, loudly.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -28,8 +29,6 @@ from workerd.layers.linear import (
 from workerd.lora.config import LoRAConfig
 from workerd.lora.manager import LoadedAdapter, LoRAManager
 from workerd.runner.input_batch import CachedRequestState
-
-logger = logging.getLogger(__name__)
 
 _LORA_LAYERS = (ColumnParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
 
@@ -62,31 +61,15 @@ class RunnerLoRA:
                  kernels: CpuKernels | None = None):
         # kernels: the rank's C kernels (the LoRA kernel among them), or None: torch.
         self.manager = LoRAManager(model, config, kernels)
-        # Adapters RemoveLoRA named while a request here still names them.
-        self.pending_removal: set[int] = set()
 
     def add(self, lora_id: int, name: str, path: str) -> LoadedAdapter:
         return self.manager.add_adapter(lora_id, name, path)
 
-    def remove(self, lora_id: int, requests: Mapping[str, CachedRequestState]) -> None:
-        """RemoveLoRA: now, or once no request here names it. An id this rank
-        does not hold is already gone (a load another rank refused)."""
-        if lora_id not in self.manager.adapter_ids():
-            return
-        if any(s.lora_id == lora_id for s in requests.values()):
-            self.pending_removal.add(lora_id)
-            return
-        self.manager.remove_adapter(lora_id)
-
-    def after_update(self, requests: Mapping[str, CachedRequestState]) -> None:
-        """A step's finished requests left this rank: let go what they held."""
-        if not self.pending_removal:
-            return
-        named = {s.lora_id for s in requests.values()}
-        for lora_id in sorted(self.pending_removal - named):
-            self.pending_removal.discard(lora_id)
+    def remove(self, lora_id: int) -> None:
+        """RemoveLoRA. An id this rank does not hold is already gone (a load
+        another rank refused, which the controlplane tells every rank to undo)."""
+        if lora_id in self.manager.adapter_ids():
             self.manager.remove_adapter(lora_id)
-            logger.info("LoRA adapter %d freed (its last request left)", lora_id)
 
     def begin_step(self, states: list[CachedRequestState], query_lens: list[int]) -> None:
         """The layers add each row's adapter this step; base rows get nothing."""

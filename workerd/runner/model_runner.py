@@ -60,6 +60,7 @@ from workerd.runner.kv_cache import (
 from workerd.runner.lora_step import RunnerLoRA, detach_lora
 from workerd.runner.nixl_kv import NixlKVTransfer
 from workerd.runner.profile_run import profile_run
+from workerd.runner.sample_rows import sample_rows
 from workerd.runner.sampled_tokens import SampledTokens
 from workerd.runner.sched_output import KVTransferAgent, ModelRunnerOutput, SchedulerOutput
 from workerd.runner.spec_verify import verify_drafts
@@ -67,11 +68,10 @@ from workerd.runner.step_inputs import StepInputs
 from workerd.sample.grammar_masks import GrammarMaskBox
 from workerd.sample.logprobs import (
     PromptLogprobsTarget,
-    compute_token_logprobs,
     prompt_logprobs,
     prompt_target,
 )
-from workerd.sample.sampler import GrammarMetadata, Sampler, SamplingMetadata
+from workerd.sample.sampler import GrammarMetadata, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -358,37 +358,7 @@ class ModelRunner:
         (states in the same order; `grammar` restricts some rows) and the
         logprobs those requests asked for (of the raw logits). Public for
         benchmarks that time the step's parts (decode_roofline)."""
-        if not states:
-            return ModelRunnerOutput([], [])
-        params = [s.sampling_params for s in states]
-        # Output lists are sliced only for rows that read them (penalties,
-        # min_tokens): the common batch copies no token lists at all.
-        output_token_ids = None
-        if any(p.uses_penalties or p.min_tokens > 0 for p in params):
-            output_token_ids = [
-                s.output_token_ids if p.uses_penalties or p.min_tokens > 0 else ()
-                for s, p in zip(states, params, strict=True)
-            ]
-        metadata = SamplingMetadata.from_params(
-            params,
-            [s.generator_for_next_token() for s in states],
-            self.device,
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=output_token_ids,
-        )
-        metadata.grammar = grammar
-        sampled = self.sampler(logits, metadata)
-        out = ModelRunnerOutput([s.req_id for s in states], sampled.tolist())
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            entries = compute_token_logprobs(
-                logits[idx], sampled[idx], [params[i].logprobs for i in rows]
-            )
-            out.logprobs = [None] * len(states)
-            for i, entry in zip(rows, entries, strict=True):
-                out.logprobs[i] = entry
-        return out
+        return sample_rows(self.sampler, self.device, logits, states, grammar)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Runs this stage; returns the last stage's hidden states, None elsewhere."""
@@ -418,8 +388,6 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         apply_scheduler_output(so, self.requests, self.input_batch, self.device)
-        if self.lora is not None:
-            self.lora.after_update(self.requests)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Step 2: the model inputs of the step `so` schedules, laid out from

@@ -374,14 +374,15 @@ class KVCacheManager:
         block_size = self.block_size
         parent = external_block_hash(hashes[first - 1]) if first > 0 else None
         token_ids = tuple(request.all_token_ids[first * block_size:end * block_size])
+        lora_name = request.lora.lora_name if request.lora is not None else ""
         self.block_pool.kv_event_queue.append(BlockStored(
             tuple(external_block_hash(h) for h in hashes[first:end]), parent, token_ids,
-            block_size))
+            block_size, lora_name=lora_name))
         if self.offload is not None:  # for the tier's own store events later
             published = self.offload.published
             for i in range(first, end):
                 j = (i - first) * block_size
-                published[hashes[i]] = (parent, token_ids[j:j + block_size])
+                published[hashes[i]] = (parent, token_ids[j:j + block_size], lora_name)
                 parent = external_block_hash(hashes[i])
 
     def remove_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> None:

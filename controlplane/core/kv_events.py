@@ -43,6 +43,10 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     tier: KVTier = KVTier.DEVICE
+    # The LoRA adapter the blocks' KV was computed with ("" = the base
+    # model), as vLLM's events name it: the same tokens under another
+    # adapter are other blocks.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

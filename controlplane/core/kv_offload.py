@@ -77,7 +77,7 @@ class OffloadingScheduler:
         self.record: Callable[[KVCacheEvent], None] | None = None
         # Block hash -> (parent's external hash, token ids) as the pool
         # published it, while the pool or the tier holds it (events only).
-        self.published: dict[bytes, tuple[int | None, tuple[int, ...]]] = {}
+        self.published: dict[bytes, tuple[int | None, tuple[int, ...], str]] = {}
         # block hash -> slot, least recently used first.
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
@@ -123,9 +123,9 @@ class OffloadingScheduler:
         self.num_stored += 1
         chain = self.published.get(block_hash)
         if chain is not None and self.record is not None:
-            parent, token_ids = chain
+            parent, token_ids, lora_name = chain
             self.record(BlockStored((_ext(block_hash),), parent, token_ids, len(token_ids),
-                                     KVTier.HOST))
+                                     KVTier.HOST, lora_name))
 
     def _take_slot(self) -> int | None:
         if self._free_slots:

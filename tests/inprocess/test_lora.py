@@ -147,3 +147,21 @@ def test_remove_lora_frees_the_adapter_once_its_last_request_ended(lora_run, tin
     assert lora_run.executor.runner.requests == {}
     assert lora_run.client.tokens(request.request_id) == peft_greedy(
         tiny_model_dir, adapters["all16"], request.prompt_token_ids, 12)
+
+
+def test_preempted_adapter_requests_resume_exactly(tiny_model_dir, adapters):
+    # A pool too small for the batch: requests are preempted (recomputed
+    # from their tokens) with their adapters, and must come back exact.
+    run = LoRARun(tiny_model_dir, num_blocks=14, max_num_batched_tokens=32)
+    try:
+        loras = [run.load(name, path) for name, path in adapters.items()]
+        plan = [loras[0], None, loras[1], loras[2], loras[0], None]
+        requests = [_request(i, lora, max_tokens=20, n=14) for i, lora in enumerate(plan)]
+        got = run.run(requests)
+        assert run.engine.scheduler.num_preemptions > 0
+        for request, lora in zip(requests, plan, strict=True):
+            path = adapters[lora.lora_name] if lora is not None else None
+            assert got[request.request_id] == peft_greedy(
+                tiny_model_dir, path, request.prompt_token_ids, request.max_tokens)
+    finally:
+        run.close()

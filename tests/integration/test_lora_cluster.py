@@ -109,13 +109,19 @@ def test_api_refusals_unload_and_reload(tiny_model_dir, adapters, tmp_path):
                 lora_name="e", lora_path="relative/dir")))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             # Unloading an adapter in use is refused; its request is untouched.
-            long = asyncio.create_task(_generate(stub, PROMPTS[1], 60, "a", "long"))
+            long = asyncio.create_task(_generate(stub, PROMPTS[1], 100, "a", "long"))
             while not (await stub.GetServerInfo(pb.GetServerInfoRequest())).num_requests_running:
                 await asyncio.sleep(0.01)
             code, details = await code_of(stub.UnloadLoRAAdapter(
                 pb.UnloadLoRAAdapterRequest(lora_name="a")))
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "unfinished" in details
-            assert await long == peft_greedy(tiny_model_dir, adapters["a"], PROMPTS[1], 60)
+            # A load while it runs (100 tokens take far longer than a load):
+            # served at once, the running request untouched.
+            await stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="b",
+                                                                 lora_path=adapters["b"]))
+            during = await _generate(stub, PROMPTS[3], 6, "b")
+            assert during == peft_greedy(tiny_model_dir, adapters["b"], PROMPTS[3], 6)
+            assert await long == peft_greedy(tiny_model_dir, adapters["a"], PROMPTS[1], 100)
             # Once it finished: unload, then reload other weights under the
             # same name; the prompt's cached blocks are the old weights'.
             first = await _generate(stub, PROMPTS[2], 5, "a")

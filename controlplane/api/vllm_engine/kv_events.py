@@ -81,6 +81,8 @@ def batch_to_proto(sequence_number: int, events: list[KVCacheEvent], first_event
             if event.parent_block_hash is not None:
                 stored.parent_block_hash = event.parent_block_hash
             stored.tier, stored.medium = _TIERS[event.tier], event.tier.value
+            if event.lora_name:
+                stored.lora_name = event.lora_name
         elif isinstance(event, BlockRemoved):
             removed = out.removed
             removed.block_hashes.extend(event.block_hashes)

@@ -124,3 +124,21 @@ def test_stats_count_running_and_waiting_per_adapter():
     assert stats.max_loras == 1
     assert stats.running_lora_adapters == (("a", 2),)
     assert stats.waiting_lora_adapters == (("b", 1),)
+
+
+def test_kv_events_name_the_adapter_of_the_blocks():
+    from controlplane.api.vllm_engine.kv_events import batch_to_proto
+    from controlplane.core.kv_events import BlockStored
+
+    sched = make_scheduler(enable_kv_cache_events=True, block_size=4, max_loras=2)
+    prompt = list(range(400, 409))
+    for req_id, lora in (("p", None), ("l", A)):
+        request = _req(lora, prompt=list(prompt), max_tokens=1, req_id=req_id)
+        sched.add_request(request)
+        step(sched)
+    events = [e for e in sched.kv_cache_manager.take_events() if isinstance(e, BlockStored)]
+    assert [e.lora_name for e in events] == ["", "a"]
+    assert events[0].token_ids == events[1].token_ids  # same tokens, other blocks
+    assert events[0].block_hashes != events[1].block_hashes
+    batch = batch_to_proto(1, events, 0, 0.0)
+    assert [e.stored.lora_name for e in batch.events] == ["", "a"]

@@ -21,7 +21,7 @@ apart from the weight's `shard`, because packing frees the plain weight
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -31,8 +31,14 @@ from workerd.layers.direct_call import DirectCallModule
 from workerd.layers.packed_linear import Packable, linear
 from workerd.models.weight_targets import LoadTarget, narrow_index
 
-if TYPE_CHECKING:  # workerd.lora imports this module
-    from workerd.lora.layers import LinearLoRA
+
+class LinearAdapter(Protocol):
+    """What a layer's `lora` is (workerd/lora/layers.py's LinearLoRA,
+    declared here because that module imports this one)."""
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y (the layer's local output) += each row's adapter delta, in place."""
+        ...
 
 
 def set_shard(param: nn.Parameter, dim: int, start: int, end: int) -> nn.Parameter:
@@ -54,7 +60,7 @@ class ColumnParallelLinear(Packable, DirectCallModule):
     that several ranks hold (replicate) the same piece."""
 
     # A class attribute: a layer no adapter targets pays one attribute read.
-    lora: LinearLoRA | None = None
+    lora: LinearAdapter | None = None
 
     def __init__(
         self,
@@ -94,7 +100,7 @@ class RowParallelLinear(Packable, DirectCallModule):
     """y = all_reduce(x_local W_local^T) + b with W's columns (input features)
     split across TP ranks; x arrives already split (output of a column layer)."""
 
-    lora: LinearLoRA | None = None
+    lora: LinearAdapter | None = None
 
     def __init__(self, input_size: int, output_size: int, ps: ParallelState, bias: bool = False):
         super().__init__()
@@ -140,7 +146,7 @@ class MergedColumnParallelLinear(Packable, DirectCallModule):
     then read from their own range of it, sharded as the part is, rather
     than the fused tensor being split by TP rank."""
 
-    lora: LinearLoRA | None = None
+    lora: LinearAdapter | None = None
 
     def __init__(
         self,

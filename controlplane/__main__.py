@@ -135,7 +135,7 @@ def build_config(
                                sliding_window=info.sliding_window_all_layers),
         scheduler=config_from_args(SchedulerConfig, args, max_model_len=max_model_len,
                                    speculative=speculative_config(args, info, model_path),
-                                   max_loras=lora.max_loras if lora.enabled else 0),
+                                   max_loras=lora.max_loras if lora.enable_lora else 0),
         parallel=config_from_args(ParallelConfig, args),
         workers=config_from_args(WorkerGroupConfig, args, auth_token=worker_auth_token(args)),
         server=config_from_args(ServerConfig, args),

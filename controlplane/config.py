@@ -153,10 +153,6 @@ class LoRAConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
-    def enabled(self) -> bool:
-        return self.enable_lora
-
-    @property
     def cpu_slots(self) -> int:
         """How many adapters the workers hold at once."""
         return self.max_cpu_loras or max(self.max_loras, len(self.lora_modules))

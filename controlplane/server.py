@@ -114,7 +114,7 @@ class ControlPlane:
                             if config.kv_transfer is not None else None)
         # --enable-lora: the adapters (controlplane/lora/); its backend is wired below.
         self.lora = (LoRARegistry(config.lora, config.model.served_model_name)
-                     if config.lora.enabled else None)
+                     if config.lora.enable_lora else None)
         self.lora_endpoints: LoRAEndpoints | None = None  # bound in run()
         self.executor = Executor(
             config.parallel,
@@ -282,7 +282,8 @@ class ControlPlane:
             attached_ranks=lambda: self.executor.status().ranks,
             metrics=self.metrics,
             offload=offload,
-            lora=LoRAService(self.lora, self.lora_endpoints.port),
+            lora=LoRAService(self.lora, self.lora_endpoints.port,
+                             lambda: self.engine.last_stats),
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, api)
         # The SMG gateway's engine protocol, beside kvloom's own on one port.

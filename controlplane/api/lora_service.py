@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 
+from controlplane.core.sched_stats import SchedulerStats
 from controlplane.lora.names import LoRARequest
 from controlplane.lora.registry import Adapter, LoRAError, LoRARegistry
 from kvloom.v1 import generation_pb2
@@ -28,18 +29,32 @@ NOT_ENABLED = ("this server serves no LoRA adapters: start it with --enable-lora
 MAX_RESOLVE_TRIES = 3
 
 
-def adapter_to_proto(adapter: Adapter, port: int = 0) -> generation_pb2.LoRAAdapter:
+def adapter_to_proto(adapter: Adapter, port: int = 0,
+                     num_requests: int = 0) -> generation_pb2.LoRAAdapter:
     return generation_pb2.LoRAAdapter(lora_name=adapter.name, lora_path=adapter.path,
                                       rank=adapter.rank, version=adapter.version,
-                                      vllm_engine_port=port)
+                                      vllm_engine_port=port, num_requests=num_requests)
+
+
+def requests_per_adapter(stats: SchedulerStats | None) -> dict[str, int]:
+    """Running plus waiting requests by adapter name, from the scheduler's
+    last stats (its per-adapter counts for kvloom_lora_requests_info)."""
+    counts: dict[str, int] = {}
+    if stats is not None:
+        for name, n in (*stats.running_lora_adapters, *stats.waiting_lora_adapters):
+            counts[name] = counts.get(name, 0) + n
+    return counts
 
 
 class LoRAService:
     def __init__(self, registry: LoRARegistry | None,
-                 port_of: Callable[[str], int] | None = None):
+                 port_of: Callable[[str], int] | None = None,
+                 stats: Callable[[], SchedulerStats | None] | None = None):
         self.registry = registry
         # Each adapter's VllmEngine listener's port (api/lora_endpoints.py).
         self.port_of = port_of or (lambda _name: 0)
+        # The engine's last SchedulerStats (None before a group serves).
+        self.stats = stats or (lambda: None)
 
     async def resolve(self, name: str, context) -> LoRARequest | None:
         """The adapter a request names, resident on every rank; aborts the
@@ -85,7 +100,9 @@ class LoRAService:
     def adapters(self) -> list[generation_pb2.LoRAAdapter]:
         if self.registry is None:
             return []
-        return [adapter_to_proto(a, self.port_of(a.name)) for a in self.registry.adapters()]
+        counts = requests_per_adapter(self.stats())
+        return [adapter_to_proto(a, self.port_of(a.name), counts.get(a.name, 0))
+                for a in self.registry.adapters()]
 
     def names(self) -> list[str]:
         return self.registry.names() if self.registry is not None else []

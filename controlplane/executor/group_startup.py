@@ -80,7 +80,7 @@ class GroupStartup:
     ):
         self.calls = calls
         # --enable-lora: the ranks' limits, and the adapters each group loads.
-        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora = lora if lora is not None and lora.enable_lora else None
         self.lora_startup = lora_startup
         # --kv-transfer-config: the layout's fixed part (engine id, model
         # shape, lease); each start-up adds its blocks and the ranks' agents.

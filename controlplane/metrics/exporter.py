@@ -214,7 +214,7 @@ class ControlPlaneMetrics:
 
         self.ttft = hist("kvloom_time_to_first_token_seconds",
                          "Arrival to first token.", TTFT_BUCKETS).labels(m)
-        self.lora = LoRAMetrics(reg, m) if config.lora.enabled else None
+        self.lora = LoRAMetrics(reg, m) if config.lora.enable_lora else None
         self.itl = hist("kvloom_inter_token_latency_seconds",
                         "Time between a request's consecutive token steps.", ITL_BUCKETS).labels(m)
         self.e2e = self._request_hist("kvloom_e2e_request_latency_seconds", "Arrival to finish.")

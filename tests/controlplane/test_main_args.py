@@ -139,6 +139,12 @@ def test_flags_land_in_their_fields():
         (["--vllm-engine-auth", "none"], "--vllm-engine-auth"),
         (["--vllm-engine-auth", ""], "--vllm-engine-auth"),
         (["--enable-kv-cache-events=yes"], "--enable-kv-cache-events"),
+        (["--max-loras", "0"], "--max-loras"),
+        (["--max-loras", "65"], "--max-loras"),
+        (["--max-lora-rank", "0"], "--max-lora-rank"),
+        (["--max-lora-rank", "513"], "--max-lora-rank"),
+        (["--max-cpu-loras", "-1"], "--max-cpu-loras"),
+        (["--max-cpu-loras", "1025"], "--max-cpu-loras"),
     ],
 )
 def test_hostile_values_are_refused_naming_the_flag(argv, named, capsys):
@@ -287,6 +293,25 @@ def test_kv_transfer_config_is_parsed_at_start_up_and_refused_naming_the_key(mod
                          (["--kv-transfer-config", "[]"], "JSON object"),
                          (["--kv-transfer-config", both, "--kv-offloading-size", "1"],
                           "one KV connector at a time")]:
+        with pytest.raises(SystemExit):
+            _build(["--model", model_dir, *extra])
+        assert named in capsys.readouterr().err
+
+
+def test_lora_flags_are_resolved_and_refused_naming_the_flag(model_dir, capsys):
+    config, _ = _build(["--model", model_dir, "--enable-lora", "--max-loras", "2",
+                        "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"])
+    assert config.lora.lora_modules == (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
+    assert config.lora.cpu_slots == 2 and config.scheduler.max_loras == 2
+    assert _build(["--model", model_dir])[0].scheduler.max_loras == 0
+    both = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    for extra, named in [(["--lora-modules", "a=/x"], "needs --enable-lora"),
+                         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
+                          "--max-cpu-loras 2 must be at least --max-loras 4"),
+                         (["--enable-lora", "--lora-modules", "a=rel"], "absolute"),
+                         (["--enable-lora", "--lora-modules", "tiny=/x"], "served model"),
+                         (["--enable-lora", "--lora-engine-ports", "9-1"], "--lora-engine-ports"),
+                         (["--enable-lora", "--kv-transfer-config", both], "--kv-transfer-config")]:
         with pytest.raises(SystemExit):
             _build(["--model", model_dir, *extra])
         assert named in capsys.readouterr().err

@@ -21,22 +21,16 @@ from collections.abc import Iterable
 from torch import nn
 
 from workerd.kernels.loader import CpuKernels
-from workerd.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-)
 from workerd.lora.config import LoRAConfig
+from workerd.lora.layers import LORA_LAYERS
 from workerd.lora.manager import LoadedAdapter, LoRAManager
 from workerd.runner.input_batch import CachedRequestState
-
-_LORA_LAYERS = (ColumnParallelLinear, RowParallelLinear, MergedColumnParallelLinear)
 
 
 def detach_lora(model: nn.Module) -> None:
     """No layer adds any adapter (a model reused without --enable-lora)."""
     for module in model.modules():
-        if isinstance(module, _LORA_LAYERS):
+        if isinstance(module, LORA_LAYERS):
             module.lora = None
 
 
@@ -71,9 +65,9 @@ class RunnerLoRA:
         if lora_id in self.manager.adapter_ids():
             self.manager.remove_adapter(lora_id)
 
-    def begin_step(self, states: list[CachedRequestState], query_lens: list[int]) -> None:
-        """The layers add each row's adapter this step; base rows get nothing."""
-        segments = lora_segments(states, query_lens)
+    def begin_step(self, segments: list[tuple[int, int, int]]) -> None:
+        """The layers add each row's adapter this step (lora_segments'
+        runs); base rows get nothing."""
         if segments:
             self.manager.set_active(segments)
         else:

@@ -57,7 +57,7 @@ from workerd.runner.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
-from workerd.runner.lora_step import RunnerLoRA, detach_lora
+from workerd.runner.lora_step import RunnerLoRA, detach_lora, lora_segments
 from workerd.runner.nixl_kv import NixlKVTransfer
 from workerd.runner.profile_run import profile_run
 from workerd.runner.sample_rows import sample_rows
@@ -366,7 +366,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs.attn_metadata):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if self.lora is not None:
-            self.lora.begin_step(self.input_batch.states(), inputs.attn_metadata.query_lens_cpu)
+            self.lora.begin_step(inputs.lora_segments)
         intermediate = None
         if not ps.is_first_pp_rank:
             t0 = time.perf_counter()
@@ -484,6 +484,7 @@ class ModelRunner:
             prompt_targets=prompt_targets,
             num_draft_tokens=num_draft_tokens,
             draft_token_ids=draft_token_ids,
+            lora_segments=lora_segments(states, query_lens) if self.lora is not None else [],
         )
 
     # ---- profiling --------------------------------------------------------

@@ -33,4 +33,7 @@ class StepInputs:
     # drafts themselves, concatenated; all zero / empty without drafts.
     num_draft_tokens: list[int] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)
+    # (row_start, row_end, lora_id) runs of rows with an adapter
+    # (runner/lora_step.py); empty without --enable-lora or adapters.
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
 

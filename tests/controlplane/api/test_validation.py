@@ -78,6 +78,10 @@ def test_explicit_zero_temperature_is_greedy_not_default():
         (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids.ids is empty"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 100])), "outside the vocabulary"),
         (pb.GenerateRequest(request_id="x" * 300, text="hi"), "request_id"),
+        (pb.GenerateRequest(lora_name="x" * 65, text="hi"), "lora_name"),
+        (pb.GenerateRequest(lora_name="../etc", text="hi"), "lora_name"),
+        (pb.GenerateRequest(lora_name="a b", text="hi"), "lora_name"),
+        (pb.GenerateRequest(lora_name="..", text="hi"), "lora_name"),
     ],
 )
 def test_bad_fields_are_named(request_, field):

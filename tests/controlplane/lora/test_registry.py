@@ -198,3 +198,28 @@ def test_a_reply_without_a_valid_digest_or_rank_is_refused():
     with pytest.raises(LoRAError, match="no valid digest"):
         asyncio.run(registry.load("x", "/a/x"))
     assert registry.names() == []
+
+
+def test_list_counts_each_adapters_running_and_waiting_requests():
+    from controlplane.api.lora_service import LoRAService
+    from controlplane.core.sched_stats import SchedulerStats
+
+    registry, _ = _registry(max_loras=2)
+    asyncio.run(registry.load("a", "/a/a"))
+    asyncio.run(registry.load("b", "/a/b"))
+    stats = SchedulerStats(max_loras=2, running_lora_adapters=(("a", 2),),
+                           waiting_lora_adapters=(("a", 1), ("b", 4)))
+    service = LoRAService(registry, lambda name: {"a": 5001}.get(name, 0), lambda: stats)
+    listed = {a.lora_name: a for a in service.adapters()}
+    assert (listed["a"].num_requests, listed["a"].vllm_engine_port) == (3, 5001)
+    assert (listed["b"].num_requests, listed["b"].vllm_engine_port) == (4, 0)
+    assert all(a.num_requests == 0 for a in LoRAService(registry).adapters())
+
+
+@pytest.mark.parametrize("spec", ["x", "5-", "-5", "10-5", "0-10", "1-70000", "a-b"])
+def test_hostile_engine_port_ranges_are_refused_naming_the_flag(spec):
+    from controlplane.api.lora_endpoints import parse_port_range
+
+    with pytest.raises(ValueError, match="--lora-engine-ports"):
+        parse_port_range(spec)
+    assert parse_port_range("") is None and parse_port_range("50100-50101") == range(50100, 50102)
